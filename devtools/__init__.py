@@ -1,0 +1,1 @@
+"""Developer tooling shared by the test suite, the demo and the benchmarks (not shipped)."""

@@ -1,0 +1,1 @@
+"""Example accounting HTTP service."""

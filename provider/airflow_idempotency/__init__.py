@@ -1,0 +1,1 @@
+"""Airflow provider for idempotent, safely rerunnable batch jobs."""

@@ -1,0 +1,56 @@
+"""Provider metadata read by Airflow's provider discovery.
+
+Airflow loads this entry point while its configuration is still initialising, so this
+module must import nothing from Airflow (importing ``airflow.sdk`` here breaks every
+``airflow`` command with ``cannot import name 'conf'``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def get_provider_info() -> dict[str, Any]:
+    """Return the provider description that ``airflow providers list`` shows."""
+    return {
+        "package-name": "airflow-provider-idempotency",
+        "name": "Idempotency",
+        "description": (
+            "Run keys, Postgres advisory locks, durable run records and an outbound "
+            "ledger that make batch jobs safe to run again."
+        ),
+        "versions": [__version__],
+        "integrations": [
+            {
+                "integration-name": "Idempotency",
+                "external-doc-url": "https://pypi.org/project/airflow-provider-idempotency/",
+                "tags": ["software"],
+            }
+        ],
+        "operators": [
+            {
+                "integration-name": "Idempotency",
+                "python-modules": ["airflow_idempotency.operator"],
+            }
+        ],
+        "hooks": [
+            {
+                "integration-name": "Idempotency",
+                "python-modules": ["airflow_idempotency.hook"],
+            }
+        ],
+        "connection-types": [
+            {
+                "connection-type": "idempotency_postgres",
+                "hook-class-name": "airflow_idempotency.hook.IdempotencyHook",
+            }
+        ],
+        "task-decorators": [
+            {
+                "name": "idempotent_run",
+                "class-name": "airflow_idempotency.decorator.idempotent_run_task",
+            }
+        ],
+    }
