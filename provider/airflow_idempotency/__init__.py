@@ -1,1 +1,79 @@
-"""Airflow provider for idempotent, safely rerunnable batch jobs."""
+"""Airflow provider that makes batch jobs safe to run again.
+
+Public API (imported lazily, so that Airflow can load the provider entry point while its
+own configuration is still initialising)::
+
+    from airflow_idempotency import IdempotentRunOperator, RunContext, RunKeyRule
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from airflow_idempotency.provider_info import __version__
+
+if TYPE_CHECKING:
+    from airflow_idempotency.decorator import idempotent_run_task
+    from airflow_idempotency.exceptions import (
+        IdempotencyError,
+        IdempotencyKeyConflictError,
+        InvalidInputError,
+        InvalidRunKeyError,
+        LockLostError,
+        PeriodNotEndedError,
+        RemoteCallError,
+        RunKeyMissingError,
+        RunLockedError,
+        SchemaError,
+    )
+    from airflow_idempotency.hook import IdempotencyHook
+    from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
+    from airflow_idempotency.records import Trigger
+    from airflow_idempotency.run_key import RunKeyRule
+    from airflow_idempotency.runner import (
+        RunContext,
+        RunOptions,
+        RunOutcome,
+        RunResult,
+        run_idempotently,
+    )
+
+_EXPORTS = {
+    "IdempotentRunOperator": "operator",
+    "idempotency_params": "operator",
+    "idempotent_run_task": "decorator",
+    "IdempotencyHook": "hook",
+    "RunContext": "runner",
+    "RunOptions": "runner",
+    "RunOutcome": "runner",
+    "RunResult": "runner",
+    "run_idempotently": "runner",
+    "RunKeyRule": "run_key",
+    "Trigger": "records",
+    "IdempotencyError": "exceptions",
+    "InvalidInputError": "exceptions",
+    "InvalidRunKeyError": "exceptions",
+    "RunKeyMissingError": "exceptions",
+    "PeriodNotEndedError": "exceptions",
+    "IdempotencyKeyConflictError": "exceptions",
+    "SchemaError": "exceptions",
+    "RunLockedError": "exceptions",
+    "LockLostError": "exceptions",
+    "RemoteCallError": "exceptions",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'airflow_idempotency' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"airflow_idempotency.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,45 @@
+"""Load the SQL shipped in ``sql/``: named queries and numbered migrations."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib.resources import files
+
+_NAME = re.compile(r"^-- name: (?P<name>\w+)\s*$", re.MULTILINE)
+
+
+def _read(name: str) -> str:
+    return files("airflow_idempotency").joinpath("sql", name).read_text(encoding="utf-8")
+
+
+@cache
+def _queries() -> dict[str, str]:
+    text = _read("queries.sql")
+    parts = _NAME.split(text)
+    # parts = [preamble, name1, body1, name2, body2, ...]
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def query(name: str) -> str:
+    """Return the statement called ``name`` in sql/queries.sql."""
+    try:
+        return _queries()[name]
+    except KeyError:
+        raise KeyError(f"no query named {name!r} in sql/queries.sql") from None
+
+
+@cache
+def migrations() -> tuple[tuple[int, str, str], ...]:
+    """Return ``(version, file name, sql)`` for each file in sql/migrations/, in order."""
+    folder = files("airflow_idempotency").joinpath("sql", "migrations")
+    found = []
+    for entry in folder.iterdir():
+        match = re.fullmatch(r"(\d{4})_\w+\.sql", entry.name)
+        if match:
+            found.append((int(match.group(1)), entry.name, entry.read_text(encoding="utf-8")))
+    found.sort()
+    versions = [v for v, _, _ in found]
+    if versions != list(range(1, len(versions) + 1)):
+        raise RuntimeError(f"migrations must be numbered 1..n without gaps, found {versions}")
+    return tuple(found)

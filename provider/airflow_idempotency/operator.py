@@ -1,0 +1,265 @@
+"""``IdempotentRunOperator``: Airflow's run -> run key -> the idempotent-run contract."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import cached_property
+from typing import Any, Literal
+
+import pendulum
+from airflow.sdk import BaseOperator, Context, Param
+from airflow.sdk.exceptions import (
+    AirflowException,
+    AirflowFailException,
+    AirflowRescheduleException,
+    AirflowSkipException,
+)
+
+from airflow_idempotency.exceptions import InvalidInputError, LockLostError, RunLockedError
+from airflow_idempotency.hook import IdempotencyHook
+from airflow_idempotency.records import Trigger
+from airflow_idempotency.run_key import ResolvedRunKey, RunKeyRule, check_text, resolve_run_key
+from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
+from airflow_idempotency.schema import DEFAULT_SCHEMA
+
+OnLocked = Literal["reschedule", "fail", "skip"]
+OnCompleted = Literal["succeed", "skip"]
+
+_TRIGGERED_BY = {
+    "scheduled": "scheduled",
+    "manual": "manual",
+    "backfill": "backfill",
+    "asset_triggered": "asset-triggered",
+    "asset_materialization": "asset-triggered",
+    "operator_triggered": "operator-triggered",
+}
+
+
+def idempotency_params(period: str = "day") -> dict[str, Param]:
+    """Trigger-form fields for a DAG of idempotent runs: ``run_key``, ``force``, ``dry_run``.
+
+    Use as ``DAG(..., params=idempotency_params())``. The run_key field is a date picker
+    for daily jobs; left empty, the run key comes from the logical date.
+    """
+    hint = RunKeyRule(period=period).format_hint  # type: ignore[arg-type]
+    run_key = Param(
+        None,
+        type=["null", "string"],
+        title="Run key (business date)",
+        description=(
+            f"The business period to process, {hint}. Set it when rerunning a date by hand: "
+            "the logical date the form pre-fills is the current time, not the date you mean."
+        ),
+        **({"format": "date"} if period == "day" else {}),
+    )
+    return {
+        "run_key": run_key,
+        "force": Param(
+            False, type="boolean", title="Force", description="Recompute a completed run key."
+        ),
+        "dry_run": Param(
+            False,
+            type="boolean",
+            title="Dry run",
+            description="Run the work in a transaction that is rolled back; no external calls.",
+        ),
+    }
+
+
+def _flag(name: str, conf: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
+    value = conf.get(name, params.get(name, False))
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidInputError(f"{name} must be true or false, got {value!r} in the run's conf/params")
+
+
+class IdempotentRunOperator(BaseOperator):
+    """Run ``python_callable`` (or :meth:`run`) at most once to completion per run key.
+
+    The run key names the business period (see :mod:`airflow_idempotency.run_key`); a
+    Postgres advisory lock keeps two executions of one key apart; ``job_runs`` and
+    ``job_run_attempts`` record what every execution did.
+
+    :param python_callable: called with one argument, the :class:`RunContext` (plus
+        ``op_args``/``op_kwargs``); may return a dict of counts, stored in job_runs.details.
+    :param postgres_conn_id: Airflow connection of the database holding the run records.
+    :param job_name: name of the job in the run records (templated); default
+        ``<dag_id>.<task_id>``. Give two DAGs the same job name to make them exclude each other.
+    :param run_key_rule: a :class:`RunKeyRule`, or a callable taking the Airflow context and
+        returning the run key (used for runs without an explicit run_key).
+    :param on_locked: when another execution holds the key: ``reschedule`` (default; the
+        task waits ``reschedule_interval`` and tries again without using a retry),
+        ``fail`` (no retry) or ``skip``.
+    :param reschedule_interval: wait between tries while the key is locked.
+    :param lock_timeout: give up (fail, retries apply) after rescheduling this long.
+    :param on_completed: for an already completed key: ``succeed`` (a no-op) or ``skip``.
+    :param schema: Postgres schema of the bookkeeping tables.
+    :param op_args: positional arguments passed to ``python_callable`` after the context.
+    :param op_kwargs: keyword arguments passed to ``python_callable`` (templated).
+    """
+
+    template_fields: Sequence[str] = ("job_name", "op_kwargs")
+    ui_color = "#e8f4e8"
+
+    def __init__(
+        self,
+        *,
+        python_callable: Callable[..., Mapping[str, Any] | None] | None = None,
+        postgres_conn_id: str = IdempotencyHook.default_conn_name,
+        job_name: str | None = None,
+        run_key_rule: RunKeyRule | Callable[[Context], str] | None = None,
+        on_locked: OnLocked = "reschedule",
+        reschedule_interval: dt.timedelta = dt.timedelta(seconds=30),
+        lock_timeout: dt.timedelta = dt.timedelta(hours=6),
+        on_completed: OnCompleted = "succeed",
+        schema: str = DEFAULT_SCHEMA,
+        op_args: Collection[Any] | None = None,
+        op_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if python_callable is None and type(self).run is IdempotentRunOperator.run:
+            raise ValueError(f"{self.task_id}: pass python_callable or override run() in a subclass")
+        if python_callable is not None and not callable(python_callable):
+            raise TypeError(f"{self.task_id}: python_callable must be callable")
+        if on_locked not in ("reschedule", "fail", "skip"):
+            raise ValueError(f"on_locked must be 'reschedule', 'fail' or 'skip', not {on_locked!r}")
+        if on_completed not in ("succeed", "skip"):
+            raise ValueError(f"on_completed must be 'succeed' or 'skip', not {on_completed!r}")
+        self.python_callable = python_callable
+        self.postgres_conn_id = postgres_conn_id
+        self.job_name = job_name
+        self.run_key_rule = run_key_rule if run_key_rule is not None else RunKeyRule()
+        self.on_locked = on_locked
+        self.reschedule_interval = reschedule_interval
+        self.lock_timeout = lock_timeout
+        self.on_completed = on_completed
+        self.schema = schema
+        self.op_args = list(op_args or [])
+        self.op_kwargs = dict(op_kwargs or {})
+
+    @cached_property
+    def hook(self) -> IdempotencyHook:
+        """The hook of ``postgres_conn_id`` (created on first use, never at parse time)."""
+        return IdempotencyHook(postgres_conn_id=self.postgres_conn_id)
+
+    def run(self, ctx: RunContext) -> Mapping[str, Any] | None:
+        """The work of one run key. Override in a subclass, or pass ``python_callable``."""
+        assert self.python_callable is not None
+        return self.python_callable(ctx, *self.op_args, **self.op_kwargs)
+
+    # -- mapping Airflow's run to the contract ---------------------------------------------
+
+    def resolve_run_key(self, context: Context) -> ResolvedRunKey:
+        """The run key of this task execution (see :func:`resolve_run_key`)."""
+        dag_run = context["dag_run"]
+        conf = dict(dag_run.conf or {})
+        params = context.get("params") or {}
+        run_type = getattr(dag_run.run_type, "value", str(dag_run.run_type))
+        if not isinstance(self.run_key_rule, RunKeyRule):
+            if conf.get("run_key") or params.get("run_key"):
+                pass  # an explicit key still wins; validated as free text below
+            else:
+                key = check_text(self.run_key_rule(context), "run key from run_key_rule")
+                return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
+        rule = self.run_key_rule if isinstance(self.run_key_rule, RunKeyRule) else RunKeyRule()
+        return resolve_run_key(
+            rule=rule,
+            timezone=self._timezone_name(),
+            timetable_name=type(self.dag.timetable).__name__ if self.has_dag() else None,
+            run_type=run_type,
+            logical_date=context.get("logical_date") or dag_run.logical_date,
+            conf_run_key=conf.get("run_key"),
+            params_run_key=params.get("run_key"),
+            now=pendulum.now("UTC"),
+        )
+
+    def _timezone_name(self) -> str:
+        tz = self.dag.timezone if self.has_dag() else None
+        return str(getattr(tz, "name", None) or tz or "UTC")
+
+    def _trigger(self, context: Context) -> Trigger:
+        dag_run = context["dag_run"]
+        ti = context["ti"]
+        run_type = getattr(dag_run.run_type, "value", str(dag_run.run_type))
+        return Trigger(
+            triggered_by=_TRIGGERED_BY.get(run_type, run_type),
+            triggering_user=getattr(dag_run, "triggering_user_name", None),
+            dag_id=ti.dag_id,
+            run_id=ti.run_id,
+            task_id=ti.task_id,
+            try_number=ti.try_number,
+            map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
+        )
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        try:
+            job_name = check_text(self.job_name or f"{self.dag_id}.{self.task_id}", "job name")
+            resolved = self.resolve_run_key(context)
+            dag_run = context["dag_run"]
+            conf = dict(dag_run.conf or {})
+            params = context.get("params") or {}
+            options = RunOptions(force=_flag("force", conf, params), dry_run=_flag("dry_run", conf, params))
+        except InvalidInputError as exc:
+            raise AirflowFailException(str(exc)) from exc
+        self.log.info(
+            "job=%s run_key=%s %s (force=%s, dry_run=%s)",
+            job_name, resolved.run_key, resolved.explanation, options.force, options.dry_run,
+        )
+        self._check_connection()
+        try:
+            result = run_idempotently(
+                connect=self.hook.new_connection,
+                job_name=job_name,
+                run_key=resolved.run_key,
+                work=self.run,
+                options=options,
+                trigger=self._trigger(context),
+                schema=self.schema,
+                airflow_context=context,
+                logger=self.log,  # type: ignore[arg-type]
+            )
+        except RunLockedError as exc:
+            self._on_locked(context, exc)
+            raise  # _on_locked always raises; keeps type checkers happy
+        except InvalidInputError as exc:
+            raise AirflowFailException(str(exc)) from exc
+        except LockLostError as exc:
+            raise AirflowException(str(exc)) from exc
+        if result.outcome is RunOutcome.NOOP and self.on_completed == "skip":
+            raise AirflowSkipException(
+                f"job={job_name} run_key={resolved.run_key}: already completed, skipping"
+            )
+        return result.as_dict()
+
+    def _check_connection(self) -> None:
+        try:
+            self.hook.connection  # noqa: B018 - resolves the connection id, fails if unknown
+        except Exception as exc:
+            if type(exc).__name__ != "AirflowNotFoundException":
+                raise
+            raise AirflowFailException(
+                f"Airflow connection {self.postgres_conn_id!r} is not defined. Create it (for "
+                f"example AIRFLOW_CONN_{self.postgres_conn_id.upper()}='postgresql://user:pass@"
+                "host:5432/db') or pass postgres_conn_id= to the operator."
+            ) from exc
+
+    def _on_locked(self, context: Context, exc: RunLockedError) -> None:
+        if self.on_locked == "skip":
+            raise AirflowSkipException(f"{exc}; skipping (on_locked='skip')") from exc
+        if self.on_locked == "fail":
+            raise AirflowFailException(f"{exc}; failing (on_locked='fail')") from exc
+        waited = self.reschedule_interval * int(context.get("task_reschedule_count") or 0)
+        if waited >= self.lock_timeout:
+            raise AirflowException(
+                f"{exc}; still locked after about {waited} of rescheduling "
+                f"(lock_timeout={self.lock_timeout}): giving up this try"
+            ) from exc
+        when = pendulum.now("UTC") + self.reschedule_interval
+        self.log.info("lock held elsewhere: rescheduling to %s (waited ~%s so far)", when, waited)
+        raise AirflowRescheduleException(when) from exc

@@ -1,0 +1,188 @@
+"""The durable run records: ``job_runs`` (one row per job and run key) and
+``job_run_attempts`` (one row per execution, whatever it did).
+
+All functions take a connection whose search_path points at the bookkeeping schema
+(see :func:`airflow_idempotency.schema.use_schema`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from airflow_idempotency._sql import query
+from airflow_idempotency.locks import RunLock
+
+RunStatus = Literal["started", "completed", "failed"]
+AttemptOutcome = Literal[
+    "running", "completed", "failed", "noop", "lock_held", "dry_run", "lock_lost", "reset"
+]
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """Who or what started an execution, and the Airflow ids it ran under."""
+
+    triggered_by: str = "unknown"  # scheduled | manual | backfill | asset-triggered | cli | ...
+    triggering_user: str | None = None
+    dag_id: str | None = None
+    run_id: str | None = None
+    task_id: str | None = None
+    try_number: int | None = None
+    map_index: int | None = None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A row of ``job_runs``."""
+
+    job_name: str
+    run_key: str
+    status: RunStatus
+    triggered_by: str
+    triggering_user: str | None
+    dag_id: str | None
+    run_id: str | None
+    task_id: str | None
+    attempt_count: int
+    current_attempt_id: int | None
+    started_at: dt.datetime
+    completed_at: dt.datetime | None
+    updated_at: dt.datetime
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def get_run(conn: psycopg.Connection, job_name: str, run_key: str) -> RunRecord | None:
+    """The ``job_runs`` row of (job_name, run_key), if any."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(query("get_run"), {"job_name": job_name, "run_key": run_key}).fetchone()
+    return RunRecord(**row) if row else None
+
+
+def insert_attempt(
+    conn: psycopg.Connection,
+    *,
+    job_name: str,
+    run_key: str,
+    lock_key: int,
+    outcome: AttemptOutcome,
+    trigger: Trigger,
+    lock: RunLock | None,
+    force: bool = False,
+    dry_run: bool = False,
+    error: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> int:
+    """Record one execution; an outcome other than ``running`` is recorded as finished."""
+    row = conn.execute(
+        query("insert_attempt"),
+        {
+            "job_name": job_name,
+            "run_key": run_key,
+            "lock_key": lock_key,
+            "outcome": outcome,
+            "triggered_by": trigger.triggered_by,
+            "triggering_user": trigger.triggering_user,
+            "dag_id": trigger.dag_id,
+            "run_id": trigger.run_id,
+            "task_id": trigger.task_id,
+            "try_number": trigger.try_number,
+            "map_index": trigger.map_index,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "lock_backend_pid": lock.backend_pid if lock else None,
+            "force": force,
+            "dry_run": dry_run,
+            "error": error,
+            "details": Jsonb(details or {}),
+        },
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def finish_attempt(
+    conn: psycopg.Connection,
+    attempt_id: int,
+    outcome: AttemptOutcome,
+    *,
+    error: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> None:
+    """Record how an execution ended."""
+    conn.execute(
+        query("finish_attempt"),
+        {
+            "attempt_id": attempt_id,
+            "outcome": outcome,
+            "error": error,
+            "details": Jsonb(details or {}),
+        },
+    )
+
+
+def upsert_started(
+    conn: psycopg.Connection,
+    *,
+    job_name: str,
+    run_key: str,
+    lock_key: int,
+    attempt_id: int,
+    trigger: Trigger,
+) -> int:
+    """Mark (job_name, run_key) started by ``attempt_id``; return its attempt count."""
+    row = conn.execute(
+        query("upsert_started"),
+        {
+            "job_name": job_name,
+            "run_key": run_key,
+            "lock_key": lock_key,
+            "attempt_id": attempt_id,
+            "triggered_by": trigger.triggered_by,
+            "triggering_user": trigger.triggering_user,
+            "dag_id": trigger.dag_id,
+            "run_id": trigger.run_id,
+            "task_id": trigger.task_id,
+        },
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def mark_completed(
+    conn: psycopg.Connection,
+    *,
+    job_name: str,
+    run_key: str,
+    attempt_id: int,
+    lock: RunLock,
+    details: dict[str, Any],
+) -> bool:
+    """Mark the run completed; ``False`` when this attempt no longer owns it or its lock.
+
+    Must run on the lock connection: the statement checks that this very session still
+    holds the advisory lock (fencing).
+    """
+    params = {
+        "job_name": job_name,
+        "run_key": run_key,
+        "attempt_id": attempt_id,
+        "details": Jsonb(details),
+        **lock.params,
+    }
+    return conn.execute(query("mark_completed"), params).fetchone() is not None
+
+
+def mark_failed(
+    conn: psycopg.Connection, *, job_name: str, run_key: str, attempt_id: int, error: str
+) -> bool:
+    """Mark the run failed, if ``attempt_id`` still owns it."""
+    params = {"job_name": job_name, "run_key": run_key, "attempt_id": attempt_id, "error": error}
+    return conn.execute(query("mark_failed"), params).fetchone() is not None

@@ -1,0 +1,119 @@
+"""Create and migrate the bookkeeping tables, safely when many workers start at once.
+
+The tables live in one schema (``idempotency`` unless configured otherwise). Its
+``schema_version`` table records which numbered files of ``sql/migrations/`` were applied.
+Migration runs in one transaction under a transaction-scoped advisory lock, so concurrent
+workers queue behind the first one and then find nothing left to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+
+import psycopg
+from psycopg import sql
+
+from airflow_idempotency._sql import migrations
+from airflow_idempotency.exceptions import InvalidInputError, SchemaError
+
+DEFAULT_SCHEMA = "idempotency"
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+# Namespace of the migration lock (the key is derived from the schema name, see
+# _migration_lock_key) kept apart from run locks, which hash (job, run key).
+_MIGRATION_LOCK_SALT = b"airflow_idempotency.schema_migration\x00"
+
+_migrated: set[tuple[str, str]] = set()
+_migrated_guard = threading.Lock()
+
+
+def latest_version() -> int:
+    """The schema version this code expects."""
+    return migrations()[-1][0]
+
+
+def validate_schema_name(schema: str) -> str:
+    """Return ``schema`` if it is a plain lower-case identifier, else raise."""
+    if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
+        raise InvalidInputError(
+            f"invalid schema name {schema!r}: use lower-case letters, digits and underscores "
+            "(at most 63 characters, not starting with a digit), for example 'idempotency'"
+        )
+    return schema
+
+
+def _migration_lock_key(schema: str) -> int:
+    digest = hashlib.sha256(_MIGRATION_LOCK_SALT + schema.encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def use_schema(conn: psycopg.Connection, schema: str) -> None:
+    """Point the session's search_path at ``schema`` (pg_catalog stays first, implicitly)."""
+    conn.execute(
+        "SELECT set_config('search_path', quote_ident(%(schema)s), false)",
+        {"schema": validate_schema_name(schema)},
+    )
+
+
+def current_version(conn: psycopg.Connection, schema: str) -> int:
+    """The applied schema version, 0 when the schema or its version table does not exist."""
+    row = conn.execute(
+        "SELECT to_regclass(quote_ident(%(schema)s) || '.schema_version') IS NOT NULL",
+        {"schema": schema},
+    ).fetchone()
+    if not row or not row[0]:
+        return 0
+    stmt = sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_version").format(
+        sql.Identifier(schema)
+    )
+    found = conn.execute(stmt).fetchone()
+    return int(found[0]) if found else 0
+
+
+def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int:
+    """Create or migrate the tables in ``schema``; return the version now in place.
+
+    ``conn`` must not be inside a transaction. Cheap after the first call per process.
+    """
+    validate_schema_name(schema)
+    cache_key = (str(conn.info.dsn), schema)
+    if cache_key in _migrated:
+        return latest_version()
+    target = latest_version()
+    if current_version(conn, schema) == target:
+        with _migrated_guard:
+            _migrated.add(cache_key)
+        return target
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%(key)s)", {"key": _migration_lock_key(schema)})
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {}.schema_version ("
+                " version integer PRIMARY KEY,"
+                " name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            ).format(sql.Identifier(schema))
+        )
+        applied = current_version(conn, schema)
+        if applied > target:
+            raise SchemaError(
+                f"schema {schema!r} is at version {applied}, newer than this release "
+                f"(version {target}): upgrade airflow-provider-idempotency on this worker"
+            )
+        conn.execute(
+            "SELECT set_config('search_path', quote_ident(%(schema)s), true)", {"schema": schema}
+        )
+        for version, name, body in migrations():
+            if version <= applied:
+                continue
+            conn.execute(body.encode())  # a file of plain DDL, shipped with the package
+            conn.execute(
+                "INSERT INTO schema_version (version, name) VALUES (%(version)s, %(name)s)",
+                {"version": version, "name": name},
+            )
+    with _migrated_guard:
+        _migrated.add(cache_key)
+    return target

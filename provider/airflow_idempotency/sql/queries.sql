@@ -1,0 +1,125 @@
+-- Every statement this provider runs, by name. Loaded once by _sql.py.
+-- Named parameters only: nothing here is ever built by string formatting.
+
+-- name: try_lock
+SELECT pg_try_advisory_lock(%(lock_key)s) AS acquired, pg_backend_pid() AS backend_pid;
+
+-- name: unlock
+SELECT pg_advisory_unlock(%(lock_key)s) AS released;
+
+-- name: lock_holder
+-- Who holds an advisory lock taken with the bigint form: Postgres splits the key into
+-- classid (high 32 bits) and objid (low 32 bits) and sets objsubid = 1.
+SELECT a.pid,
+       a.application_name,
+       host(a.client_addr) AS client_addr,
+       a.client_hostname,
+       a.usename AS user_name,
+       a.backend_start,
+       a.state,
+       a.state_change
+FROM pg_locks AS l
+JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory'
+  AND l.granted
+  AND l.objsubid = 1
+  AND l.classid::bigint = %(lock_hi)s
+  AND l.objid::bigint = %(lock_lo)s
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database());
+
+-- name: lock_is_held_by
+-- Fencing check: is the lock still held by the backend that took it for this attempt?
+SELECT EXISTS (
+    SELECT 1
+    FROM pg_locks
+    WHERE locktype = 'advisory'
+      AND granted
+      AND objsubid = 1
+      AND pid = %(lock_backend_pid)s
+      AND classid::bigint = %(lock_hi)s
+      AND objid::bigint = %(lock_lo)s
+) AS held;
+
+-- name: get_run
+SELECT job_name, run_key, status, triggered_by, triggering_user, dag_id, run_id, task_id,
+       attempt_count, current_attempt_id, started_at, completed_at, updated_at, details
+FROM job_runs
+WHERE job_name = %(job_name)s AND run_key = %(run_key)s;
+
+-- name: insert_attempt
+INSERT INTO job_run_attempts (
+    job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
+    dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
+    force, dry_run, finished_at, error, details
+) VALUES (
+    %(job_name)s, %(run_key)s, %(lock_key)s, %(outcome)s, %(triggered_by)s, %(triggering_user)s,
+    %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s, %(map_index)s, %(hostname)s, %(pid)s,
+    %(lock_backend_pid)s, %(force)s, %(dry_run)s,
+    CASE WHEN %(outcome)s = 'running' THEN NULL ELSE now() END,
+    %(error)s, %(details)s
+)
+RETURNING attempt_id;
+
+-- name: finish_attempt
+UPDATE job_run_attempts
+SET outcome = %(outcome)s, finished_at = now(), error = %(error)s, details = details || %(details)s
+WHERE attempt_id = %(attempt_id)s;
+
+-- name: upsert_started
+-- Never a bare INSERT: a rerun of a failed or crashed key takes the existing row over.
+INSERT INTO job_runs (
+    job_name, run_key, lock_key, status, triggered_by, triggering_user, dag_id, run_id, task_id,
+    attempt_count, current_attempt_id, started_at, updated_at
+) VALUES (
+    %(job_name)s, %(run_key)s, %(lock_key)s, 'started', %(triggered_by)s, %(triggering_user)s,
+    %(dag_id)s, %(run_id)s, %(task_id)s, 1, %(attempt_id)s, now(), now()
+)
+ON CONFLICT (job_name, run_key) DO UPDATE
+SET status = 'started',
+    triggered_by = EXCLUDED.triggered_by,
+    triggering_user = EXCLUDED.triggering_user,
+    dag_id = EXCLUDED.dag_id,
+    run_id = EXCLUDED.run_id,
+    task_id = EXCLUDED.task_id,
+    attempt_count = job_runs.attempt_count + 1,
+    current_attempt_id = EXCLUDED.current_attempt_id,
+    started_at = now(),
+    completed_at = NULL,
+    updated_at = now()
+RETURNING attempt_count;
+
+-- name: mark_completed
+-- Fenced: only the attempt that owns the run, and only while this very session still holds
+-- the lock (the statement runs on the lock connection, so pg_backend_pid() is the holder).
+UPDATE job_runs
+SET status = 'completed', completed_at = now(), updated_at = now(),
+    details = details || %(details)s
+WHERE job_name = %(job_name)s
+  AND run_key = %(run_key)s
+  AND current_attempt_id = %(attempt_id)s
+  AND status = 'started'
+  AND EXISTS (
+      SELECT 1 FROM pg_locks
+      WHERE locktype = 'advisory' AND granted AND objsubid = 1
+        AND pid = pg_backend_pid()
+        AND classid::bigint = %(lock_hi)s AND objid::bigint = %(lock_lo)s
+  )
+RETURNING completed_at;
+
+-- name: mark_failed
+UPDATE job_runs
+SET status = 'failed', updated_at = now(),
+    details = details || jsonb_build_object('last_error', %(error)s::text)
+WHERE job_name = %(job_name)s
+  AND run_key = %(run_key)s
+  AND current_attempt_id = %(attempt_id)s
+  AND status = 'started'
+RETURNING updated_at;
+
+-- name: running_attempt_for_lock
+-- The attempt that holds a lock, as recorded by that attempt itself (host and pid of the worker).
+SELECT attempt_id, hostname, pid, started_at, dag_id, run_id, task_id, try_number, triggered_by
+FROM job_run_attempts
+WHERE lock_key = %(lock_key)s AND lock_backend_pid = %(lock_backend_pid)s AND outcome = 'running'
+ORDER BY attempt_id DESC
+LIMIT 1;

@@ -1,0 +1,41 @@
+"""DAGs used by the core tests that run ``airflow dags test`` in separate OS processes.
+
+Behaviour comes from environment variables read when the file is parsed, so a test can
+start two workers of the same DAG with different settings.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+
+import pendulum
+from airflow.sdk import DAG
+
+from airflow_idempotency import IdempotentRunOperator, RunContext, idempotency_params
+
+
+def slow_work(run: RunContext) -> dict[str, int]:
+    """Record that the work ran (committed at once, so tests see it), then sleep."""
+    with run.transaction() as cur:
+        cur.execute("CREATE TABLE IF NOT EXISTS public.work_log (run_key text, pid int, at timestamptz DEFAULT now())")
+        cur.execute("INSERT INTO public.work_log (run_key, pid) VALUES (%s, %s)", (run.run_key, os.getpid()))
+    time.sleep(float(os.environ.get("IDEM_TEST_SLEEP", "0")))
+    return {"slept": int(float(os.environ.get("IDEM_TEST_SLEEP", "0")))}
+
+
+with DAG(
+    dag_id="core_slow_job",
+    schedule="@daily",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    params=idempotency_params(),
+):
+    IdempotentRunOperator(
+        task_id="work",
+        python_callable=slow_work,
+        job_name=os.environ.get("IDEM_TEST_JOB_NAME", "core_slow_job"),
+        on_locked=os.environ.get("IDEM_TEST_ON_LOCKED", "reschedule"),  # type: ignore[arg-type]
+        reschedule_interval=dt.timedelta(seconds=1),
+    )

@@ -1,0 +1,245 @@
+"""The idempotent-run contract against a real PostgreSQL server (no Airflow involved)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_idempotency import schema as schema_mod
+from airflow_idempotency.exceptions import LockLostError, RunLockedError, SchemaError
+from airflow_idempotency.locks import run_lock_key, split_lock_key
+from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
+
+
+def connect_to(dsn: str):  # type: ignore[no-untyped-def]
+    return lambda: psycopg.connect(dsn)
+
+
+def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def test_quotes_and_unicode_round_trip(pg_dsn: str) -> None:
+    """Job names and run keys with quotes, SQL and unicode are stored and read back verbatim."""
+    job = "O'Brien's \"finance\"; DROP TABLE job_runs; -- ✓"
+    key = "période-2026'10 ☃"
+    result = run_idempotently(connect=connect_to(pg_dsn), job_name=job, run_key=key, work=lambda ctx: {"ok": 1})
+    assert result.outcome is RunOutcome.COMPLETED
+    assert rows(pg_dsn, "SELECT job_name, run_key, status FROM idempotency.job_runs") == [(job, key, "completed")]
+    again = run_idempotently(connect=connect_to(pg_dsn), job_name=job, run_key=key, work=lambda ctx: {"ok": 2})
+    assert again.outcome is RunOutcome.NOOP
+
+
+def test_completed_key_is_a_noop_and_recorded(pg_dsn: str) -> None:
+    """A second execution of a completed key does not call the work and records a noop attempt."""
+    calls: list[str] = []
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        calls.append(ctx.run_key)
+        return {"rows": 3}
+
+    first = run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="2026-10-01", work=work)
+    second = run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="2026-10-01", work=work)
+    assert calls == ["2026-10-01"]
+    assert (first.outcome, second.outcome) == (RunOutcome.COMPLETED, RunOutcome.NOOP)
+    assert rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id") == [("completed",), ("noop",)]
+    assert rows(pg_dsn, "SELECT status, attempt_count, details FROM idempotency.job_runs") == [("completed", 1, {"rows": 3})]
+
+
+def test_failure_then_rerun_completes(pg_dsn: str) -> None:
+    """An exception marks the run failed and re-raises; the rerun completes the same key."""
+
+    def boom(ctx: RunContext) -> None:
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=boom)
+    assert rows(pg_dsn, "SELECT status, details->>'last_error' FROM idempotency.job_runs") == [
+        ("failed", "RuntimeError: disk full")
+    ]
+    run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
+    assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [("completed", 2)]
+    assert rows(pg_dsn, "SELECT outcome, error IS NOT NULL FROM idempotency.job_run_attempts ORDER BY attempt_id") == [
+        ("failed", True), ("completed", False)
+    ]
+
+
+def test_force_reruns_a_completed_key(pg_dsn: str) -> None:
+    """force=True calls the work again for a completed key and completes it again."""
+    calls: list[int] = []
+    for _ in range(2):
+        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: calls.append(1))
+    result = run_idempotently(
+        connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: calls.append(1),
+        options=RunOptions(force=True),
+    )
+    assert result.outcome is RunOutcome.COMPLETED and len(calls) == 2
+    assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [("completed", 2)]
+
+
+def test_dry_run_writes_nothing(pg_dsn: str) -> None:
+    """A dry run's writes are rolled back, job_runs is untouched, and a dry_run attempt is recorded."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE public.facts (k text PRIMARY KEY)")
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('a')")
+        with ctx.transaction() as cur:  # a later step sees the earlier one inside the dry run
+            cur.execute("SELECT count(*) FROM public.facts")
+            return {"seen": cur.fetchone()[0]}  # type: ignore[index]
+
+    result = run_idempotently(
+        connect=connect_to(pg_dsn), job_name="j", run_key="k", work=work, options=RunOptions(dry_run=True)
+    )
+    assert result.outcome is RunOutcome.DRY_RUN and result.counts == {"seen": 1}
+    assert rows(pg_dsn, "SELECT count(*) FROM public.facts") == [(0,)]
+    assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_runs") == [(0,)]
+    assert rows(pg_dsn, "SELECT outcome, dry_run FROM idempotency.job_run_attempts") == [("dry_run", True)]
+
+
+def test_held_lock_is_reported_with_its_holder(pg_dsn: str) -> None:
+    """While one execution works, a second one of the same key is refused and told who holds it."""
+    inside = threading.Event()
+    release = threading.Event()
+    errors: list[BaseException] = []
+
+    def slow(ctx: RunContext) -> None:
+        inside.set()
+        release.wait(10)
+
+    def first() -> None:
+        try:
+            run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=slow)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(10)
+    try:
+        with pytest.raises(RunLockedError, match=r"locked by another execution: backend pid \d+") as info:
+            run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
+        assert info.value.holder["attempt"]["hostname"]
+        # A different key is not blocked.
+        other = run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="other", work=lambda ctx: None)
+        assert other.outcome is RunOutcome.COMPLETED
+    finally:
+        release.set()
+        thread.join()
+    assert not errors
+    assert rows(pg_dsn, "SELECT run_key, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id") == [
+        ("k", "completed"), ("k", "lock_held"), ("other", "completed")
+    ]
+
+
+def test_lock_session_terminated_mid_run_does_not_complete(pg_dsn: str) -> None:
+    """If the lock session is killed during the work, the attempt fails loudly and the run stays started."""
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND objsubid = 1 AND classid::bigint = %s AND objid::bigint = %s",
+                split_lock_key(run_lock_key("j", "k")),
+            )
+        return {"rows": 1}
+
+    with pytest.raises(LockLostError):
+        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=work)
+    # Recorded from a fresh session as this attempt's failure; never as completed.
+    assert rows(pg_dsn, "SELECT status, details->>'last_error' LIKE '%%lock connection was lost%%' FROM idempotency.job_runs") == [("failed", True)]
+    assert rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [("lock_lost",)]
+    # A rerun converges.
+    run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
+    assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
+
+
+def test_writes_after_losing_the_lock_are_refused(pg_dsn: str) -> None:
+    """A transaction started after the lock session died is rolled back by the fencing check."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE public.facts (k text PRIMARY KEY)")
+
+    def work(ctx: RunContext) -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1"
+            )
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('late write')")
+
+    with pytest.raises(LockLostError, match="no longer held"):
+        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=work)
+    assert rows(pg_dsn, "SELECT count(*) FROM public.facts") == [(0,)]
+
+
+def test_lock_is_released_after_the_run(pg_dsn: str) -> None:
+    """No advisory lock is left behind after a completed, a failed and a no-op run."""
+    run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
+    run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
+    with pytest.raises(ZeroDivisionError):
+        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k2", work=lambda ctx: 1 / 0)
+    assert rows(pg_dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]
+
+
+def test_lock_key_mapping_is_stable() -> None:
+    """The documented mapping (first 8 bytes of sha256(job \\x1f key), signed) does not change."""
+    assert run_lock_key("finalize_invoices", "2026-10-01") == run_lock_key("finalize_invoices", "2026-10-01")
+    assert run_lock_key("a", "bc") != run_lock_key("ab", "c")
+    import hashlib
+
+    digest = hashlib.sha256(b"finalize_invoices\x1f2026-10-01").digest()
+    assert run_lock_key("finalize_invoices", "2026-10-01") == int.from_bytes(digest[:8], "big", signed=True)
+
+
+def test_concurrent_schema_creation_is_safe(pg_dsn: str) -> None:
+    """Eight workers creating the schema at once all succeed and version 1..n is recorded once."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def create() -> None:
+        try:
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                barrier.wait()
+                schema_mod._migrated.clear()
+                schema_mod.ensure_schema(conn, "concurrent_schema")
+        except BaseException as exc:  # pragma: no cover - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    versions = rows(pg_dsn, "SELECT version FROM concurrent_schema.schema_version ORDER BY version")
+    assert [v for (v,) in versions] == list(range(1, schema_mod.latest_version() + 1))
+
+
+def test_configurable_schema_name(pg_dsn: str) -> None:
+    """The bookkeeping tables go to the configured schema."""
+    run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None, schema="ops_jobs")
+    assert rows(pg_dsn, "SELECT count(*) FROM ops_jobs.job_runs") == [(1,)]
+
+
+def test_newer_schema_is_refused(pg_dsn: str) -> None:
+    """A schema migrated by a newer release makes this release stop with a clear error."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        schema_mod.ensure_schema(conn, "future")
+        conn.execute("INSERT INTO future.schema_version (version, name) VALUES (999, 'from the future')")
+        schema_mod._migrated.clear()
+        with pytest.raises(SchemaError, match="newer than this release"):
+            schema_mod.ensure_schema(conn, "future")
+
+
+def test_invalid_schema_name_is_refused(pg_dsn: str) -> None:
+    """A schema name that is not a plain identifier is refused before anything is written."""
+    from airflow_idempotency.exceptions import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="invalid schema name"):
+        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None, schema='x"; drop')
+    assert rows(pg_dsn, "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'x%%'") == [(0,)]
