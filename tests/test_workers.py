@@ -1,0 +1,113 @@
+"""Several OS processes running ``airflow dags test`` against one job database.
+
+These prove the lock and crash guarantees with real Airflow worker processes: overlap of
+one run key is blocked, different keys run in parallel, and a SIGKILLed worker's key is
+free at once and converges on the rerun.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from workers import kill_group, start_worker, wait_until
+
+
+def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def work_log_count(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        exists = conn.execute("SELECT to_regclass('public.work_log') IS NOT NULL").fetchone()[0]  # type: ignore[index]
+        return conn.execute("SELECT count(*) FROM public.work_log").fetchone()[0] if exists else 0  # type: ignore[index]
+
+
+def advisory_locks(dsn: str) -> int:
+    return rows(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")[0][0]
+
+
+def finish(proc) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    out, _ = proc.communicate(timeout=240)
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize(
+    ("policy", "loser_exit", "loser_state"),
+    [("fail", 1, "failed"), ("skip", 0, "skipped"), ("reschedule", 0, "success")],
+)
+def test_same_key_in_two_processes_runs_once(
+    airflow_home: Path, pg_dsn: str, tmp_path: Path, policy: str, loser_exit: int, loser_state: str
+) -> None:
+    """Two workers start one run key together: the work runs once; the other fails, skips, or waits and no-ops."""
+    release = tmp_path / "release"
+    env = {"IDEM_TEST_HOLD_FILE": str(release), "IDEM_TEST_ON_LOCKED": policy}
+    first = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, env)
+    try:
+        wait_until(lambda: work_log_count(pg_dsn) == 1, timeout=90, what="the first worker to start working")
+        second = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, env)
+        wait_until(
+            lambda: rows(pg_dsn, "SELECT count(*) FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'")[0][0],
+            timeout=90, what="the second worker to find the key locked",
+        )
+        release.touch()
+        code1, out1 = finish(first)
+        code2, out2 = finish(second)
+    finally:
+        kill_group(first)
+    assert code1 == 0, out1[-3000:]
+    assert code2 == loser_exit, out2[-3000:]
+    assert work_log_count(pg_dsn) == 1
+    assert "is locked by another execution: backend pid" in out2
+    outcomes = [o for (o,) in rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id")]
+    assert outcomes[0] == "completed" and "lock_held" in outcomes[1:]
+    if policy == "reschedule":
+        # It waited without using a retry, then found the key completed.
+        assert outcomes[-1] == "noop"
+        assert rows(pg_dsn, "SELECT max(try_number) FROM idempotency.job_run_attempts") == [(1,)]
+    assert advisory_locks(pg_dsn) == 0
+
+
+def test_different_keys_run_in_parallel(airflow_home: Path, pg_dsn: str, tmp_path: Path) -> None:
+    """Two workers on different dates both hold their lock and work at the same time."""
+    release = tmp_path / "release"
+    env = {"IDEM_TEST_HOLD_FILE": str(release), "IDEM_TEST_ON_LOCKED": "fail"}
+    procs = [start_worker(airflow_home, "core_slow_job", d, pg_dsn, env) for d in ("2026-10-02", "2026-10-03")]
+    try:
+        wait_until(lambda: work_log_count(pg_dsn) == 2, timeout=120, what="both workers to be working")
+        assert advisory_locks(pg_dsn) == 2
+        release.touch()
+        results = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    spans = rows(
+        pg_dsn,
+        "SELECT run_key, started_at, finished_at FROM idempotency.job_run_attempts ORDER BY run_key",
+    )
+    (_, s1, f1), (_, s2, f2) = spans
+    assert s1 < f2 and s2 < f1  # the two executions overlapped in time
+
+
+def test_sigkill_mid_work_frees_the_lock_and_rerun_converges(airflow_home: Path, pg_dsn: str) -> None:
+    """A worker SIGKILLed mid-work: lock free at once, job_runs says started, the rerun completes it."""
+    victim = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, {"IDEM_TEST_SLEEP": "120"})
+    try:
+        wait_until(lambda: work_log_count(pg_dsn) == 1, timeout=90, what="the worker to start working")
+        assert advisory_locks(pg_dsn) == 1
+    finally:
+        kill_group(victim)
+    wait_until(lambda: advisory_locks(pg_dsn) == 0, timeout=5, what="Postgres to release the dead worker's lock")
+    assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("started",)]
+    assert rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [("running",)]
+
+    rerun = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, {"IDEM_TEST_SLEEP": "0"})
+    code, out = finish(rerun)
+    assert code == 0, out[-3000:]
+    assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [("completed", 2)]
+    assert work_log_count(pg_dsn) == 2
