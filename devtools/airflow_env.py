@@ -48,9 +48,7 @@ def configure(home: Path, environ: dict[str, str] | None = None) -> dict[str, st
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
         "AIRFLOW__API_AUTH__JWT_SECRET": "idempotency-local-secret-not-for-production",
         "AIRFLOW__API__SECRET_KEY": "idempotency-local-secret-not-for-production",
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p
-        ),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
     }
     env.update(values)
     return values

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from devtools import airflow_env
 from devtools.postgres import PostgresServer, find_server
 
@@ -57,4 +56,7 @@ def airflow_pg_conn(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def pytest_report_header() -> list[str]:
-    return [f"airflow home: {_AIRFLOW_HOME}", f"IDEMPOTENCY_PG={os.environ.get('IDEMPOTENCY_PG', 'auto')}"]
+    return [
+        f"airflow home: {_AIRFLOW_HOME}",
+        f"IDEMPOTENCY_PG={os.environ.get('IDEMPOTENCY_PG', 'auto')}",
+    ]

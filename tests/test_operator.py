@@ -26,8 +26,11 @@ def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
 def make_dag(dag_id: str, work, *, form: bool = True, **op_kwargs: Any) -> DAG:  # type: ignore[no-untyped-def]
     """A daily DAG of one idempotent task; ``form`` adds the trigger-form params."""
     with DAG(
-        dag_id, schedule="@daily", start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-        catchup=False, params=idempotency_params() if form else None,
+        dag_id,
+        schedule="@daily",
+        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+        catchup=False,
+        params=idempotency_params() if form else None,
     ) as dag:
         IdempotentRunOperator(task_id="work", python_callable=work, **op_kwargs)
     return dag
@@ -46,12 +49,14 @@ def test_completed_key_twice_runs_the_work_once(airflow_pg_conn: str) -> None:
     second = run_dag(dag, logical_date=utc(2026, 10, 2, 1))
     assert (first.state, second.state) == (SUCCESS, SUCCESS)
     assert calls == ["2026-10-01"]
-    assert rows(airflow_pg_conn, "SELECT job_name, run_key, status, triggered_by, details FROM idempotency.job_runs") == [
-        ("op_twice.work", "2026-10-01", "completed", "manual", {"orders_seen": 7})
-    ]
-    assert rows(airflow_pg_conn, "SELECT outcome, dag_id, task_id, try_number FROM idempotency.job_run_attempts ORDER BY attempt_id") == [
-        ("completed", "op_twice", "work", 1), ("noop", "op_twice", "work", 1)
-    ]
+    assert rows(
+        airflow_pg_conn,
+        "SELECT job_name, run_key, status, triggered_by, details FROM idempotency.job_runs",
+    ) == [("op_twice.work", "2026-10-01", "completed", "manual", {"orders_seen": 7})]
+    assert rows(
+        airflow_pg_conn,
+        "SELECT outcome, dag_id, task_id, try_number FROM idempotency.job_run_attempts ORDER BY attempt_id",
+    ) == [("completed", "op_twice", "work", 1), ("noop", "op_twice", "work", 1)]
 
 
 def test_explicit_run_key_in_conf_wins(airflow_pg_conn: str) -> None:
@@ -76,7 +81,9 @@ def test_failure_then_rerun_completes(airflow_pg_conn: str, tmp_path) -> None:  
     assert rows(airflow_pg_conn, "SELECT status FROM idempotency.job_runs") == [("failed",)]
     flag.unlink()
     assert run_dag(dag, logical_date=utc(2026, 10, 2, 1)).state == SUCCESS
-    assert rows(airflow_pg_conn, "SELECT status, attempt_count FROM idempotency.job_runs") == [("completed", 2)]
+    assert rows(airflow_pg_conn, "SELECT status, attempt_count FROM idempotency.job_runs") == [
+        ("completed", 2)
+    ]
 
 
 def test_force_and_dry_run_from_conf(airflow_pg_conn: str) -> None:
@@ -98,9 +105,10 @@ def test_force_and_dry_run_from_conf(airflow_pg_conn: str) -> None:
     # previous run: say dry_run=False explicitly (a real worker parses the DAG afresh).
     run_dag(dag, logical_date=None, conf={**conf, "force": True, "dry_run": False})
     assert rows(airflow_pg_conn, "SELECT count(*) FROM public.facts") == [(2,)]
-    assert rows(airflow_pg_conn, "SELECT outcome, force, dry_run FROM idempotency.job_run_attempts ORDER BY attempt_id") == [
-        ("completed", False, False), ("dry_run", True, True), ("completed", True, False)
-    ]
+    assert rows(
+        airflow_pg_conn,
+        "SELECT outcome, force, dry_run FROM idempotency.job_run_attempts ORDER BY attempt_id",
+    ) == [("completed", False, False), ("dry_run", True, True), ("completed", True, False)]
 
 
 def test_manual_run_without_date_or_key_fails_and_writes_nothing(airflow_pg_conn: str) -> None:
@@ -111,15 +119,23 @@ def test_manual_run_without_date_or_key_fails_and_writes_nothing(airflow_pg_conn
     assert dr.state == FAILED and calls == []
     ti = dr.get_task_instances()[0]
     assert ti.try_number == 1  # AirflowFailException: the retries were not used
-    assert rows(airflow_pg_conn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'") == [(0,)]
+    assert rows(
+        airflow_pg_conn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'"
+    ) == [(0,)]
 
 
-@pytest.mark.parametrize("bad_key", ["2026-13-01", "yesterday", "2026-10-01'); DELETE FROM job_runs; --"])
-def test_malformed_conf_run_key_fails_and_writes_nothing(airflow_pg_conn: str, bad_key: str) -> None:
+@pytest.mark.parametrize(
+    "bad_key", ["2026-13-01", "yesterday", "2026-10-01'); DELETE FROM job_runs; --"]
+)
+def test_malformed_conf_run_key_fails_and_writes_nothing(
+    airflow_pg_conn: str, bad_key: str
+) -> None:
     """A malformed run_key in conf (DAG without the form params) fails the task, writing nothing."""
     dag = make_dag("op_badkey", lambda run: None, form=False)
     assert run_dag(dag, logical_date=None, conf={"run_key": bad_key}).state == FAILED
-    assert rows(airflow_pg_conn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'") == [(0,)]
+    assert rows(
+        airflow_pg_conn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'"
+    ) == [(0,)]
 
 
 def test_trigger_form_params_refuse_bad_input_up_front(airflow_pg_conn: str) -> None:
@@ -131,7 +147,9 @@ def test_trigger_form_params_refuse_bad_input_up_front(airflow_pg_conn: str) -> 
         run_dag(dag, logical_date=None, conf={"run_key": "2026-13-01"})
     with pytest.raises(ParamValidationError, match="force"):
         run_dag(dag, logical_date=None, conf={"run_key": "2026-10-01", "force": "yes please"})
-    assert rows(airflow_pg_conn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'") == [(0,)]
+    assert rows(
+        airflow_pg_conn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'"
+    ) == [(0,)]
 
 
 def test_open_period_refused_then_allowed(airflow_pg_conn: str) -> None:
@@ -139,15 +157,21 @@ def test_open_period_refused_then_allowed(airflow_pg_conn: str) -> None:
     now = pendulum.now("UTC")
     refused = make_dag("op_open", lambda run: None, run_key_rule=RunKeyRule(offset=0))
     assert run_dag(refused, logical_date=now).state == FAILED
-    allowed = make_dag("op_open_ok", lambda run: None, run_key_rule=RunKeyRule(offset=0, allow_open_period=True))
+    allowed = make_dag(
+        "op_open_ok", lambda run: None, run_key_rule=RunKeyRule(offset=0, allow_open_period=True)
+    )
     assert run_dag(allowed, logical_date=now).state == SUCCESS
 
 
 def test_bad_flag_in_conf_is_refused(airflow_pg_conn: str) -> None:
     """force must be a boolean: 'yes please' is refused before anything is written."""
     dag = make_dag("op_badflag", lambda run: None, form=False)
-    assert run_dag(dag, logical_date=utc(2026, 10, 2, 1), conf={"force": "yes please"}).state == FAILED
-    assert rows(airflow_pg_conn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'") == [(0,)]
+    assert (
+        run_dag(dag, logical_date=utc(2026, 10, 2, 1), conf={"force": "yes please"}).state == FAILED
+    )
+    assert rows(
+        airflow_pg_conn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'"
+    ) == [(0,)]
 
 
 def test_unknown_connection_fails_clearly(airflow_pg_conn: str) -> None:
@@ -161,7 +185,9 @@ def test_amsterdam_dag_keys_by_local_date_across_dst(airflow_pg_conn: str) -> No
     """A DAG in Europe/Amsterdam firing at 00:30 local gets the previous local day on both DST changes."""
     seen: list[str] = []
     with DAG(
-        "op_amsterdam", schedule="30 0 * * *", catchup=False,
+        "op_amsterdam",
+        schedule="30 0 * * *",
+        catchup=False,
         start_date=pendulum.datetime(2026, 1, 1, tz="Europe/Amsterdam"),
     ) as dag:
         IdempotentRunOperator(task_id="work", python_callable=lambda run: seen.append(run.run_key))
@@ -180,7 +206,12 @@ def test_subclass_overriding_run(airflow_pg_conn: str) -> None:
             calls.append(ctx.run_key)
             return {"loaded": 1}
 
-    with DAG("op_subclass", schedule="@daily", start_date=pendulum.datetime(2026, 1, 1, tz="UTC"), catchup=False) as dag:
+    with DAG(
+        "op_subclass",
+        schedule="@daily",
+        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+        catchup=False,
+    ) as dag:
         LoadOperator(task_id="load")
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
@@ -190,7 +221,12 @@ def test_subclass_overriding_run(airflow_pg_conn: str) -> None:
 def test_taskflow_decorator(airflow_pg_conn: str) -> None:
     """@task.idempotent_run passes the run context first and the DAG's arguments after it."""
     calls: list[tuple[str, int]] = []
-    with DAG("op_decorator", schedule="@daily", start_date=pendulum.datetime(2026, 1, 1, tz="UTC"), catchup=False) as dag:
+    with DAG(
+        "op_decorator",
+        schedule="@daily",
+        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+        catchup=False,
+    ) as dag:
 
         @task.idempotent_run(job_name="decorated job")
         def load(run: RunContext, batch: int) -> dict[str, int]:
@@ -201,7 +237,9 @@ def test_taskflow_decorator(airflow_pg_conn: str) -> None:
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
     assert calls == [("2026-10-01", 5)]
-    assert rows(airflow_pg_conn, "SELECT job_name, details FROM idempotency.job_runs") == [("decorated job", {"batch": 5})]
+    assert rows(airflow_pg_conn, "SELECT job_name, details FROM idempotency.job_runs") == [
+        ("decorated job", {"batch": 5})
+    ]
 
 
 def test_on_completed_skip(airflow_pg_conn: str) -> None:
@@ -216,7 +254,8 @@ def test_callable_run_key_rule(airflow_pg_conn: str) -> None:
     """A callable run_key_rule names the key from the Airflow context."""
     seen: list[str] = []
     dag = make_dag(
-        "op_callable", lambda run: seen.append(run.run_key),
+        "op_callable",
+        lambda run: seen.append(run.run_key),
         run_key_rule=lambda context: "fiscal-" + context["logical_date"].strftime("%Y"),
     )
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
@@ -226,14 +265,19 @@ def test_callable_run_key_rule(airflow_pg_conn: str) -> None:
 def test_provider_is_listed_by_airflow(airflow_home) -> None:  # type: ignore[no-untyped-def]
     """`airflow providers list` shows the provider, registered through its entry point."""
     out = subprocess.run(
-        [sys.executable, "-m", "airflow", "providers", "list"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "airflow", "providers", "list"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "airflow-provider-idempotency" in out
 
 
 def test_dag_file_parsing_does_no_io() -> None:
     """Building the operator touches no database (DAG files are parsed often)."""
-    op = IdempotentRunOperator(task_id="t", python_callable=lambda run: None, postgres_conn_id="nowhere")
+    op = IdempotentRunOperator(
+        task_id="t", python_callable=lambda run: None, postgres_conn_id="nowhere"
+    )
     assert op.postgres_conn_id == "nowhere" and "hook" not in op.__dict__
     with pytest.raises(ValueError, match="python_callable"):
         IdempotentRunOperator(task_id="t2")

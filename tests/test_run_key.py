@@ -20,8 +20,12 @@ NOW = pendulum.datetime(2026, 11, 29, 8, 0, tz="UTC")
 
 def resolve(**overrides):  # type: ignore[no-untyped-def]
     args = dict(
-        rule=RunKeyRule(), timezone="UTC", timetable_name="CronTriggerTimetable",
-        run_type="scheduled", logical_date=pendulum.datetime(2026, 10, 2, 1, tz="UTC"), now=NOW,
+        rule=RunKeyRule(),
+        timezone="UTC",
+        timetable_name="CronTriggerTimetable",
+        run_type="scheduled",
+        logical_date=pendulum.datetime(2026, 10, 2, 1, tz="UTC"),
+        now=NOW,
     )
     args.update(overrides)
     return resolve_run_key(**args)
@@ -35,7 +39,9 @@ def test_cron_trigger_timetable_maps_to_previous_day() -> None:
 @pytest.mark.parametrize("timetable", ["CronDataIntervalTimetable", "DeltaDataIntervalTimetable"])
 def test_data_interval_timetables_map_to_interval_day(timetable: str) -> None:
     """Data-interval timetables give the interval start as logical date: that day is the key."""
-    got = resolve(timetable_name=timetable, logical_date=pendulum.datetime(2026, 10, 1, 1, tz="UTC"))
+    got = resolve(
+        timetable_name=timetable, logical_date=pendulum.datetime(2026, 10, 1, 1, tz="UTC")
+    )
     assert got.run_key == "2026-10-01"
 
 
@@ -71,7 +77,9 @@ def test_other_periods(period: str, logical: dt.datetime, expected: str) -> None
         (pendulum.datetime(2026, 10, 25, 23, 30, tz="UTC"), "2026-10-25"),  # 26 Oct 00:30 CET
     ],
 )
-def test_amsterdam_dag_maps_to_local_business_date_across_dst(utc_fire_time: dt.datetime, expected: str) -> None:
+def test_amsterdam_dag_maps_to_local_business_date_across_dst(
+    utc_fire_time: dt.datetime, expected: str
+) -> None:
     """A DAG in Europe/Amsterdam firing at 00:30 local processes the previous local day on both DST changes."""
     got = resolve(timezone="Europe/Amsterdam", logical_date=utc_fire_time)
     assert got.run_key == expected
@@ -106,7 +114,16 @@ def test_manual_run_without_logical_date_or_run_key_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["2026-13-01", "2026-02-30", "yesterday", "2026-10-01'; DROP TABLE job_runs; --", "26-10-01", " 2026-10-01", 20261001]
+    "bad",
+    [
+        "2026-13-01",
+        "2026-02-30",
+        "yesterday",
+        "2026-10-01'; DROP TABLE job_runs; --",
+        "26-10-01",
+        " 2026-10-01",
+        20261001,
+    ],
 )
 def test_malformed_run_keys_are_refused(bad: object) -> None:
     """Malformed keys are refused with the expected format in the message."""
@@ -130,7 +147,9 @@ def test_period_not_ended_is_refused_by_default() -> None:
 
 def test_period_not_ended_allowed_when_author_opts_in() -> None:
     """allow_open_period=True accepts today's key."""
-    got = resolve(run_type="manual", conf_run_key="2026-11-29", rule=RunKeyRule(allow_open_period=True))
+    got = resolve(
+        run_type="manual", conf_run_key="2026-11-29", rule=RunKeyRule(allow_open_period=True)
+    )
     assert got.run_key == "2026-11-29"
 
 
@@ -150,7 +169,9 @@ def test_free_text_checks(bad: object) -> None:
         check_text(bad, "job name")
 
 
-@pytest.mark.parametrize("good", ["O'Brien \"quoted\" job", "factures-été-✓", "日次ジョブ", "a;DROP TABLE x"])
+@pytest.mark.parametrize(
+    "good", ['O\'Brien "quoted" job', "factures-été-✓", "日次ジョブ", "a;DROP TABLE x"]
+)
 def test_free_text_accepts_quotes_and_unicode(good: str) -> None:
     """Quotes, unicode and SQL-looking text are fine as data: they only travel as parameters."""
     assert check_text(good, "job name") == good

@@ -27,10 +27,16 @@ def test_quotes_and_unicode_round_trip(pg_dsn: str) -> None:
     """Job names and run keys with quotes, SQL and unicode are stored and read back verbatim."""
     job = "O'Brien's \"finance\"; DROP TABLE job_runs; -- ✓"
     key = "période-2026'10 ☃"
-    result = run_idempotently(connect=connect_to(pg_dsn), job_name=job, run_key=key, work=lambda ctx: {"ok": 1})
+    result = run_idempotently(
+        connect=connect_to(pg_dsn), job_name=job, run_key=key, work=lambda ctx: {"ok": 1}
+    )
     assert result.outcome is RunOutcome.COMPLETED
-    assert rows(pg_dsn, "SELECT job_name, run_key, status FROM idempotency.job_runs") == [(job, key, "completed")]
-    again = run_idempotently(connect=connect_to(pg_dsn), job_name=job, run_key=key, work=lambda ctx: {"ok": 2})
+    assert rows(pg_dsn, "SELECT job_name, run_key, status FROM idempotency.job_runs") == [
+        (job, key, "completed")
+    ]
+    again = run_idempotently(
+        connect=connect_to(pg_dsn), job_name=job, run_key=key, work=lambda ctx: {"ok": 2}
+    )
     assert again.outcome is RunOutcome.NOOP
 
 
@@ -42,12 +48,21 @@ def test_completed_key_is_a_noop_and_recorded(pg_dsn: str) -> None:
         calls.append(ctx.run_key)
         return {"rows": 3}
 
-    first = run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="2026-10-01", work=work)
-    second = run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="2026-10-01", work=work)
+    first = run_idempotently(
+        connect=connect_to(pg_dsn), job_name="j", run_key="2026-10-01", work=work
+    )
+    second = run_idempotently(
+        connect=connect_to(pg_dsn), job_name="j", run_key="2026-10-01", work=work
+    )
     assert calls == ["2026-10-01"]
     assert (first.outcome, second.outcome) == (RunOutcome.COMPLETED, RunOutcome.NOOP)
-    assert rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id") == [("completed",), ("noop",)]
-    assert rows(pg_dsn, "SELECT status, attempt_count, details FROM idempotency.job_runs") == [("completed", 1, {"rows": 3})]
+    assert rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id") == [
+        ("completed",),
+        ("noop",),
+    ]
+    assert rows(pg_dsn, "SELECT status, attempt_count, details FROM idempotency.job_runs") == [
+        ("completed", 1, {"rows": 3})
+    ]
 
 
 def test_failure_then_rerun_completes(pg_dsn: str) -> None:
@@ -62,23 +77,33 @@ def test_failure_then_rerun_completes(pg_dsn: str) -> None:
         ("failed", "RuntimeError: disk full")
     ]
     run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
-    assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [("completed", 2)]
-    assert rows(pg_dsn, "SELECT outcome, error IS NOT NULL FROM idempotency.job_run_attempts ORDER BY attempt_id") == [
-        ("failed", True), ("completed", False)
+    assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [
+        ("completed", 2)
     ]
+    assert rows(
+        pg_dsn,
+        "SELECT outcome, error IS NOT NULL FROM idempotency.job_run_attempts ORDER BY attempt_id",
+    ) == [("failed", True), ("completed", False)]
 
 
 def test_force_reruns_a_completed_key(pg_dsn: str) -> None:
     """force=True calls the work again for a completed key and completes it again."""
     calls: list[int] = []
     for _ in range(2):
-        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: calls.append(1))
+        run_idempotently(
+            connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: calls.append(1)
+        )
     result = run_idempotently(
-        connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: calls.append(1),
+        connect=connect_to(pg_dsn),
+        job_name="j",
+        run_key="k",
+        work=lambda ctx: calls.append(1),
         options=RunOptions(force=True),
     )
     assert result.outcome is RunOutcome.COMPLETED and len(calls) == 2
-    assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [("completed", 2)]
+    assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [
+        ("completed", 2)
+    ]
 
 
 def test_dry_run_writes_nothing(pg_dsn: str) -> None:
@@ -94,12 +119,18 @@ def test_dry_run_writes_nothing(pg_dsn: str) -> None:
             return {"seen": cur.fetchone()[0]}  # type: ignore[index]
 
     result = run_idempotently(
-        connect=connect_to(pg_dsn), job_name="j", run_key="k", work=work, options=RunOptions(dry_run=True)
+        connect=connect_to(pg_dsn),
+        job_name="j",
+        run_key="k",
+        work=work,
+        options=RunOptions(dry_run=True),
     )
     assert result.outcome is RunOutcome.DRY_RUN and result.counts == {"seen": 1}
     assert rows(pg_dsn, "SELECT count(*) FROM public.facts") == [(0,)]
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_runs") == [(0,)]
-    assert rows(pg_dsn, "SELECT outcome, dry_run FROM idempotency.job_run_attempts") == [("dry_run", True)]
+    assert rows(pg_dsn, "SELECT outcome, dry_run FROM idempotency.job_run_attempts") == [
+        ("dry_run", True)
+    ]
 
 
 def test_held_lock_is_reported_with_its_holder(pg_dsn: str) -> None:
@@ -122,19 +153,25 @@ def test_held_lock_is_reported_with_its_holder(pg_dsn: str) -> None:
     thread.start()
     assert inside.wait(10)
     try:
-        with pytest.raises(RunLockedError, match=r"locked by another execution: backend pid \d+") as info:
-            run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
+        with pytest.raises(
+            RunLockedError, match=r"locked by another execution: backend pid \d+"
+        ) as info:
+            run_idempotently(
+                connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None
+            )
         assert info.value.holder["attempt"]["hostname"]
         # A different key is not blocked.
-        other = run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="other", work=lambda ctx: None)
+        other = run_idempotently(
+            connect=connect_to(pg_dsn), job_name="j", run_key="other", work=lambda ctx: None
+        )
         assert other.outcome is RunOutcome.COMPLETED
     finally:
         release.set()
         thread.join()
     assert not errors
-    assert rows(pg_dsn, "SELECT run_key, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id") == [
-        ("k", "completed"), ("k", "lock_held"), ("other", "completed")
-    ]
+    assert rows(
+        pg_dsn, "SELECT run_key, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id"
+    ) == [("k", "completed"), ("k", "lock_held"), ("other", "completed")]
 
 
 def test_lock_session_terminated_mid_run_does_not_complete(pg_dsn: str) -> None:
@@ -152,7 +189,10 @@ def test_lock_session_terminated_mid_run_does_not_complete(pg_dsn: str) -> None:
     with pytest.raises(LockLostError):
         run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=work)
     # Recorded from a fresh session as this attempt's failure; never as completed.
-    assert rows(pg_dsn, "SELECT status, details->>'last_error' LIKE '%%lock connection was lost%%' FROM idempotency.job_runs") == [("failed", True)]
+    assert rows(
+        pg_dsn,
+        "SELECT status, details->>'last_error' LIKE '%%lock connection was lost%%' FROM idempotency.job_runs",
+    ) == [("failed", True)]
     assert rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [("lock_lost",)]
     # A rerun converges.
     run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
@@ -182,18 +222,24 @@ def test_lock_is_released_after_the_run(pg_dsn: str) -> None:
     run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
     run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
     with pytest.raises(ZeroDivisionError):
-        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k2", work=lambda ctx: 1 / 0)
+        run_idempotently(
+            connect=connect_to(pg_dsn), job_name="j", run_key="k2", work=lambda ctx: 1 / 0
+        )
     assert rows(pg_dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]
 
 
 def test_lock_key_mapping_is_stable() -> None:
     """The documented mapping (first 8 bytes of sha256(job \\x1f key), signed) does not change."""
-    assert run_lock_key("finalize_invoices", "2026-10-01") == run_lock_key("finalize_invoices", "2026-10-01")
+    assert run_lock_key("finalize_invoices", "2026-10-01") == run_lock_key(
+        "finalize_invoices", "2026-10-01"
+    )
     assert run_lock_key("a", "bc") != run_lock_key("ab", "c")
     import hashlib
 
     digest = hashlib.sha256(b"finalize_invoices\x1f2026-10-01").digest()
-    assert run_lock_key("finalize_invoices", "2026-10-01") == int.from_bytes(digest[:8], "big", signed=True)
+    assert run_lock_key("finalize_invoices", "2026-10-01") == int.from_bytes(
+        digest[:8], "big", signed=True
+    )
 
 
 def test_concurrent_schema_creation_is_safe(pg_dsn: str) -> None:
@@ -222,7 +268,13 @@ def test_concurrent_schema_creation_is_safe(pg_dsn: str) -> None:
 
 def test_configurable_schema_name(pg_dsn: str) -> None:
     """The bookkeeping tables go to the configured schema."""
-    run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None, schema="ops_jobs")
+    run_idempotently(
+        connect=connect_to(pg_dsn),
+        job_name="j",
+        run_key="k",
+        work=lambda ctx: None,
+        schema="ops_jobs",
+    )
     assert rows(pg_dsn, "SELECT count(*) FROM ops_jobs.job_runs") == [(1,)]
 
 
@@ -230,7 +282,9 @@ def test_newer_schema_is_refused(pg_dsn: str) -> None:
     """A schema migrated by a newer release makes this release stop with a clear error."""
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         schema_mod.ensure_schema(conn, "future")
-        conn.execute("INSERT INTO future.schema_version (version, name) VALUES (999, 'from the future')")
+        conn.execute(
+            "INSERT INTO future.schema_version (version, name) VALUES (999, 'from the future')"
+        )
         schema_mod._migrated.clear()
         with pytest.raises(SchemaError, match="newer than this release"):
             schema_mod.ensure_schema(conn, "future")
@@ -241,5 +295,11 @@ def test_invalid_schema_name_is_refused(pg_dsn: str) -> None:
     from airflow_idempotency.exceptions import InvalidInputError
 
     with pytest.raises(InvalidInputError, match="invalid schema name"):
-        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None, schema='x"; drop')
+        run_idempotently(
+            connect=connect_to(pg_dsn),
+            job_name="j",
+            run_key="k",
+            work=lambda ctx: None,
+            schema='x"; drop',
+        )
     assert rows(pg_dsn, "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'x%%'") == [(0,)]

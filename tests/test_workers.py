@@ -48,11 +48,19 @@ def test_same_key_in_two_processes_runs_once(
     env = {"IDEM_TEST_HOLD_FILE": str(release), "IDEM_TEST_ON_LOCKED": policy}
     first = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, env)
     try:
-        wait_until(lambda: work_log_count(pg_dsn) == 1, timeout=90, what="the first worker to start working")
+        wait_until(
+            lambda: work_log_count(pg_dsn) == 1,
+            timeout=90,
+            what="the first worker to start working",
+        )
         second = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, env)
         wait_until(
-            lambda: rows(pg_dsn, "SELECT count(*) FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'")[0][0],
-            timeout=90, what="the second worker to find the key locked",
+            lambda: rows(
+                pg_dsn,
+                "SELECT count(*) FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'",
+            )[0][0],
+            timeout=90,
+            what="the second worker to find the key locked",
         )
         release.touch()
         code1, out1 = finish(first)
@@ -63,7 +71,12 @@ def test_same_key_in_two_processes_runs_once(
     assert code2 == loser_exit, out2[-3000:]
     assert work_log_count(pg_dsn) == 1
     assert "is locked by another execution: backend pid" in out2
-    outcomes = [o for (o,) in rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id")]
+    outcomes = [
+        o
+        for (o,) in rows(
+            pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id"
+        )
+    ]
     assert outcomes[0] == "completed" and "lock_held" in outcomes[1:]
     if policy == "reschedule":
         # It waited without using a retry, then found the key completed.
@@ -76,9 +89,14 @@ def test_different_keys_run_in_parallel(airflow_home: Path, pg_dsn: str, tmp_pat
     """Two workers on different dates both hold their lock and work at the same time."""
     release = tmp_path / "release"
     env = {"IDEM_TEST_HOLD_FILE": str(release), "IDEM_TEST_ON_LOCKED": "fail"}
-    procs = [start_worker(airflow_home, "core_slow_job", d, pg_dsn, env) for d in ("2026-10-02", "2026-10-03")]
+    procs = [
+        start_worker(airflow_home, "core_slow_job", d, pg_dsn, env)
+        for d in ("2026-10-02", "2026-10-03")
+    ]
     try:
-        wait_until(lambda: work_log_count(pg_dsn) == 2, timeout=120, what="both workers to be working")
+        wait_until(
+            lambda: work_log_count(pg_dsn) == 2, timeout=120, what="both workers to be working"
+        )
         assert advisory_locks(pg_dsn) == 2
         release.touch()
         results = [finish(p) for p in procs]
@@ -94,20 +112,34 @@ def test_different_keys_run_in_parallel(airflow_home: Path, pg_dsn: str, tmp_pat
     assert s1 < f2 and s2 < f1  # the two executions overlapped in time
 
 
-def test_sigkill_mid_work_frees_the_lock_and_rerun_converges(airflow_home: Path, pg_dsn: str) -> None:
+def test_sigkill_mid_work_frees_the_lock_and_rerun_converges(
+    airflow_home: Path, pg_dsn: str
+) -> None:
     """A worker SIGKILLed mid-work: lock free at once, job_runs says started, the rerun completes it."""
-    victim = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, {"IDEM_TEST_SLEEP": "120"})
+    victim = start_worker(
+        airflow_home, "core_slow_job", "2026-10-02", pg_dsn, {"IDEM_TEST_SLEEP": "120"}
+    )
     try:
-        wait_until(lambda: work_log_count(pg_dsn) == 1, timeout=90, what="the worker to start working")
+        wait_until(
+            lambda: work_log_count(pg_dsn) == 1, timeout=90, what="the worker to start working"
+        )
         assert advisory_locks(pg_dsn) == 1
     finally:
         kill_group(victim)
-    wait_until(lambda: advisory_locks(pg_dsn) == 0, timeout=5, what="Postgres to release the dead worker's lock")
+    wait_until(
+        lambda: advisory_locks(pg_dsn) == 0,
+        timeout=5,
+        what="Postgres to release the dead worker's lock",
+    )
     assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("started",)]
     assert rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [("running",)]
 
-    rerun = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, {"IDEM_TEST_SLEEP": "0"})
+    rerun = start_worker(
+        airflow_home, "core_slow_job", "2026-10-02", pg_dsn, {"IDEM_TEST_SLEEP": "0"}
+    )
     code, out = finish(rerun)
     assert code == 0, out[-3000:]
-    assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [("completed", 2)]
+    assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [
+        ("completed", 2)
+    ]
     assert work_log_count(pg_dsn) == 2

@@ -7,6 +7,7 @@ which is exactly where the idempotency contract must hold.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,7 +23,11 @@ TEST_DAGS = Path(__file__).parent / "dags"
 
 
 def start_worker(
-    airflow_home: Path, dag_id: str, date: str, job_dsn: str, env: dict[str, str] | None = None,
+    airflow_home: Path,
+    dag_id: str,
+    date: str,
+    job_dsn: str,
+    env: dict[str, str] | None = None,
     conf: str | None = None,
 ) -> subprocess.Popen[str]:
     """Start ``airflow dags test DAG_ID DATE`` in its own process group and Airflow home."""
@@ -37,17 +42,19 @@ def start_worker(
     if conf:
         cmd += ["-c", conf]
     return subprocess.Popen(
-        cmd, env=worker_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        env=worker_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:
     """SIGKILL the worker and everything it started."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait(timeout=30)
 
 

@@ -34,7 +34,11 @@ class _IdempotentDecoratedOperator(DecoratedOperator, IdempotentRunOperator):
         # DecoratedOperator checks the call's arguments against the function's signature;
         # the first parameter is the RunContext the operator supplies at run time, so the
         # check sees the function with that parameter already bound.
-        kwargs_to_upstream = {"python_callable": python_callable, "op_args": op_args, "op_kwargs": op_kwargs}
+        kwargs_to_upstream = {
+            "python_callable": python_callable,
+            "op_args": op_args,
+            "op_kwargs": op_kwargs,
+        }
         super().__init__(
             python_callable=functools.partial(python_callable, None),
             op_args=op_args,

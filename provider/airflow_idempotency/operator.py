@@ -124,7 +124,9 @@ class IdempotentRunOperator(BaseOperator):
     ) -> None:
         super().__init__(**kwargs)
         if python_callable is None and type(self).run is IdempotentRunOperator.run:
-            raise ValueError(f"{self.task_id}: pass python_callable or override run() in a subclass")
+            raise ValueError(
+                f"{self.task_id}: pass python_callable or override run() in a subclass"
+            )
         if python_callable is not None and not callable(python_callable):
             raise TypeError(f"{self.task_id}: python_callable must be callable")
         if on_locked not in ("reschedule", "fail", "skip"):
@@ -166,7 +168,9 @@ class IdempotentRunOperator(BaseOperator):
                 pass  # an explicit key still wins; validated as free text below
             else:
                 key = check_text(self.run_key_rule(context), "run key from run_key_rule")
-                return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
+                return ResolvedRunKey(
+                    key, "callable", f"run_key {key!r} from the DAG's run_key_rule"
+                )
         rule = self.run_key_rule if isinstance(self.run_key_rule, RunKeyRule) else RunKeyRule()
         return resolve_run_key(
             rule=rule,
@@ -204,12 +208,18 @@ class IdempotentRunOperator(BaseOperator):
             dag_run = context["dag_run"]
             conf = dict(dag_run.conf or {})
             params = context.get("params") or {}
-            options = RunOptions(force=_flag("force", conf, params), dry_run=_flag("dry_run", conf, params))
+            options = RunOptions(
+                force=_flag("force", conf, params), dry_run=_flag("dry_run", conf, params)
+            )
         except InvalidInputError as exc:
             raise AirflowFailException(str(exc)) from exc
         self.log.info(
             "job=%s run_key=%s %s (force=%s, dry_run=%s)",
-            job_name, resolved.run_key, resolved.explanation, options.force, options.dry_run,
+            job_name,
+            resolved.run_key,
+            resolved.explanation,
+            options.force,
+            options.dry_run,
         )
         self._check_connection()
         try:

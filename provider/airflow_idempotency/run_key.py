@@ -46,7 +46,10 @@ Period = Literal["hour", "day", "week", "month"]
 MAX_KEY_LENGTH = 200
 
 _FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
-    "hour": (re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2})Z"), "YYYY-MM-DDTHHZ (UTC), e.g. 2026-10-01T13Z"),
+    "hour": (
+        re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2})Z"),
+        "YYYY-MM-DDTHHZ (UTC), e.g. 2026-10-01T13Z",
+    ),
     "day": (re.compile(r"(\d{4})-(\d{2})-(\d{2})"), "YYYY-MM-DD, e.g. 2026-10-01"),
     "week": (re.compile(r"(\d{4})-W(\d{2})"), "YYYY-Www (ISO week), e.g. 2026-W40"),
     "month": (re.compile(r"(\d{4})-(\d{2})"), "YYYY-MM, e.g. 2026-10"),
@@ -73,7 +76,9 @@ def check_text(value: object, what: str) -> str:
         raise InvalidInputError(f"{what} is {len(value)} characters long; at most {MAX_KEY_LENGTH}")
     bad = [c for c in value if unicodedata.category(c) in ("Cc", "Cs", "Cn")]
     if bad:
-        raise InvalidInputError(f"{what} {value!r} contains control or unassigned characters {bad!r}")
+        raise InvalidInputError(
+            f"{what} {value!r} contains control or unassigned characters {bad!r}"
+        )
     return value
 
 
@@ -93,7 +98,9 @@ class RunKeyRule:
 
     def __post_init__(self) -> None:
         if self.period not in _FORMATS:
-            raise InvalidInputError(f"unknown period {self.period!r}: use one of {sorted(_FORMATS)}")
+            raise InvalidInputError(
+                f"unknown period {self.period!r}: use one of {sorted(_FORMATS)}"
+            )
 
     @property
     def format_hint(self) -> str:
@@ -107,7 +114,7 @@ class RunKeyRule:
         return -1 if timetable_name in _TRIGGER_TIMETABLES else 0
 
     def key_for(self, logical_date: dt.datetime, timezone: str, offset: int) -> str:
-        """The run key of the period ``offset`` periods after the one containing ``logical_date``."""
+        """The key of the period ``offset`` periods after the one holding ``logical_date``."""
         if logical_date.tzinfo is None:
             raise InvalidInputError(f"logical date {logical_date!r} has no timezone")
         if self.period == "hour":
@@ -123,13 +130,13 @@ class RunKeyRule:
         return f"{month.year:04d}-{month.month:02d}"
 
     def period_bounds(self, key: str, timezone: str) -> tuple[pendulum.DateTime, pendulum.DateTime]:
-        """Parse ``key`` (raising on a malformed one) and return its [start, end) in ``timezone``."""
+        """Parse ``key`` (raising if malformed); return its [start, end) in ``timezone``."""
         pattern, hint = _FORMATS[self.period]
         match = pattern.fullmatch(key) if isinstance(key, str) else None
         if match is None:
             raise InvalidRunKeyError(
                 f"malformed run_key {key!r}: expected {hint}. Pass the business date the run "
-                f"is for, for example conf {{\"run_key\": \"2026-10-01\"}}."
+                f'is for, for example conf {{"run_key": "2026-10-01"}}.'
             )
         numbers = [int(g) for g in match.groups()]
         try:
@@ -192,9 +199,13 @@ def resolve_run_key(
     backfill and asset-triggered runs always derive it from the logical date: a run_key in
     their conf would map a whole backfill onto one key, so it is refused.
     """
-    explicit, source = (conf_run_key, "conf") if conf_run_key not in (None, "") else (
-        params_run_key,
-        "params",
+    explicit, source = (
+        (conf_run_key, "conf")
+        if conf_run_key not in (None, "")
+        else (
+            params_run_key,
+            "params",
+        )
     )
     manual = run_type in ("manual", "operator_triggered")
     if explicit not in (None, ""):
@@ -206,16 +217,20 @@ def resolve_run_key(
             )
         key = str(explicit) if isinstance(explicit, dt.date) else explicit
         if not isinstance(key, str):
-            raise InvalidRunKeyError(f"run_key must be text in the format {rule.format_hint}, got {explicit!r}")
+            raise InvalidRunKeyError(
+                f"run_key must be text in the format {rule.format_hint}, got {explicit!r}"
+            )
         rule.period_bounds(key, timezone)
         rule.check_ended(key, timezone, now)
-        return ResolvedRunKey(key, source, f"run_key {key!r} given explicitly in the run's {source}")  # type: ignore[arg-type]
+        return ResolvedRunKey(
+            key, source, f"run_key {key!r} given explicitly in the run's {source}"
+        )  # type: ignore[arg-type]
     if logical_date is None:
         raise RunKeyMissingError(
             f"this {run_type} run has no logical date and no run_key, so it does not say which "
             f"business period to process. Trigger it again with run_key in the conf, in the "
             f"format {rule.format_hint} (for example: airflow dags trigger DAG_ID -c "
-            f"'{{\"run_key\": \"2026-10-01\"}}', or fill in the run_key field of the trigger form)."
+            f'\'{{"run_key": "2026-10-01"}}\', or fill in the run_key field of the trigger form).'
         )
     offset = rule.effective_offset(timetable_name)
     key = rule.key_for(logical_date, timezone, offset)

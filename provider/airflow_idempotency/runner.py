@@ -95,7 +95,9 @@ class RunLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
 
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         extra = self.extra or {}
-        prefix = f"job={extra['job']} run_key={extra['run_key']} attempt={extra.get('attempt', '-')}"
+        prefix = (
+            f"job={extra['job']} run_key={extra['run_key']} attempt={extra.get('attempt', '-')}"
+        )
         return f"{prefix} {msg}", kwargs
 
 
@@ -179,9 +181,7 @@ class RunContext:
 
 
 @contextlib.contextmanager
-def _schema_connection(
-    connect: ConnectionFactory, schema: str
-) -> Iterator[psycopg.Connection]:
+def _schema_connection(connect: ConnectionFactory, schema: str) -> Iterator[psycopg.Connection]:
     with connect() as conn:
         conn.autocommit = True
         use_schema(conn, schema)
@@ -215,7 +215,8 @@ def _format_holder(holder: Mapping[str, Any]) -> str:
     if attempt:
         parts.append(
             f"worker {attempt['hostname']} pid {attempt['pid']} (attempt {attempt['attempt_id']}, "
-            f"dag {attempt['dag_id']} run {attempt['run_id']}, started {attempt['started_at'].isoformat()})"
+            f"dag {attempt['dag_id']} run {attempt['run_id']}, "
+            f"started {attempt['started_at'].isoformat()})"
         )
     return ", ".join(parts)
 
@@ -232,14 +233,18 @@ def _jsonable_counts(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return counts
 
 
+_DEFAULT_OPTIONS = RunOptions()
+_UNKNOWN_TRIGGER = Trigger()
+
+
 def run_idempotently(
     *,
     connect: ConnectionFactory,
     job_name: str,
     run_key: str,
     work: Callable[[RunContext], Mapping[str, Any] | None],
-    options: RunOptions = RunOptions(),
-    trigger: Trigger = Trigger(),
+    options: RunOptions = _DEFAULT_OPTIONS,
+    trigger: Trigger = _UNKNOWN_TRIGGER,
     schema: str = DEFAULT_SCHEMA,
     airflow_context: Any = None,
     logger: logging.Logger | None = None,
@@ -258,9 +263,16 @@ def run_idempotently(
         if lock is None:
             holder = _describe_holder(lock_conn, lock_key)
             attempt_id = records.insert_attempt(
-                lock_conn, job_name=job_name, run_key=run_key, lock_key=lock_key,
-                outcome="lock_held", trigger=trigger, lock=None, force=options.force,
-                dry_run=options.dry_run, details={"holder": json.loads(json.dumps(holder, default=str))},
+                lock_conn,
+                job_name=job_name,
+                run_key=run_key,
+                lock_key=lock_key,
+                outcome="lock_held",
+                trigger=trigger,
+                lock=None,
+                force=options.force,
+                dry_run=options.dry_run,
+                details={"holder": json.loads(json.dumps(holder, default=str))},
             )
             message = (
                 f"job {job_name!r} run_key {run_key!r} is locked by another execution: "
@@ -271,9 +283,17 @@ def run_idempotently(
             raise RunLockedError(message, holder=holder)
         stack.callback(release_run_lock, lock_conn, lock)
         return _run_locked(
-            lock_conn=lock_conn, lock=lock, connect=connect, job_name=job_name,
-            run_key=run_key, work=work, options=options, trigger=trigger, schema=schema,
-            airflow_context=airflow_context, run_log=run_log,
+            lock_conn=lock_conn,
+            lock=lock,
+            connect=connect,
+            job_name=job_name,
+            run_key=run_key,
+            work=work,
+            options=options,
+            trigger=trigger,
+            schema=schema,
+            airflow_context=airflow_context,
+            run_log=run_log,
         )
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -296,22 +316,35 @@ def _run_locked(
     existing: RunRecord | None = records.get_run(lock_conn, job_name, run_key)
     if existing is not None and existing.status == "completed" and not options.force:
         attempt_id = records.insert_attempt(
-            lock_conn, **ids, outcome="noop", trigger=trigger, lock=lock,
+            lock_conn,
+            **ids,
+            outcome="noop",
+            trigger=trigger,
+            lock=lock,
             dry_run=options.dry_run,
-            details={"completed_at": existing.completed_at.isoformat() if existing.completed_at else None},
+            details={
+                "completed_at": existing.completed_at.isoformat() if existing.completed_at else None
+            },
         )
         run_log.extra = {**run_log.extra, "attempt": attempt_id}  # type: ignore[dict-item]
         run_log.info(
             "found existing completed run (completed %s by %s, %s attempt(s)): no-op. "
             "Set force=true in the run's conf to recompute it.",
-            existing.completed_at, existing.triggered_by, existing.attempt_count,
+            existing.completed_at,
+            existing.triggered_by,
+            existing.attempt_count,
         )
         return RunResult(RunOutcome.NOOP, job_name, run_key, attempt_id, dict(existing.details))
 
     outcome_if_ok = "dry_run" if options.dry_run else "completed"
     attempt_id = records.insert_attempt(
-        lock_conn, **ids, outcome="running", trigger=trigger, lock=lock,
-        force=options.force, dry_run=options.dry_run,
+        lock_conn,
+        **ids,
+        outcome="running",
+        trigger=trigger,
+        lock=lock,
+        force=options.force,
+        dry_run=options.dry_run,
     )
     run_log.extra = {**run_log.extra, "attempt": attempt_id}  # type: ignore[dict-item]
     if not options.dry_run:
@@ -322,11 +355,21 @@ def _run_locked(
         run_log.info("dry run: work runs in a transaction that is rolled back; job_runs untouched")
 
     try:
-        with contextlib.ExitStack() as work_stack:  # closes the work connection, rolls back a dry run
+        with (
+            contextlib.ExitStack() as work_stack
+        ):  # closes the work connection, rolls back a dry run
             ctx = RunContext(
-                job_name=job_name, run_key=run_key, attempt_id=attempt_id, options=options,
-                trigger=trigger, schema=schema, lock=lock, connect=connect, stack=work_stack,
-                logger=run_log, airflow_context=airflow_context,
+                job_name=job_name,
+                run_key=run_key,
+                attempt_id=attempt_id,
+                options=options,
+                trigger=trigger,
+                schema=schema,
+                lock=lock,
+                connect=connect,
+                stack=work_stack,
+                logger=run_log,
+                airflow_context=airflow_context,
             )
             counts = _jsonable_counts(work(ctx))
     except BaseException as exc:
@@ -341,8 +384,12 @@ def _run_locked(
     try:
         with lock_conn.transaction():
             done = records.mark_completed(
-                lock_conn, job_name=job_name, run_key=run_key, attempt_id=attempt_id,
-                lock=lock, details=counts,
+                lock_conn,
+                job_name=job_name,
+                run_key=run_key,
+                attempt_id=attempt_id,
+                lock=lock,
+                details=counts,
             )
             if not done:
                 raise LockLostError(
@@ -352,9 +399,14 @@ def _run_locked(
                 )
             records.finish_attempt(lock_conn, attempt_id, outcome_if_ok, details={"counts": counts})
     except (psycopg.OperationalError, LockLostError) as exc:
-        lost = exc if isinstance(exc, LockLostError) else LockLostError(
-            f"job {job_name!r} run_key {run_key!r}: the lock connection was lost before the "
-            f"completion could be recorded ({exc}); it is not marked completed and a rerun converges."
+        lost = (
+            exc
+            if isinstance(exc, LockLostError)
+            else LockLostError(
+                f"job {job_name!r} run_key {run_key!r}: the lock connection was lost before the "
+                f"completion could be recorded ({exc}); it is not marked completed and a rerun "
+                "converges."
+            )
         )
         _record_failure(lock_conn, connect, schema, ids, attempt_id, lost, options, run_log)
         raise lost from exc
@@ -382,8 +434,11 @@ def _record_failure(
             records.finish_attempt(conn, attempt_id, outcome, error=error)
             if not options.dry_run:
                 records.mark_failed(
-                    conn, job_name=ids["job_name"], run_key=ids["run_key"],
-                    attempt_id=attempt_id, error=error,
+                    conn,
+                    job_name=ids["job_name"],
+                    run_key=ids["run_key"],
+                    attempt_id=attempt_id,
+                    error=error,
                 )
 
     try:
@@ -395,4 +450,6 @@ def _record_failure(
         with _schema_connection(connect, schema) as conn:
             write(conn)
     except (psycopg.Error, IdempotencyError) as record_exc:
-        run_log.warning("could not record the failure (%s); job_runs may still say started", record_exc)
+        run_log.warning(
+            "could not record the failure (%s); job_runs may still say started", record_exc
+        )

@@ -19,8 +19,12 @@ from airflow_idempotency import IdempotentRunOperator, RunContext, idempotency_p
 def slow_work(run: RunContext) -> dict[str, int]:
     """Record that the work ran (committed at once, so tests see it), then sleep or hold."""
     with run.transaction() as cur:
-        cur.execute("CREATE TABLE IF NOT EXISTS public.work_log (run_key text, pid int, at timestamptz DEFAULT now())")
-        cur.execute("INSERT INTO public.work_log (run_key, pid) VALUES (%s, %s)", (run.run_key, os.getpid()))
+        cur.execute(
+            "CREATE TABLE IF NOT EXISTS public.work_log (run_key text, pid int, at timestamptz DEFAULT now())"
+        )
+        cur.execute(
+            "INSERT INTO public.work_log (run_key, pid) VALUES (%s, %s)", (run.run_key, os.getpid())
+        )
     time.sleep(float(os.environ.get("IDEM_TEST_SLEEP", "0")))
     hold = os.environ.get("IDEM_TEST_HOLD_FILE")
     deadline = time.monotonic() + 120
