@@ -6,10 +6,13 @@ the top of this module, before any test module imports ``airflow``.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from devtools import airflow_env
@@ -60,3 +63,81 @@ def pytest_report_header() -> list[str]:
         f"airflow home: {_AIRFLOW_HOME}",
         f"IDEMPOTENCY_PG={os.environ.get('IDEMPOTENCY_PG', 'auto')}",
     ]
+
+
+class InvoicingEnv:
+    """A job database seeded with orders, the accounting service, and Airflow connections."""
+
+    def __init__(self, dsn: str, service: Any) -> None:
+        self.dsn = dsn
+        self.service = service
+
+    def seed(self, start: str, end: str | None = None, orders: int = 120, seed: int = 7) -> int:
+        import datetime as dt
+
+        import psycopg
+        from invoicing.seed import seed_orders
+
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            return seed_orders(
+                conn, dt.date.fromisoformat(start), dt.date.fromisoformat(end or start), orders, seed
+            )
+
+    def connection_env(self, **extra: Any) -> dict[str, str]:
+        """AIRFLOW_CONN_* variables for the job DB and the accounting service."""
+        url = urlsplit(self.service.url)
+        options = {"timeout": 2, "backoff_initial": 0.05, "backoff_max": 0.5, **extra}
+        accounting = {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": options}
+        return {
+            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(self.dsn),
+            "AIRFLOW_CONN_ACCOUNTING_API": json.dumps(accounting),
+        }
+
+    def state(self, business_date: str) -> dict[str, Any]:
+        """Everything a rerun must leave identical, for row-by-row comparisons."""
+        import psycopg
+
+        with psycopg.connect(self.dsn) as conn:
+
+            def q(sql: str) -> list[tuple[Any, ...]]:
+                return conn.execute(sql, {"d": business_date}).fetchall()
+
+            return {
+                "orders": q("SELECT count(*) FROM orders WHERE shipped_on = %(d)s")[0][0],
+                "invoices": q(
+                    "SELECT invoice_number, order_id, store_id, amount_cents FROM invoices"
+                    " WHERE business_date = %(d)s ORDER BY invoice_number"
+                ),
+                "uninvoiced_orders": q(
+                    "SELECT count(*) FROM orders WHERE shipped_on = %(d)s AND invoiced_at IS NULL"
+                )[0][0],
+                "totals": q(
+                    "SELECT store_id, invoice_count, amount_cents FROM daily_invoice_totals"
+                    " WHERE business_date = %(d)s ORDER BY store_id"
+                ),
+                "ledger": q(
+                    "SELECT idempotency_key, status, remote_reference FROM idempotency.outbound_ledger"
+                    " WHERE run_key = %(d)s ORDER BY idempotency_key"
+                ),
+                "remote": q(
+                    "SELECT idempotency_key, id, invoice->>'order_id'"
+                    " FROM accounting.invoices WHERE invoice->>'business_date' = %(d)s"
+                    " ORDER BY idempotency_key"
+                ),
+                "remote_duplicate_orders": q(
+                    "SELECT invoice->>'order_id' FROM accounting.invoices"
+                    " GROUP BY 1 HAVING count(*) > 1"
+                ),
+            }
+
+
+@pytest.fixture
+def invoicing(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[InvoicingEnv]:
+    """The invoice example's world: seeded orders, a running accounting service process."""
+    from devtools.accounting import run_accounting_service
+
+    with run_accounting_service(pg_dsn) as service:
+        env = InvoicingEnv(pg_dsn, service)
+        for name, value in env.connection_env().items():
+            monkeypatch.setenv(name, value)
+        yield env

@@ -29,13 +29,14 @@ def start_worker(
     job_dsn: str,
     env: dict[str, str] | None = None,
     conf: str | None = None,
+    dags_folder: Path = TEST_DAGS,
 ) -> subprocess.Popen[str]:
     """Start ``airflow dags test DAG_ID DATE`` in its own process group and Airflow home."""
     home = Path(tempfile.mkdtemp(prefix="idem-worker-"))
     shutil.copy(airflow_home / "airflow.db", home / "airflow.db")
     worker_env = dict(os.environ)
     airflow_env.configure(home, worker_env)
-    worker_env["AIRFLOW__CORE__DAGS_FOLDER"] = str(TEST_DAGS)
+    worker_env["AIRFLOW__CORE__DAGS_FOLDER"] = str(dags_folder)
     worker_env["AIRFLOW_CONN_IDEMPOTENCY_DEFAULT"] = airflow_env.airflow_connection_json(job_dsn)
     worker_env.update(env or {})
     cmd = [sys.executable, "-m", "airflow", "dags", "test", dag_id, date]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from airflow_idempotency.provider_info import __version__
 
 if TYPE_CHECKING:
+    from airflow_idempotency._sql import named_queries
     from airflow_idempotency.decorator import idempotent_run_task
     from airflow_idempotency.exceptions import (
         IdempotencyError,
@@ -28,6 +29,15 @@ if TYPE_CHECKING:
         SchemaError,
     )
     from airflow_idempotency.hook import IdempotencyHook
+    from airflow_idempotency.ledger import (
+        Confirmation,
+        Effect,
+        LedgerSummary,
+        OutboundLedger,
+        PermanentRemoteError,
+        TransientRemoteError,
+        post_json,
+    )
     from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
     from airflow_idempotency.records import Trigger
     from airflow_idempotency.run_key import RunKeyRule
@@ -50,6 +60,14 @@ _EXPORTS = {
     "RunResult": "runner",
     "run_idempotently": "runner",
     "RunKeyRule": "run_key",
+    "named_queries": "_sql",
+    "OutboundLedger": "ledger",
+    "Effect": "ledger",
+    "Confirmation": "ledger",
+    "LedgerSummary": "ledger",
+    "post_json": "ledger",
+    "TransientRemoteError": "ledger",
+    "PermanentRemoteError": "ledger",
     "Trigger": "records",
     "IdempotencyError": "exceptions",
     "InvalidInputError": "exceptions",

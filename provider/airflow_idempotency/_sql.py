@@ -9,16 +9,17 @@ from importlib.resources import files
 _NAME = re.compile(r"^-- name: (?P<name>\w+)\s*$", re.MULTILINE)
 
 
-def _read(name: str) -> str:
-    return files("airflow_idempotency").joinpath("sql", name).read_text(encoding="utf-8")
+def named_queries(text: str) -> dict[str, str]:
+    """Split SQL text into statements by their ``-- name: NAME`` header lines."""
+    parts = _NAME.split(text)
+    # parts = [preamble, name1, body1, name2, body2, ...]
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
 @cache
 def _queries() -> dict[str, str]:
-    text = _read("queries.sql")
-    parts = _NAME.split(text)
-    # parts = [preamble, name1, body1, name2, body2, ...]
-    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    text = files("airflow_idempotency").joinpath("sql", "queries.sql").read_text(encoding="utf-8")
+    return named_queries(text)
 
 
 def query(name: str) -> str:

@@ -67,7 +67,10 @@ def idempotency_params(period: str = "day") -> dict[str, Param]:
     }
 
 
-def _flag(name: str, conf: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
+def conf_flag(context: Context, name: str) -> bool:
+    """A boolean switch of the run: its conf wins over its params; anything else is refused."""
+    conf = context["dag_run"].conf or {}
+    params = context.get("params") or {}
     value = conf.get(name, params.get(name, False))
     if value is None:
         return False
@@ -183,6 +186,10 @@ class IdempotentRunOperator(BaseOperator):
             now=pendulum.now("UTC"),
         )
 
+    def run_options(self, context: Context) -> RunOptions:
+        """``force`` and ``dry_run`` of this run, from its conf or params (booleans)."""
+        return RunOptions(force=conf_flag(context, "force"), dry_run=conf_flag(context, "dry_run"))
+
     def _timezone_name(self) -> str:
         tz = self.dag.timezone if self.has_dag() else None
         return str(getattr(tz, "name", None) or tz or "UTC")
@@ -205,12 +212,7 @@ class IdempotentRunOperator(BaseOperator):
         try:
             job_name = check_text(self.job_name or f"{self.dag_id}.{self.task_id}", "job name")
             resolved = self.resolve_run_key(context)
-            dag_run = context["dag_run"]
-            conf = dict(dag_run.conf or {})
-            params = context.get("params") or {}
-            options = RunOptions(
-                force=_flag("force", conf, params), dry_run=_flag("dry_run", conf, params)
-            )
+            options = self.run_options(context)
         except InvalidInputError as exc:
             raise AirflowFailException(str(exc)) from exc
         self.log.info(

@@ -27,13 +27,14 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.rows import dict_row
 
 from airflow_idempotency import records
 from airflow_idempotency._sql import query
+from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
 from airflow_idempotency.locks import (
     RunLock,
@@ -46,6 +47,9 @@ from airflow_idempotency.locks import (
 from airflow_idempotency.records import RunRecord, Trigger
 from airflow_idempotency.run_key import check_text
 from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, use_schema
+
+if TYPE_CHECKING:
+    from airflow_idempotency.ledger import OutboundLedger
 
 log = logging.getLogger("airflow_idempotency")
 
@@ -175,6 +179,12 @@ class RunContext:
                 "stopping before writing more. A rerun will pick the key up again."
             )
 
+    def ledger(self, remote_system: str, **options: Any) -> OutboundLedger:
+        """An :class:`~airflow_idempotency.ledger.OutboundLedger` for this run."""
+        from airflow_idempotency.ledger import OutboundLedger
+
+        return OutboundLedger(self, remote_system, **options)
+
     def bookkeeping_connection(self) -> AbstractContextManager[psycopg.Connection]:
         """A new connection with search_path on the bookkeeping schema (for the ledger)."""
         return _schema_connection(self._connect, self.schema)
@@ -282,6 +292,7 @@ def run_idempotently(
             run_log.warning("%s", message)
             raise RunLockedError(message, holder=holder)
         stack.callback(release_run_lock, lock_conn, lock)
+        crash_point("runner.after_lock")
         return _run_locked(
             lock_conn=lock_conn,
             lock=lock,
@@ -351,6 +362,7 @@ def _run_locked(
         count = records.upsert_started(lock_conn, **ids, attempt_id=attempt_id, trigger=trigger)
         previous = existing.status if existing else "new"
         run_log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
+        crash_point("runner.after_started")
     else:
         run_log.info("dry run: work runs in a transaction that is rolled back; job_runs untouched")
 
@@ -381,6 +393,7 @@ def _run_locked(
         run_log.info("dry run finished, rolled back: %s", counts)
         return RunResult(RunOutcome.DRY_RUN, job_name, run_key, attempt_id, counts)
 
+    crash_point("runner.before_completion")
     try:
         with lock_conn.transaction():
             done = records.mark_completed(

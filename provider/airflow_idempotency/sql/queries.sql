@@ -123,3 +123,64 @@ FROM job_run_attempts
 WHERE lock_key = %(lock_key)s AND lock_backend_pid = %(lock_backend_pid)s AND outcome = 'running'
 ORDER BY attempt_id DESC
 LIMIT 1;
+
+-- name: ledger_claim_batch
+-- Set-based: insert the batch's keys as pending (existing keys untouched) and return, for
+-- every key, its status and fingerprint as they were before this statement. New keys come
+-- back with status NULL. A key whose stored fingerprint differs was reused for another request.
+WITH input AS (
+    SELECT *
+    FROM unnest(%(keys)s::text[], %(fingerprints)s::text[]) AS t(idempotency_key, request_fingerprint)
+),
+existing AS (
+    SELECT l.idempotency_key, l.status, l.request_fingerprint, l.remote_reference
+    FROM outbound_ledger AS l
+    JOIN input AS i USING (idempotency_key)
+    WHERE l.remote_system = %(remote_system)s
+),
+inserted AS (
+    INSERT INTO outbound_ledger (
+        remote_system, idempotency_key, job_name, run_key, request_fingerprint, last_attempt_id
+    )
+    SELECT %(remote_system)s, i.idempotency_key, %(job_name)s, %(run_key)s,
+           i.request_fingerprint, %(attempt_id)s
+    FROM input AS i
+    ON CONFLICT (remote_system, idempotency_key) DO NOTHING
+    RETURNING idempotency_key
+)
+SELECT i.idempotency_key, e.status, e.request_fingerprint, e.remote_reference
+FROM input AS i
+LEFT JOIN existing AS e USING (idempotency_key);
+
+-- name: ledger_classify_batch
+-- Read-only twin of ledger_claim_batch, for dry runs.
+SELECT i.idempotency_key, l.status, l.request_fingerprint, l.remote_reference
+FROM unnest(%(keys)s::text[]) AS i(idempotency_key)
+LEFT JOIN outbound_ledger AS l
+    ON l.remote_system = %(remote_system)s AND l.idempotency_key = i.idempotency_key;
+
+-- name: ledger_record_outcomes
+-- One statement for a whole batch of call outcomes. A confirmation is always recorded
+-- (it is a fact about the remote, whoever holds the lock); a row already succeeded is
+-- never moved back to pending or failed.
+UPDATE outbound_ledger AS l
+SET status = CASE WHEN l.status = 'succeeded' THEN 'succeeded' ELSE o.status END,
+    remote_reference = coalesce(o.remote_reference, l.remote_reference),
+    call_count = l.call_count + o.calls,
+    last_error = CASE WHEN o.status = 'succeeded' THEN NULL ELSE o.error END,
+    last_attempt_id = %(attempt_id)s,
+    updated_at = now(),
+    confirmed_at = CASE WHEN o.status = 'succeeded' AND l.confirmed_at IS NULL THEN now()
+                        ELSE l.confirmed_at END
+FROM unnest(
+    %(keys)s::text[], %(statuses)s::text[], %(references)s::text[], %(errors)s::text[],
+    %(calls)s::int[]
+) AS o(idempotency_key, status, remote_reference, error, calls)
+WHERE l.remote_system = %(remote_system)s AND l.idempotency_key = o.idempotency_key;
+
+
+-- name: ledger_rows_for_run
+SELECT idempotency_key, status, request_fingerprint, remote_reference, call_count, last_error
+FROM outbound_ledger
+WHERE job_name = %(job_name)s AND run_key = %(run_key)s AND remote_system = %(remote_system)s
+ORDER BY idempotency_key;

@@ -1,0 +1,60 @@
+-- The example's own tables (in the job database, schema public). Idempotent DDL.
+
+CREATE TABLE IF NOT EXISTS orders (
+    order_id      bigint      PRIMARY KEY,
+    store_id      integer     NOT NULL,
+    customer_id   bigint      NOT NULL,
+    amount_cents  bigint      NOT NULL CHECK (amount_cents >= 0),
+    currency      text        NOT NULL DEFAULT 'EUR',
+    shipped_on    date        NOT NULL,
+    invoiced_at   timestamptz
+);
+CREATE INDEX IF NOT EXISTS orders_shipped_on_idx ON orders (shipped_on);
+
+-- One invoice per order, forever: order_id and invoice_number are natural unique keys.
+CREATE TABLE IF NOT EXISTS invoices (
+    invoice_id      bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    invoice_number  text        NOT NULL UNIQUE,
+    order_id        bigint      NOT NULL UNIQUE REFERENCES orders (order_id),
+    business_date   date        NOT NULL,
+    store_id        integer     NOT NULL,
+    customer_id     bigint      NOT NULL,
+    amount_cents    bigint      NOT NULL,
+    currency        text        NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS invoices_business_date_idx ON invoices (business_date, invoice_number);
+
+-- An aggregate, rebuilt whole for a business date (delete + insert in one transaction).
+CREATE TABLE IF NOT EXISTS daily_invoice_totals (
+    business_date  date        NOT NULL,
+    store_id       integer     NOT NULL,
+    invoice_count  integer     NOT NULL,
+    amount_cents   bigint      NOT NULL,
+    rebuilt_at     timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (business_date, store_id)
+);
+
+-- daily_reconciliation: per-store detail, unique per (date, store) ...
+CREATE TABLE IF NOT EXISTS store_reconciliation (
+    business_date          date        NOT NULL,
+    store_id               integer     NOT NULL,
+    orders_count           integer     NOT NULL,
+    orders_amount_cents    bigint      NOT NULL,
+    invoiced_count         integer     NOT NULL,
+    invoiced_amount_cents  bigint      NOT NULL,
+    difference_cents       bigint      NOT NULL,
+    reconciled_at          timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (business_date, store_id)
+);
+
+-- ... and ONE summary row per business date: a second run can never add a second one.
+CREATE TABLE IF NOT EXISTS reconciliation_summary (
+    business_date          date        PRIMARY KEY,
+    stores                 integer     NOT NULL,
+    orders_amount_cents    bigint      NOT NULL,
+    invoiced_amount_cents  bigint      NOT NULL,
+    mismatched_stores      integer     NOT NULL,
+    runs                   integer     NOT NULL DEFAULT 1,
+    reconciled_at          timestamptz NOT NULL DEFAULT now()
+);

@@ -1,0 +1,198 @@
+"""The work of each invoice-finalization task, as functions of the run context."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from airflow_idempotency import Effect, OutboundLedger, RunContext, post_json
+from airflow_idempotency.crashpoints import crash_point
+from invoicing import ensure_example_schema, queries
+
+KEY_PREFIX = "finalize_invoices"  # idempotency keys: finalize_invoices:<date>:order_<id>
+REMOTE_SYSTEM = "accounting"
+EXPORT_PATH = "/api/invoices"
+
+
+def business_date(run: RunContext) -> dt.date:
+    """The run key of these jobs is the business date, YYYY-MM-DD."""
+    return dt.date.fromisoformat(run.run_key)
+
+
+def accounting_endpoint(conn_id: str = "accounting_api") -> tuple[str, dict[str, Any]]:
+    """Base URL of the accounting service and the ledger options in the connection's extra.
+
+    The connection is of type http, e.g. ``AIRFLOW_CONN_ACCOUNTING_API='http://host:8099'``;
+    its extra may tune the export: ``{"timeout": 5, "concurrency": 16, "max_attempts": 5}``.
+    """
+    from airflow.sdk import BaseHook
+
+    conn = BaseHook.get_connection(conn_id)
+    scheme = conn.schema or "http"
+    port = f":{conn.port}" if conn.port else ""
+    tuning = (
+        "timeout",
+        "concurrency",
+        "batch_size",
+        "max_attempts",
+        "backoff_initial",
+        "backoff_max",
+    )
+    options = {k: v for k, v in (conn.extra_dejson or {}).items() if k in tuning}
+    return f"{scheme}://{conn.host}{port}", options
+
+
+def create_invoices(run: RunContext) -> dict[str, int]:
+    """Invoice the orders shipped on the business date (natural key, ON CONFLICT DO NOTHING)."""
+    ensure_example_schema(run.connection)
+    with run.transaction() as cur:
+        cur.execute(queries()["create_invoices"], {"business_date": business_date(run)})
+        orders_seen, invoices_created, _marked = cur.fetchone()  # type: ignore[misc]
+        crash_point("invoices.before_commit")
+    crash_point("invoices.after_commit")
+    run.log.info("orders shipped: %d, invoices created now: %d", orders_seen, invoices_created)
+    return {"orders_seen": orders_seen, "invoices_created": invoices_created}
+
+
+def rebuild_daily_totals(run: RunContext) -> dict[str, int]:
+    """Rebuild daily_invoice_totals of the date: delete and insert in one transaction."""
+    with run.transaction() as cur:
+        params = {"business_date": business_date(run)}
+        cur.execute(queries()["delete_totals"], params)
+        crash_point("totals.after_delete")
+        cur.execute(queries()["insert_totals"], params)
+        rows = cur.rowcount
+    return {"totals_rows": rows}
+
+
+def invoice_effects(run: RunContext) -> Iterator[Effect]:
+    """Stream the date's invoices as export effects (a server-side cursor, never a list)."""
+    conn = run.connection
+    with conn.transaction(), conn.cursor(name="invoices_to_export") as cur:
+        cur.itersize = 2000
+        cur.execute(queries()["invoices_to_export"], {"business_date": business_date(run)})
+        for number, order_id, store_id, customer_id, amount_cents, currency, day in cur:
+            yield Effect(
+                idempotency_key=f"{KEY_PREFIX}:{day.isoformat()}:order_{order_id}",
+                request={
+                    "invoice_number": number,
+                    "order_id": order_id,
+                    "store_id": store_id,
+                    "customer_id": customer_id,
+                    "amount_cents": amount_cents,
+                    "currency": currency,
+                    "business_date": day.isoformat(),
+                },
+            )
+
+
+def count_invoices(run: RunContext) -> int:
+    row = run.connection.execute(
+        queries()["count_invoices"], {"business_date": business_date(run)}
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def export_invoices(run: RunContext, base_url: str, **ledger_options: Any) -> dict[str, int]:
+    """Send the date's invoices to the accounting service through the outbound ledger."""
+    ledger = OutboundLedger(run, REMOTE_SYSTEM, **ledger_options)
+    total = count_invoices(run)
+    summary = ledger.send_all(
+        invoice_effects(run), post_json(EXPORT_PATH), base_url=base_url, total=total
+    )
+    return {"exports_total": total, **summary.as_counts("exports")}
+
+
+def remote_invoices(base_url: str, key_prefix: str) -> dict[str, str]:
+    """idempotency key -> reference of what the accounting service holds under a prefix."""
+    found: dict[str, str] = {}
+    after: str | None = None
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        while True:
+            params: dict[str, Any] = {"key_prefix": key_prefix, "limit": 5000}
+            if after:
+                params["after"] = after
+            page = client.get(EXPORT_PATH, params=params)
+            page.raise_for_status()
+            body = page.json()
+            for item in body["items"]:
+                found[item["idempotency_key"]] = item["reference"]
+            after = body.get("next_after")
+            if not after:
+                return found
+
+
+def reconcile_export(
+    run: RunContext, base_url: str, export_job_name: str, **ledger_options: Any
+) -> dict[str, Any]:
+    """Compare invoices, the ledger and the accounting service for the date; mend what is safe.
+
+    Safe to mend: an invoice whose ledger row is missing, pending or failed is sent again
+    with its SAME idempotency key (the service replays it if it already has it). Never
+    mended automatically: a confirmed row the service does not know, or a reference that
+    differs; those are reported for a human.
+    """
+    day = business_date(run)
+    prefix = f"{KEY_PREFIX}:{day.isoformat()}:"
+    expected = {e.idempotency_key: e for e in invoice_effects(run)}
+    ledger = OutboundLedger(run, REMOTE_SYSTEM, **ledger_options)
+    ledger_rows = {
+        row["idempotency_key"]: (row["status"], row["remote_reference"])
+        for row in ledger.rows(job_name=export_job_name)
+    }
+    remote = remote_invoices(base_url, prefix)
+    not_confirmed = [k for k in expected if ledger_rows.get(k, (None,))[0] != "succeeded"]
+    confirmed_missing_remotely = [
+        k for k, (status, _) in ledger_rows.items() if status == "succeeded" and k not in remote
+    ]
+    reference_mismatch = [
+        k
+        for k, (status, ref) in ledger_rows.items()
+        if status == "succeeded" and k in remote and remote[k] != ref
+    ]
+    unexpected_remote = [k for k in remote if k not in expected]
+    report: dict[str, Any] = {
+        "reconcile_invoices": len(expected),
+        "reconcile_ledger_rows": len(ledger_rows),
+        "reconcile_remote_invoices": len(remote),
+        "reconcile_not_confirmed": len(not_confirmed),
+        "reconcile_confirmed_missing_remotely": len(confirmed_missing_remotely),
+        "reconcile_reference_mismatch": len(reference_mismatch),
+        "reconcile_unexpected_remote": len(unexpected_remote),
+        "reconcile_samples": {
+            "not_confirmed": not_confirmed[:5],
+            "confirmed_missing_remotely": confirmed_missing_remotely[:5],
+            "reference_mismatch": reference_mismatch[:5],
+            "unexpected_remote": unexpected_remote[:5],
+        },
+    }
+    run.log.info("reconcile %s: %s", day, report)
+    mended = 0
+    if not_confirmed:
+        # The same keys as the export: the service replays what it already has.
+        summary = ledger.send_all(
+            (expected[k] for k in not_confirmed),
+            post_json(EXPORT_PATH),
+            base_url=base_url,
+            total=len(not_confirmed),
+            raise_on_failure=False,
+        )
+        mended = summary.sent
+        report["reconcile_mend_failed"] = summary.failed + summary.pending
+    report["reconcile_mended"] = mended
+    return report
+
+
+def reconcile_stores(run: RunContext) -> dict[str, int]:
+    """Per-store reconciliation (unique per date and store) and ONE summary row per date."""
+    ensure_example_schema(run.connection)
+    with run.transaction() as cur:
+        params = {"business_date": business_date(run)}
+        cur.execute(queries()["upsert_store_reconciliation"], params)
+        stores = cur.rowcount
+        cur.execute(queries()["upsert_reconciliation_summary"], params)
+        _stores, mismatched, runs = cur.fetchone()  # type: ignore[misc]
+    return {"stores": stores, "mismatched_stores": mismatched, "summary_writes": runs}

@@ -1,0 +1,53 @@
+"""Fault points: crash or stall this process at a named point, chosen by configuration.
+
+For tests and demos of crash recovery; no code is edited to inject a fault.
+
+- ``AIRFLOW_IDEMPOTENCY_CRASH_AT="ledger.after_remote_commit@250"`` SIGKILLs the process
+  the 250th time that point is reached (``@N`` defaults to 1);
+- ``AIRFLOW_IDEMPOTENCY_SLEEP_AT="runner.after_started=8"`` sleeps 8 seconds there.
+
+Several points may be given, comma-separated. With neither variable set (the normal
+case) a fault point costs two dictionary lookups.
+
+Points: runner.after_lock, runner.after_started, runner.before_completion,
+ledger.after_claim, ledger.before_remote_call, ledger.after_remote_commit,
+ledger.before_record_outcomes, and the example's invoices.before_commit,
+invoices.after_commit, totals.after_delete.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections import Counter
+
+CRASH_ENV = "AIRFLOW_IDEMPOTENCY_CRASH_AT"
+SLEEP_ENV = "AIRFLOW_IDEMPOTENCY_SLEEP_AT"
+_hits: Counter[str] = Counter()
+
+
+def _parse(spec: str, separator: str) -> dict[str, str]:
+    entries: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition(separator)
+        entries[name] = value
+    return entries
+
+
+def crash_point(name: str) -> None:
+    """Crash (SIGKILL) or sleep here if ``name`` is configured; otherwise do nothing."""
+    if CRASH_ENV not in os.environ and SLEEP_ENV not in os.environ:
+        return
+    pause = _parse(os.environ.get(SLEEP_ENV, ""), "=").get(name)
+    if pause:
+        print(f"fault point {name}: sleeping {pause}s", file=sys.stderr, flush=True)
+        time.sleep(float(pause))
+    nth = _parse(os.environ.get(CRASH_ENV, ""), "@").get(name)
+    if nth is None:
+        return
+    _hits[name] += 1
+    if _hits[name] == int(nth or 1):
+        print(f"fault point {name}@{nth or 1}: SIGKILL", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,391 @@
+"""The outbound ledger: external side effects that a rerun never repeats.
+
+Each effect has a stable idempotency key (``finalize_invoices:2026-10-01:order_12345``)
+and a request. :meth:`OutboundLedger.send_all` processes a stream of effects in batches:
+
+1. one statement records the batch's keys as ``pending`` (existing rows untouched) and
+   returns what the ledger already knows: ``succeeded`` keys are skipped without a call;
+   a key stored with a different request fingerprint is refused (like Stripe's
+   ``idempotency_error``); ``pending`` and ``failed`` keys are sent again with the SAME key;
+2. the calls go out concurrently (bounded), each carrying its key; transient errors
+   (timeouts, connection resets, 409/429/5xx) are retried with exponential backoff;
+3. one statement records the batch's outcomes: ``succeeded`` with the remote reference,
+   ``failed`` with the reason for a permanent refusal, ``pending`` when retries ran out.
+
+The claim of each batch is fenced: it commits only while this run still holds its lock.
+A crash anywhere leaves ``pending`` rows, which the rerun sends again under the same key,
+so the remote (which deduplicates by key) acts once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import psycopg
+from psycopg.rows import dict_row
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from airflow_idempotency._sql import query
+from airflow_idempotency.crashpoints import crash_point
+from airflow_idempotency.exceptions import (
+    IdempotencyKeyConflictError,
+    InvalidInputError,
+    RemoteCallError,
+)
+from airflow_idempotency.run_key import check_text
+
+if TYPE_CHECKING:
+    from airflow_idempotency.runner import RunContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One external side effect: a stable idempotency key and the JSON request it sends."""
+
+    idempotency_key: str
+    request: Mapping[str, Any]
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the canonical JSON of the request."""
+        canonical = json.dumps(self.request, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The remote's confirmation of an effect."""
+
+    reference: str
+    response: Mapping[str, Any] | None = None
+
+
+class TransientRemoteError(Exception):
+    """The call may have failed for a passing reason: retry it with the same key."""
+
+
+class PermanentRemoteError(Exception):
+    """The remote refused the request: retrying the same request will not help."""
+
+
+Sender = Callable[[httpx.AsyncClient, Effect], Awaitable[Confirmation]]
+
+
+def post_json(path: str, *, reference_field: str = "reference") -> Sender:
+    """A sender that POSTs the request as JSON with an ``Idempotency-Key`` header.
+
+    2xx confirms (``reference_field`` of the JSON answer is the remote reference);
+    408, 409 (the same key is in flight), 425, 429 and 5xx are transient; any other 4xx
+    is permanent. Timeouts and connection errors are transient.
+    """
+
+    async def send(client: httpx.AsyncClient, effect: Effect) -> Confirmation:
+        try:
+            response = await client.post(
+                path, json=effect.request, headers={"Idempotency-Key": effect.idempotency_key}
+            )
+        except httpx.TransportError as exc:  # timeouts, resets, refused connections
+            raise TransientRemoteError(f"{type(exc).__name__}: {exc}") from exc
+        status = response.status_code
+        if 200 <= status < 300:
+            body = response.json()
+            return Confirmation(str(body[reference_field]), body)
+        detail = f"HTTP {status}: {response.text[:300]}"
+        if status in (408, 409, 425, 429) or status >= 500:
+            raise TransientRemoteError(detail)
+        raise PermanentRemoteError(detail)
+
+    return send
+
+
+@dataclass
+class LedgerSummary:
+    """Counts of one :meth:`OutboundLedger.send_all` call."""
+
+    total: int = 0
+    sent: int = 0
+    skipped_existing: int = 0
+    failed: int = 0
+    pending: int = 0
+    conflicts: int = 0
+    calls: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every effect is confirmed (sent now or before)."""
+        return self.failed == 0 and self.pending == 0 and self.conflicts == 0
+
+    def as_counts(self, prefix: str) -> dict[str, int]:
+        """Counts for job_runs.details, e.g. ``exports_sent``."""
+        return {
+            f"{prefix}_sent": self.sent,
+            f"{prefix}_skipped_existing": self.skipped_existing,
+            f"{prefix}_failed": self.failed,
+            f"{prefix}_pending": self.pending,
+            f"{prefix}_conflicts": self.conflicts,
+        }
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    key: str
+    status: str  # succeeded | failed | pending
+    reference: str | None
+    error: str | None
+    calls: int
+
+
+def _batches(effects: Iterable[Effect], size: int) -> Iterator[list[Effect]]:
+    iterator = iter(effects)
+    while batch := list(islice(iterator, size)):
+        yield batch
+
+
+class OutboundLedger:
+    """Send effects to ``remote_system`` at most once each, across reruns and crashes.
+
+    Get one from a run: ``OutboundLedger(run, "accounting")``.
+
+    :param concurrency: calls in flight at once.
+    :param batch_size: effects claimed and recorded per statement.
+    :param max_attempts: tries per effect and call of :meth:`send_all` (transient errors).
+    :param timeout: seconds per HTTP request.
+    """
+
+    def __init__(
+        self,
+        run: RunContext,
+        remote_system: str,
+        *,
+        concurrency: int = 16,
+        batch_size: int = 500,
+        max_attempts: int = 5,
+        backoff_initial: float = 0.2,
+        backoff_max: float = 5.0,
+        timeout: float = 10.0,
+    ) -> None:
+        check_text(remote_system, "remote system name")
+        if concurrency < 1 or batch_size < 1 or max_attempts < 1:
+            raise InvalidInputError("concurrency, batch_size and max_attempts must be >= 1")
+        self.run = run
+        self.remote_system = remote_system
+        self.concurrency = concurrency
+        self.batch_size = batch_size
+        self.max_attempts = max_attempts
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.timeout = timeout
+
+    # -- public API -----------------------------------------------------------------------
+
+    def send_all(
+        self,
+        effects: Iterable[Effect],
+        sender: Sender,
+        *,
+        base_url: str,
+        total: int | None = None,
+        raise_on_failure: bool = True,
+    ) -> LedgerSummary:
+        """Send every effect not yet confirmed; return the counts.
+
+        ``effects`` is consumed lazily, ``batch_size`` at a time. In a dry run nothing is
+        sent and nothing written: the summary says what would be sent or skipped.
+        Raises :class:`RemoteCallError` at the end when an effect failed or stayed pending
+        (after the whole stream was processed), and :class:`IdempotencyKeyConflictError`
+        when a key was reused for a different request.
+        """
+        summary = LedgerSummary()
+        with self.run.bookkeeping_connection() as conn:
+            summary = asyncio.run(self._send_all(conn, effects, sender, base_url, total, summary))
+        self._log_progress(summary, total, final=True)
+        if summary.conflicts:
+            raise IdempotencyKeyConflictError(
+                f"{summary.conflicts} idempotency key(s) of {self.remote_system!r} were already "
+                f"used for a different request, e.g. {summary.errors[:3]}. Nothing was sent for "
+                "them. A key must name one request forever: fix the data or use new keys on "
+                "purpose (never for an effect that may already have happened)."
+            )
+        if raise_on_failure and not summary.ok:
+            raise RemoteCallError(
+                f"{self.remote_system}: {summary.failed} effect(s) failed and {summary.pending} "
+                f"stayed pending of {summary.total}; first errors: {summary.errors[:3]}. "
+                "They are in the outbound ledger; a rerun retries them with the same keys."
+            )
+        return summary
+
+    def rows(self, job_name: str | None = None, run_key: str | None = None) -> list[dict[str, Any]]:
+        """The ledger rows of a job's run key (default: this run's), ordered by key."""
+        params = {
+            "job_name": job_name or self.run.job_name,
+            "run_key": run_key or self.run.run_key,
+            "remote_system": self.remote_system,
+        }
+        with self.run.bookkeeping_connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            return list(cur.execute(query("ledger_rows_for_run"), params))
+
+    # -- internals ------------------------------------------------------------------------
+
+    async def _send_all(
+        self,
+        conn: psycopg.Connection,
+        effects: Iterable[Effect],
+        sender: Sender,
+        base_url: str,
+        total: int | None,
+        summary: LedgerSummary,
+    ) -> LedgerSummary:
+        limits = httpx.Limits(
+            max_connections=self.concurrency, max_keepalive_connections=self.concurrency
+        )
+        semaphore = asyncio.Semaphore(self.concurrency)
+        async with httpx.AsyncClient(
+            base_url=base_url, timeout=self.timeout, limits=limits
+        ) as client:
+            for batch in _batches(effects, self.batch_size):
+                to_send = self._claim(conn, batch, summary)
+                if to_send and not self.run.dry_run:
+                    outcomes = await asyncio.gather(
+                        *(self._call(client, sender, effect, semaphore) for effect in to_send)
+                    )
+                    crash_point("ledger.before_record_outcomes")
+                    self._record(conn, outcomes, summary)
+                elif to_send:
+                    summary.sent += len(to_send)  # would be sent
+                self._log_progress(summary, total)
+        return summary
+
+    def _claim(
+        self, conn: psycopg.Connection, batch: list[Effect], summary: LedgerSummary
+    ) -> list[Effect]:
+        for effect in batch:
+            check_text(effect.idempotency_key, "idempotency key")
+        by_key = {e.idempotency_key: e for e in batch}
+        if len(by_key) != len(batch):
+            raise InvalidInputError(
+                f"duplicate idempotency keys in one batch of {self.remote_system!r}"
+            )
+        params = {
+            "keys": list(by_key),
+            "fingerprints": [e.fingerprint for e in batch],
+            "remote_system": self.remote_system,
+            "job_name": self.run.job_name,
+            "run_key": self.run.run_key,
+            "attempt_id": self.run.attempt_id,
+        }
+        if self.run.dry_run:
+            known = conn.execute(query("ledger_classify_batch"), params).fetchall()
+        else:
+            with conn.transaction():
+                self.run.assert_lock_held(conn)  # fencing: no new claims once the lock is gone
+                known = conn.execute(query("ledger_claim_batch"), params).fetchall()
+            crash_point("ledger.after_claim")
+        summary.total += len(batch)
+        to_send = []
+        for key, status, stored_fingerprint, _reference in known:
+            effect = by_key[key]
+            if status is not None and stored_fingerprint != effect.fingerprint:
+                summary.conflicts += 1
+                summary.errors.append(f"{key}: request differs from the one first sent")
+            elif status == "succeeded":
+                summary.skipped_existing += 1
+            else:
+                to_send.append(effect)
+        return to_send
+
+    async def _call(
+        self,
+        client: httpx.AsyncClient,
+        sender: Sender,
+        effect: Effect,
+        semaphore: asyncio.Semaphore,
+    ) -> _Outcome:
+        calls = 0
+        async with semaphore:
+            crash_point("ledger.before_remote_call")
+            try:
+                async for attempt in AsyncRetrying(
+                    retry=retry_if_exception_type(TransientRemoteError),
+                    stop=stop_after_attempt(self.max_attempts),
+                    wait=wait_exponential_jitter(
+                        initial=self.backoff_initial, max=self.backoff_max
+                    ),
+                    reraise=True,
+                ):
+                    with attempt:
+                        calls += 1
+                        confirmation = await sender(client, effect)
+            except TransientRemoteError as exc:
+                return _Outcome(
+                    effect.idempotency_key,
+                    "pending",
+                    None,
+                    f"gave up after {calls} tries: {exc}",
+                    calls,
+                )
+            except PermanentRemoteError as exc:
+                return _Outcome(effect.idempotency_key, "failed", None, str(exc), calls)
+            crash_point("ledger.after_remote_commit")
+            return _Outcome(
+                effect.idempotency_key, "succeeded", confirmation.reference, None, calls
+            )
+
+    def _record(
+        self, conn: psycopg.Connection, outcomes: list[_Outcome], summary: LedgerSummary
+    ) -> None:
+        conn.execute(
+            query("ledger_record_outcomes"),
+            {
+                "keys": [o.key for o in outcomes],
+                "statuses": [o.status for o in outcomes],
+                "references": [o.reference for o in outcomes],
+                "errors": [o.error for o in outcomes],
+                "calls": [o.calls for o in outcomes],
+                "remote_system": self.remote_system,
+                "attempt_id": self.run.attempt_id,
+            },
+        )
+        for outcome in outcomes:
+            summary.calls += outcome.calls
+            if outcome.status == "succeeded":
+                summary.sent += 1
+            elif outcome.status == "failed":
+                summary.failed += 1
+                summary.errors.append(f"{outcome.key}: {outcome.error}")
+            else:
+                summary.pending += 1
+                summary.errors.append(f"{outcome.key}: {outcome.error}")
+
+    def _log_progress(self, summary: LedgerSummary, total: int | None, final: bool = False) -> None:
+        of = f" of {total}" if total is not None else ""
+        verb = "would send" if self.run.dry_run else "sent"
+        self.run.log.info(
+            "%s %s: %s %d, skipped %d (already confirmed), failed %d, pending %d, conflicts %d; "
+            "%d processed%s",
+            "export finished" if final else "export progress",
+            self.remote_system,
+            verb,
+            summary.sent,
+            summary.skipped_existing,
+            summary.failed,
+            summary.pending,
+            summary.conflicts,
+            summary.total,
+            of,
+        )

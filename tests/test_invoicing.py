@@ -1,0 +1,171 @@
+"""The invoice-finalization DAG with real Airflow, real Postgres and the real accounting service."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from airflow.dag_processing.dagbag import BundleDagBag
+
+from airflow_helpers import SUCCESS, task_states
+from devtools.airflow_env import DAGS_FOLDER
+from workers import start_worker
+
+pytestmark = pytest.mark.usefixtures("airflow_home")
+
+D = "2026-10-01"
+FIRE = "2026-10-02T01:00:00+00:00"  # the scheduled run that processes business date D
+
+
+def load_dags() -> BundleDagBag:
+    return BundleDagBag(dag_folder=str(DAGS_FOLDER), bundle_path=DAGS_FOLDER, bundle_name="dags-folder")
+
+
+def run_finalize(conf: dict[str, Any] | None = None, logical_date: Any = FIRE) -> Any:
+    import pendulum
+
+    dag = load_dags().dags["finalize_invoices"]
+    when = pendulum.parse(logical_date) if isinstance(logical_date, str) else logical_date
+    return dag.test(logical_date=when, run_conf=conf)
+
+
+def job_details(dsn: str, job: str, run_key: str = D) -> dict[str, Any]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT details FROM idempotency.job_runs WHERE job_name = %s AND run_key = %s",
+            (f"finalize_invoices.{job}", run_key),
+        ).fetchone()
+    return row[0] if row else {}
+
+
+def attempts(dsn: str, job: str) -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        return [
+            o
+            for (o,) in conn.execute(
+                "SELECT outcome FROM idempotency.job_run_attempts WHERE job_name = %s ORDER BY attempt_id",
+                (f"finalize_invoices.{job}",),
+            )
+        ]
+
+
+def assert_converged(state: dict[str, Any]) -> None:
+    """Invoices = orders, one remote invoice per order, every ledger row confirmed."""
+    n = state["orders"]
+    assert n > 0
+    assert len(state["invoices"]) == n and state["uninvoiced_orders"] == 0
+    assert len(state["remote"]) == n and state["remote_duplicate_orders"] == []
+    assert [status for _, status, _ in state["ledger"]] == ["succeeded"] * n
+    assert sum(count for _, count, _ in state["totals"]) == n
+
+
+def test_dag_bag_loads_without_import_errors() -> None:
+    """Every DAG file in dags/ imports cleanly, and the example DAGs are there."""
+    bag = load_dags()
+    assert bag.import_errors == {}
+    assert {"finalize_invoices", "daily_reconciliation", "daily_reconciliation_pasted_twice"} <= set(bag.dags)
+
+
+def test_date_run_twice_invoices_and_exports_once(invoicing) -> None:  # type: ignore[no-untyped-def]
+    """A date run twice: invoices = orders, one remote invoice per order, all confirmed; the second run is a no-op."""
+    invoicing.seed(D, orders=150)
+    first = run_finalize()
+    assert first.state == SUCCESS, task_states(first)
+    state = invoicing.state(D)
+    assert_converged(state)
+    assert job_details(invoicing.dsn, "create_invoices") == {"orders_seen": 150, "invoices_created": 150}
+    export = job_details(invoicing.dsn, "export_invoices")
+    assert (export["exports_sent"], export["exports_skipped_existing"]) == (150, 0)
+    requests_before = invoicing.service.stats()["requests"]
+
+    second = run_finalize()
+    assert second.state == SUCCESS
+    assert invoicing.state(D) == state
+    assert invoicing.service.stats()["requests"] == requests_before  # not a single call
+    for job in ("create_invoices", "rebuild_totals", "export_invoices"):
+        assert attempts(invoicing.dsn, job) == ["completed", "noop"]
+    assert task_states(second)["reconcile_export"] == "skipped"
+
+
+def test_force_recomputes_but_never_resends(invoicing) -> None:  # type: ignore[no-untyped-def]
+    """force reruns the internal writes of a completed date, and skips every confirmed export."""
+    invoicing.seed(D, orders=80)
+    run_finalize()
+    state = invoicing.state(D)
+    requests_before = invoicing.service.stats()["requests"]
+    forced = run_finalize(conf={"run_key": D, "force": True, "dry_run": False}, logical_date=None)
+    assert forced.state == SUCCESS, task_states(forced)
+    assert invoicing.state(D) == state
+    assert invoicing.service.stats()["requests"] == requests_before
+    export = job_details(invoicing.dsn, "export_invoices")
+    assert (export["exports_sent"], export["exports_skipped_existing"]) == (0, 80)
+    assert job_details(invoicing.dsn, "create_invoices")["invoices_created"] == 0
+
+
+def test_5xx_faults_are_retried_with_the_same_key(invoicing) -> None:  # type: ignore[no-untyped-def]
+    """With 30% of requests failing 503, every invoice is still exported exactly once."""
+    invoicing.seed(D, orders=120)
+    invoicing.service.set_faults(fail_rate=0.3)
+    dr = run_finalize()
+    assert dr.state == SUCCESS, task_states(dr)
+    assert_converged(invoicing.state(D))
+    stats = invoicing.service.stats()
+    assert stats["faults_injected"]["fail"] > 0
+    assert stats["invoices"] == 120
+
+
+def test_commit_then_timeout_creates_no_second_invoice(invoicing) -> None:  # type: ignore[no-untyped-def]
+    """The service commits, then hangs past the client timeout: the retry with the same key is replayed."""
+    invoicing.seed(D, orders=60)
+    invoicing.service.set_faults(timeout_after_commit_rate=0.2, hang_seconds=3)
+    dr = run_finalize()
+    assert dr.state == SUCCESS, task_states(dr)
+    state = invoicing.state(D)
+    assert_converged(state)
+    stats = invoicing.service.stats()
+    assert stats["faults_injected"]["timeout_after_commit"] > 0 and stats["replays"] > 0
+
+
+def test_connection_resets_are_retried(invoicing) -> None:  # type: ignore[no-untyped-def]
+    """Dropped connections (no HTTP answer at all) are retried with the same key: no duplicates."""
+    invoicing.seed(D, orders=60)
+    invoicing.service.set_faults(reset_rate=0.25)
+    dr = run_finalize()
+    assert dr.state == SUCCESS, task_states(dr)
+    assert_converged(invoicing.state(D))
+
+
+def test_worker_killed_mid_export_then_rerun_converges(invoicing, airflow_home) -> None:  # type: ignore[no-untyped-def]
+    """The worker is SIGKILLed after the service committed an invoice but before the ledger knew: the rerun sends no duplicate."""
+    invoicing.seed(D, orders=200)
+    env = {**invoicing.connection_env(), "AIRFLOW_IDEMPOTENCY_CRASH_AT": "ledger.after_remote_commit@90"}
+    crashed = start_worker(airflow_home, "finalize_invoices", FIRE, invoicing.dsn, env, dags_folder=DAGS_FOLDER)
+    out, _ = crashed.communicate(timeout=240)
+    assert "fault point ledger.after_remote_commit@90: SIGKILL" in out, out[-3000:]
+    middle = invoicing.state(D)
+    assert 0 < len(middle["remote"]) < 200
+    assert any(status == "pending" for _, status, _ in middle["ledger"])
+
+    rerun = start_worker(airflow_home, "finalize_invoices", FIRE, invoicing.dsn, invoicing.connection_env(), dags_folder=DAGS_FOLDER)
+    out, _ = rerun.communicate(timeout=240)
+    assert rerun.returncode == 0, out[-3000:]
+    assert_converged(invoicing.state(D))
+
+
+def test_force_reconcile_mends_pending_keys_with_the_same_key(invoicing) -> None:  # type: ignore[no-untyped-def]
+    """force_reconcile finds ledger rows left pending after the remote committed, and confirms them without duplicates."""
+    invoicing.seed(D, orders=50)
+    run_finalize()
+    with psycopg.connect(invoicing.dsn, autocommit=True) as conn:
+        # What a crash between the remote commit and the ledger update leaves behind.
+        conn.execute(
+            "UPDATE idempotency.outbound_ledger SET status = 'pending', remote_reference = NULL"
+            " WHERE idempotency_key IN (SELECT idempotency_key FROM idempotency.outbound_ledger ORDER BY 1 LIMIT 7)"
+        )
+    dr = run_finalize(conf={"run_key": D, "force_reconcile": True, "force": False, "dry_run": False}, logical_date=None)
+    assert dr.state == SUCCESS, task_states(dr)
+    details = job_details(invoicing.dsn, "reconcile_export")
+    assert details["reconcile_not_confirmed"] == 7 and details["reconcile_mended"] == 7
+    assert details["reconcile_confirmed_missing_remotely"] == 0
+    assert_converged(invoicing.state(D))
