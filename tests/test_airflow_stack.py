@@ -1,0 +1,85 @@
+"""The real-Airflow tooling of devtools/airflow_stack.py: scheduler, api-server, dag-processor."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from datetime import date
+from pathlib import Path
+
+import psutil
+import pytest
+from devtools.airflow_stack import airflow_stack, run_id_from_trigger_output
+
+DAGS = Path(__file__).resolve().parent / "dags_stack"
+
+
+def test_trigger_output_parsing() -> None:
+    """The run id is read from the JSON line that `airflow dags trigger -o json` prints after its logs."""
+    out = (
+        "2026-11-29T08:50:49Z [info] creating dag run run_id=manual__x\n"
+        '[{"conf": {"a": "1"}, "dag_id": "d", "dag_run_id": "manual__2026", "state": "queued"}]\n'
+    )
+    assert run_id_from_trigger_output(out) == "manual__2026"
+
+
+def _home_processes(home: Path) -> list[psutil.Process]:
+    """Processes whose environment (as far as still readable) names ``home`` as AIRFLOW_HOME."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("AIRFLOW_HOME") == str(home) and proc.status() != "zombie":
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_backfill_then_reprocess_completed(tmp_path: Path) -> None:
+    """A real stack runs a 3-date backfill, reruns it with reprocess "completed", and leaves no process."""
+    out = tmp_path / "lines.txt"
+    home = tmp_path / "home"
+    t0 = time.monotonic()
+    with airflow_stack(home, DAGS, extra_env={"STACK_PROBE_OUT": str(out)}) as stack:
+        t_up = time.monotonic()
+        stack.unpause("stack_probe")
+        t1 = time.monotonic()
+        first = stack.backfill("stack_probe", "2026-10-01", "2026-10-03")
+        t2 = time.monotonic()
+        second = stack.backfill(
+            "stack_probe", date(2026, 10, 1), date(2026, 10, 3), reprocess_behavior="completed"
+        )
+        t3 = time.monotonic()
+
+        dates = [date(2026, 10, d) for d in (1, 2, 3)]
+        assert [(r.logical_date.date() if r.logical_date else None) for r in first] == dates
+        assert {(r.state, r.run_type, r.clear_number) for r in first} == {
+            ("success", "backfill", 0)
+        }
+        # "completed" clears and reruns the same runs rather than creating new ones.
+        assert [r.run_id for r in second] == [r.run_id for r in first]
+        assert {(r.state, r.run_type, r.clear_number) for r in second} == {
+            ("success", "backfill", 1)
+        }
+        for run in second:
+            [ti] = stack.task_instances("stack_probe", run.run_id)
+            assert (ti.task_id, ti.state, ti.try_number) == ("write_line", "success", 2)
+        # USE_JOB_SCHEDULE=False: unpausing created no scheduled__<today> run.
+        assert [r.run_id for r in stack.dag_runs("stack_probe")] == [r.run_id for r in first]
+
+        components = [psutil.Process(p.pid) for p in stack.procs.values()]
+        tree = {psutil.Process(i.pid) for i in stack.tree() if psutil.pid_exists(i.pid)}
+        for proc in components:
+            tree.update(proc.children(recursive=True))
+        assert len(tree) >= len(components)
+        print(
+            f"\nstack timings: set-up {t_up - t0:.1f}s {stack.timings}, unpause {t1 - t_up:.1f}s, "
+            f"backfill {t2 - t1:.1f}s, reprocess backfill {t3 - t2:.1f}s"
+        )
+
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 6
+    assert Counter(line.split()[0] for line in lines) == {r.run_id: 2 for r in first}
+    assert [p for p in tree if p.is_running() and p.status() != "zombie"] == []
+    assert _home_processes(home.resolve()) == []
