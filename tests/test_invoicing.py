@@ -10,7 +10,7 @@ from airflow.dag_processing.dagbag import BundleDagBag
 
 from airflow_helpers import SUCCESS, task_states
 from devtools.airflow_env import DAGS_FOLDER
-from workers import start_worker
+from workers import kill_group, start_worker, wait_until
 
 pytestmark = pytest.mark.usefixtures("airflow_home")
 
@@ -169,3 +169,44 @@ def test_force_reconcile_mends_pending_keys_with_the_same_key(invoicing) -> None
     assert details["reconcile_not_confirmed"] == 7 and details["reconcile_mended"] == 7
     assert details["reconcile_confirmed_missing_remotely"] == 0
     assert_converged(invoicing.state(D))
+
+
+def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home) -> None:  # type: ignore[no-untyped-def]
+    """Two DAGs with the same job name run the same date at once: one works, the other waits on the lock, then no-ops."""
+    invoicing.seed(D, orders=30)
+    fire = "2026-10-02T01:30:00+00:00"
+    slow = {**invoicing.connection_env(), "AIRFLOW_IDEMPOTENCY_SLEEP_AT": "runner.after_started=25"}
+    first = start_worker(airflow_home, "daily_reconciliation", fire, invoicing.dsn, slow, dags_folder=DAGS_FOLDER)
+    try:
+        wait_until(
+            lambda: query(
+                invoicing.dsn,
+                "SELECT to_regclass('idempotency.job_runs') IS NOT NULL"
+                " AND EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory')",
+            )[0][0],
+            timeout=120, what="the first DAG to start the job",
+        )
+        second = start_worker(
+            airflow_home, "daily_reconciliation_pasted_twice", fire, invoicing.dsn,
+            invoicing.connection_env(), dags_folder=DAGS_FOLDER,
+        )
+        out2, _ = second.communicate(timeout=240)
+        out1, _ = first.communicate(timeout=240)
+    finally:
+        kill_group(first)
+    assert first.returncode == 0, out1[-3000:]
+    assert second.returncode == 0, out2[-3000:]
+    assert "is locked by another execution" in out2
+    rows = query(
+        invoicing.dsn,
+        "SELECT dag_id, outcome FROM idempotency.job_run_attempts WHERE job_name = 'daily_reconciliation' ORDER BY attempt_id",
+    )
+    assert rows[0] == ("daily_reconciliation", "completed")
+    assert ("daily_reconciliation_pasted_twice", "lock_held") in rows
+    assert rows[-1] == ("daily_reconciliation_pasted_twice", "noop")
+    assert query(invoicing.dsn, "SELECT count(*), max(runs) FROM reconciliation_summary") == [(1, 1)]
+
+
+def query(dsn: str, sql: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(sql).fetchall()
