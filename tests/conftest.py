@@ -141,3 +141,12 @@ def invoicing(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Invoicin
         for name, value in env.connection_env().items():
             monkeypatch.setenv(name, value)
         yield env
+
+
+@pytest.fixture
+def accounting(pg_dsn: str) -> Iterator[Any]:
+    """The accounting service running as its own process on the test database."""
+    from devtools.accounting import run_accounting_service
+
+    with run_accounting_service(pg_dsn) as service:
+        yield service
