@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import cached_property
 from typing import Any, Literal
@@ -24,6 +25,7 @@ from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_i
 from airflow_idempotency.schema import DEFAULT_SCHEMA
 
 OnLocked = Literal["reschedule", "fail", "skip"]
+ON_LOCKED_ENV = "AIRFLOW_IDEMPOTENCY_ON_LOCKED"
 OnCompleted = Literal["succeed", "skip"]
 
 _TRIGGERED_BY = {
@@ -262,9 +264,13 @@ class IdempotentRunOperator(BaseOperator):
             ) from exc
 
     def _on_locked(self, context: Context, exc: RunLockedError) -> None:
-        if self.on_locked == "skip":
+        # The CLI's `run` sets this so that a locked key fails at once (exit code 75).
+        policy = os.environ.get(ON_LOCKED_ENV) or self.on_locked
+        if policy not in ("reschedule", "fail", "skip"):
+            raise AirflowFailException(f"{ON_LOCKED_ENV}={policy!r}: use reschedule, fail or skip")
+        if policy == "skip":
             raise AirflowSkipException(f"{exc}; skipping (on_locked='skip')") from exc
-        if self.on_locked == "fail":
+        if policy == "fail":
             raise AirflowFailException(f"{exc}; failing (on_locked='fail')") from exc
         waited = self.reschedule_interval * int(context.get("task_reschedule_count") or 0)
         if waited >= self.lock_timeout:

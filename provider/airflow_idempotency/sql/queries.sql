@@ -184,3 +184,78 @@ SELECT idempotency_key, status, request_fingerprint, remote_reference, call_coun
 FROM outbound_ledger
 WHERE job_name = %(job_name)s AND run_key = %(run_key)s AND remote_system = %(remote_system)s
 ORDER BY idempotency_key;
+
+-- name: cli_list_runs
+-- Filters are optional: a NULL parameter matches everything.
+SELECT job_name, run_key, status, triggered_by, triggering_user, dag_id, run_id,
+       attempt_count, started_at, completed_at, updated_at, details
+FROM job_runs
+WHERE (%(job)s::text IS NULL OR job_name = %(job)s)
+  AND (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(from_key)s::text IS NULL OR run_key >= %(from_key)s)
+  AND (%(to_key)s::text IS NULL OR run_key <= %(to_key)s)
+ORDER BY run_key DESC, job_name
+LIMIT %(limit)s;
+
+-- name: cli_attempts
+SELECT attempt_id, outcome, triggered_by, triggering_user, dag_id, run_id, task_id, try_number,
+       hostname, pid, force, dry_run, started_at, finished_at, error, details
+FROM job_run_attempts
+WHERE job_name = %(job)s AND run_key = %(run_key)s
+ORDER BY attempt_id;
+
+-- name: cli_locks
+-- Advisory locks held right now in this database, matched to the run they protect.
+SELECT r.job_name, r.run_key, r.status, a.pid AS backend_pid, a.application_name,
+       coalesce(a.client_hostname, host(a.client_addr), 'local socket') AS client,
+       a.backend_start, att.hostname AS worker_host, att.pid AS worker_pid,
+       att.started_at AS attempt_started_at, att.dag_id, att.run_id
+FROM pg_locks AS l
+JOIN pg_stat_activity AS a ON a.pid = l.pid
+LEFT JOIN job_runs AS r
+    ON ((r.lock_key >> 32) & 4294967295) = l.classid::bigint
+   AND (r.lock_key & 4294967295) = l.objid::bigint
+LEFT JOIN LATERAL (
+    SELECT hostname, pid, started_at, dag_id, run_id
+    FROM job_run_attempts
+    WHERE lock_backend_pid = a.pid AND outcome = 'running' AND lock_key = r.lock_key
+    ORDER BY attempt_id DESC
+    LIMIT 1
+) AS att ON true
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ORDER BY a.backend_start;
+
+-- name: cli_ledger_summary
+SELECT job_name, run_key, remote_system, status, count(*) AS effects,
+       max(updated_at) AS last_update
+FROM outbound_ledger
+WHERE (%(job)s::text IS NULL OR job_name = %(job)s)
+  AND (%(run_key)s::text IS NULL OR run_key = %(run_key)s)
+  AND (%(all)s OR status <> 'succeeded')
+GROUP BY job_name, run_key, remote_system, status
+ORDER BY run_key DESC, job_name, status;
+
+-- name: cli_ledger_problems
+SELECT job_name, run_key, remote_system, idempotency_key, status, call_count, last_error, updated_at
+FROM outbound_ledger
+WHERE status <> 'succeeded'
+  AND (%(job)s::text IS NULL OR job_name = %(job)s)
+  AND (%(run_key)s::text IS NULL OR run_key = %(run_key)s)
+ORDER BY updated_at DESC
+LIMIT %(limit)s;
+
+-- name: reset_run
+-- Only failed or started (stuck) runs: a completed run is recomputed with force instead.
+UPDATE job_runs
+SET status = 'failed', updated_at = now(), current_attempt_id = %(attempt_id)s,
+    details = details || jsonb_build_object('reset_reason', %(reason)s::text,
+                                            'reset_at', now(), 'reset_from', status)
+WHERE job_name = %(job)s AND run_key = %(run_key)s AND status IN ('failed', 'started')
+RETURNING status;
+
+-- name: cli_attempts_since
+SELECT job_name, outcome, error
+FROM job_run_attempts
+WHERE run_key = %(run_key)s AND dag_id = %(dag_id)s AND started_at >= %(since)s
+ORDER BY attempt_id;

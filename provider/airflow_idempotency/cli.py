@@ -1,0 +1,428 @@
+"""``airflow-idempotency``: the on-call operator's view of runs, locks and the ledger.
+
+Exit codes (the runbook's): 0 success, or an already completed key (a no-op);
+1 failure; 2 bad usage (a missing or malformed date); 75 the run key is locked elsewhere.
+
+The database comes from ``--dsn`` (or ``AIRFLOW_IDEMPOTENCY_DSN``), else from the Airflow
+connection ``--conn-id`` (default ``idempotency_default``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from airflow_idempotency import records
+from airflow_idempotency._sql import query
+from airflow_idempotency.locks import release_run_lock, run_lock_key, try_acquire_run_lock
+from airflow_idempotency.operator import ON_LOCKED_ENV
+from airflow_idempotency.records import Trigger
+from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, use_schema
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 75
+DSN_ENV = "AIRFLOW_IDEMPOTENCY_DSN"
+
+
+def business_date(value: str) -> str:
+    """argparse type: a real calendar date written YYYY-MM-DD."""
+    try:
+        if len(value) == 10:
+            return dt.date.fromisoformat(value).isoformat()
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{value!r} is not a date in the format YYYY-MM-DD")
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    if args.dsn or os.environ.get(DSN_ENV):
+        return str(args.dsn or os.environ[DSN_ENV])
+    from airflow_idempotency.hook import IdempotencyHook
+
+    try:
+        hook = IdempotencyHook(postgres_conn_id=args.conn_id)
+        conn = hook.new_connection()
+    except Exception as exc:
+        raise SystemExit(
+            f"error: cannot open Airflow connection {args.conn_id!r} ({exc}). "
+            f"Pass --dsn or set {DSN_ENV}."
+        ) from exc
+    with conn:
+        return str(conn.info.dsn) + (
+            f" password={conn.info.password}" if conn.info.password else ""
+        )
+
+
+def _connect(args: argparse.Namespace) -> psycopg.Connection:
+    conn = psycopg.connect(_dsn(args), autocommit=True)
+    ensure_schema(conn, args.schema)
+    use_schema(conn, args.schema)
+    return conn
+
+
+def fetch(
+    conn: psycopg.Connection, name: str, params: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Rows of the named query as dicts."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query(name), params).fetchall()
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat(timespec="seconds")
+    if isinstance(value, dict | list):
+        return json.dumps(value, default=str)
+    return "" if value is None else value
+
+
+def emit(
+    args: argparse.Namespace, title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]
+) -> None:
+    """Print rows as a table, or as JSON with --json."""
+    if args.json:
+        print(json.dumps([{c: r.get(c) for c in columns} for r in rows], default=str, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(_plain(row.get(c))) for c in columns))
+    Console(width=max(120, os.get_terminal_size().columns if sys.stdout.isatty() else 160)).print(
+        table if rows else f"{title}: none"
+    )
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    with _connect(args) as conn:
+        rows = fetch(
+            conn,
+            "cli_list_runs",
+            {
+                "job": args.job,
+                "status": args.status,
+                "from_key": args.from_key,
+                "to_key": args.to_key,
+                "limit": args.limit,
+            },
+        )
+    emit(
+        args,
+        "job_runs",
+        rows,
+        [
+            "job_name",
+            "run_key",
+            "status",
+            "triggered_by",
+            "attempt_count",
+            "started_at",
+            "completed_at",
+            "details",
+        ],
+    )
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _connect(args) as conn:
+        run = records.get_run(conn, args.job, args.run_key)
+        attempts = fetch(conn, "cli_attempts", {"job": args.job, "run_key": args.run_key})
+    if run is None and not attempts:
+        print(f"no run recorded for job {args.job!r} run_key {args.run_key!r}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(
+            json.dumps(
+                {"run": run.__dict__ if run else None, "attempts": attempts}, default=str, indent=2
+            )
+        )
+        return EXIT_OK
+    if run:
+        emit(
+            args,
+            f"{args.job} {args.run_key}",
+            [run.__dict__],
+            [
+                "status",
+                "triggered_by",
+                "triggering_user",
+                "dag_id",
+                "run_id",
+                "attempt_count",
+                "started_at",
+                "completed_at",
+                "details",
+            ],
+        )
+    emit(
+        args,
+        "attempts",
+        attempts,
+        [
+            "attempt_id",
+            "outcome",
+            "triggered_by",
+            "dag_id",
+            "task_id",
+            "try_number",
+            "hostname",
+            "pid",
+            "started_at",
+            "finished_at",
+            "error",
+        ],
+    )
+    return EXIT_OK
+
+
+def cmd_locks(args: argparse.Namespace) -> int:
+    with _connect(args) as conn:
+        rows = fetch(conn, "cli_locks")
+    emit(
+        args,
+        "held run locks",
+        rows,
+        [
+            "job_name",
+            "run_key",
+            "status",
+            "backend_pid",
+            "client",
+            "worker_host",
+            "worker_pid",
+            "attempt_started_at",
+            "dag_id",
+        ],
+    )
+    return EXIT_OK
+
+
+def cmd_ledger(args: argparse.Namespace) -> int:
+    params = {"job": args.job, "run_key": args.run_key, "all": args.all, "limit": args.limit}
+    with _connect(args) as conn:
+        summary = fetch(conn, "cli_ledger_summary", params)
+        problems = fetch(conn, "cli_ledger_problems", params)
+    if args.json:
+        print(json.dumps({"summary": summary, "not_confirmed": problems}, default=str, indent=2))
+        return EXIT_OK
+    emit(
+        args,
+        "outbound ledger",
+        summary,
+        ["job_name", "run_key", "remote_system", "status", "effects", "last_update"],
+    )
+    if problems:
+        emit(
+            args,
+            "pending and failed effects",
+            problems,
+            ["run_key", "idempotency_key", "status", "call_count", "last_error", "updated_at"],
+        )
+    return EXIT_OK
+
+
+def cmd_reset(args: argparse.Namespace) -> int:
+    """Mark a failed or stuck run failed with a reason, so the next run takes it over cleanly."""
+    lock_key = run_lock_key(args.job, args.run_key)
+    with _connect(args) as conn:
+        lock = try_acquire_run_lock(conn, lock_key)
+        if lock is None:
+            print(
+                f"run key {args.run_key!r} of {args.job!r} is locked: a worker is running it now "
+                "(see `airflow-idempotency locks`). Not resetting.",
+                file=sys.stderr,
+            )
+            return EXIT_LOCKED
+        try:
+            trigger = Trigger(triggered_by="cli", triggering_user=os.environ.get("USER"))
+            attempt_id = records.insert_attempt(
+                conn,
+                job_name=args.job,
+                run_key=args.run_key,
+                lock_key=lock_key,
+                outcome="reset",
+                trigger=trigger,
+                lock=lock,
+                error=args.reason,
+            )
+            reset = fetch(
+                conn,
+                "reset_run",
+                {
+                    "job": args.job,
+                    "run_key": args.run_key,
+                    "reason": args.reason,
+                    "attempt_id": attempt_id,
+                },
+            )
+        finally:
+            release_run_lock(conn, lock)
+    if not reset:
+        print(
+            f"nothing reset: job {args.job!r} run_key {args.run_key!r} is not failed or started "
+            "(a completed run is recomputed with force=true instead).",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    print(f"reset {args.job} {args.run_key} to failed (reason recorded, attempt {attempt_id})")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run one business date of a DAG through Airflow (`airflow dags test`) and classify it."""
+    conf: dict[str, Any] = {"run_key": args.date, "force": args.force, "dry_run": args.dry_run}
+    if args.force_reconcile:
+        conf["force_reconcile"] = True
+    with _connect(args) as conn:
+        since = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    env = {**os.environ, ON_LOCKED_ENV: "fail"}
+    with tempfile.NamedTemporaryFile(
+        "w+", prefix=f"{args.dag_id}-{args.date}-", suffix=".log", delete=False
+    ) as log:
+        command = [
+            sys.executable,
+            "-m",
+            "airflow",
+            "dags",
+            "test",
+            args.dag_id,
+            "-c",
+            json.dumps(conf),
+        ]
+        code = subprocess.run(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False
+        ).returncode
+    with _connect(args) as conn:
+        attempts = fetch(
+            conn,
+            "cli_attempts_since",
+            {"run_key": args.date, "dag_id": args.dag_id, "since": since},
+        )
+    outcomes = {a["outcome"] for a in attempts}
+    if "lock_held" in outcomes:
+        verdict, exit_code = "locked elsewhere", EXIT_LOCKED
+    elif code != 0 or not attempts or outcomes & {"failed", "lock_lost"}:
+        verdict, exit_code = "failed", EXIT_FAILED
+    elif outcomes == {"noop"}:
+        verdict, exit_code = "no-op: already completed", EXIT_OK
+    else:
+        verdict, exit_code = "dry run" if args.dry_run else "completed", EXIT_OK
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "dag_id": args.dag_id,
+                    "run_key": args.date,
+                    "verdict": verdict,
+                    "exit_code": exit_code,
+                    "attempts": attempts,
+                    "log": log.name,
+                },
+                default=str,
+                indent=2,
+            )
+        )
+    else:
+        print(f"{args.dag_id} {args.date}: {verdict}")
+        emit(args, "attempts of this run", attempts, ["job_name", "outcome", "error"])
+        print(f"log: {log.name}")
+        if exit_code == EXIT_FAILED and not attempts:
+            with open(log.name, encoding="utf-8", errors="replace") as f:
+                print("".join(f.readlines()[-30:]), file=sys.stderr)
+    return exit_code
+
+
+# -- parser -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="airflow-idempotency", description=__doc__.split("\n\n")[0]
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dsn", help=f"libpq DSN of the job database (or set {DSN_ENV})")
+    common.add_argument("--conn-id", default="idempotency_default", help="Airflow connection id")
+    common.add_argument("--schema", default=DEFAULT_SCHEMA, help="bookkeeping schema")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    runs = sub.add_parser("runs", parents=[common], help="list job runs")
+    runs.add_argument("--job")
+    runs.add_argument("--status", choices=["started", "completed", "failed"])
+    runs.add_argument("--from", dest="from_key", metavar="RUN_KEY", help="run keys >= this")
+    runs.add_argument("--to", dest="to_key", metavar="RUN_KEY", help="run keys <= this")
+    runs.add_argument("--limit", type=int, default=100)
+    runs.set_defaults(func=cmd_runs)
+
+    show = sub.add_parser("show", parents=[common], help="one run and all its attempts")
+    show.add_argument("job")
+    show.add_argument("run_key")
+    show.set_defaults(func=cmd_show)
+
+    sub.add_parser("locks", parents=[common], help="run keys locked now, by whom").set_defaults(
+        func=cmd_locks
+    )
+
+    ledger = sub.add_parser("ledger", parents=[common], help="pending and failed external effects")
+    ledger.add_argument("--job")
+    ledger.add_argument("--run-key")
+    ledger.add_argument(
+        "--all", action="store_true", help="include succeeded effects in the summary"
+    )
+    ledger.add_argument("--limit", type=int, default=50)
+    ledger.set_defaults(func=cmd_ledger)
+
+    reset = sub.add_parser(
+        "reset", parents=[common], help="mark a failed or stuck run failed, with a reason"
+    )
+    reset.add_argument("job")
+    reset.add_argument("run_key")
+    reset.add_argument(
+        "--reason", required=True, help="why (recorded in job_runs and the attempts)"
+    )
+    reset.set_defaults(func=cmd_reset)
+
+    run = sub.add_parser(
+        "run", parents=[common], help="run one business date of a DAG through Airflow"
+    )
+    run.add_argument("dag_id")
+    run.add_argument("--date", required=True, type=business_date, help="business date, YYYY-MM-DD")
+    run.add_argument("--dry-run", action="store_true")
+    run.add_argument("--force", action="store_true", help="recompute a completed date")
+    run.add_argument(
+        "--force-reconcile", action="store_true", help="reconcile the external effects"
+    )
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except psycopg.OperationalError as exc:
+        print(f"error: cannot reach the job database: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
