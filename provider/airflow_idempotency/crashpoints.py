@@ -4,7 +4,8 @@ For tests and demos of crash recovery; no code is edited to inject a fault.
 
 - ``AIRFLOW_IDEMPOTENCY_CRASH_AT="ledger.after_remote_commit@250"`` SIGKILLs the process
   the 250th time that point is reached (``@N`` defaults to 1);
-- ``AIRFLOW_IDEMPOTENCY_SLEEP_AT="runner.after_started=8"`` sleeps 8 seconds there.
+- ``AIRFLOW_IDEMPOTENCY_SLEEP_AT="runner.after_started=8"`` sleeps 8 seconds there, the
+  first time the point is reached.
 
 Several points may be given, comma-separated. With neither variable set (the normal
 case) a fault point costs two dictionary lookups.
@@ -26,6 +27,7 @@ from collections import Counter
 CRASH_ENV = "AIRFLOW_IDEMPOTENCY_CRASH_AT"
 SLEEP_ENV = "AIRFLOW_IDEMPOTENCY_SLEEP_AT"
 _hits: Counter[str] = Counter()
+_slept: dict[str, bool] = {}
 
 
 def _parse(spec: str, separator: str) -> dict[str, str]:
@@ -41,7 +43,8 @@ def crash_point(name: str) -> None:
     if CRASH_ENV not in os.environ and SLEEP_ENV not in os.environ:
         return
     pause = _parse(os.environ.get(SLEEP_ENV, ""), "=").get(name)
-    if pause:
+    if pause and not _slept.get(name):
+        _slept[name] = True
         print(f"fault point {name}: sleeping {pause}s", file=sys.stderr, flush=True)
         time.sleep(float(pause))
     nth = _parse(os.environ.get(CRASH_ENV, ""), "@").get(name)

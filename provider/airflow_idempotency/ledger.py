@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
@@ -43,6 +44,7 @@ from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
     IdempotencyKeyConflictError,
     InvalidInputError,
+    LockLostError,
     RemoteCallError,
 )
 from airflow_idempotency.run_key import check_text
@@ -157,6 +159,9 @@ def _batches(effects: Iterable[Effect], size: int) -> Iterator[list[Effect]]:
         yield batch
 
 
+_NOT_SENT = "not sent: this run lost its lock (another attempt may own the key now)"
+
+
 class OutboundLedger:
     """Send effects to ``remote_system`` at most once each, across reruns and crashes.
 
@@ -166,6 +171,8 @@ class OutboundLedger:
     :param batch_size: effects claimed and recorded per statement.
     :param max_attempts: tries per effect and call of :meth:`send_all` (transient errors).
     :param timeout: seconds per HTTP request.
+    :param lock_check_interval: before a call, re-check (at most this often) that the run
+        still holds its lock; once it is lost no further call is made.
     """
 
     def __init__(
@@ -179,6 +186,7 @@ class OutboundLedger:
         backoff_initial: float = 0.2,
         backoff_max: float = 5.0,
         timeout: float = 10.0,
+        lock_check_interval: float = 0.5,
     ) -> None:
         check_text(remote_system, "remote system name")
         if concurrency < 1 or batch_size < 1 or max_attempts < 1:
@@ -191,6 +199,10 @@ class OutboundLedger:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.timeout = timeout
+        self.lock_check_interval = lock_check_interval
+        self._conn: psycopg.Connection | None = None
+        self._lock_checked_at = 0.0
+        self._lock_lost = False
 
     # -- public API -----------------------------------------------------------------------
 
@@ -213,6 +225,7 @@ class OutboundLedger:
         """
         summary = LedgerSummary()
         with self.run.bookkeeping_connection() as conn:
+            self._conn = conn
             summary = asyncio.run(self._send_all(conn, effects, sender, base_url, total, summary))
         self._log_progress(summary, total, final=True)
         if summary.conflicts:
@@ -266,6 +279,12 @@ class OutboundLedger:
                     )
                     crash_point("ledger.before_record_outcomes")
                     self._record(conn, outcomes, summary)
+                    if self._lock_lost:
+                        raise LockLostError(
+                            f"job {self.run.job_name!r} run_key {self.run.run_key!r} lost its lock "
+                            f"during the export to {self.remote_system!r}: stopped sending; "
+                            "confirmations received so far are recorded."
+                        )
                 elif to_send:
                     summary.sent += len(to_send)  # would be sent
                 self._log_progress(summary, total)
@@ -329,6 +348,10 @@ class OutboundLedger:
                     reraise=True,
                 ):
                     with attempt:
+                        if not self._lock_still_held():
+                            return _Outcome(
+                                effect.idempotency_key, "pending", None, _NOT_SENT, calls
+                            )
                         calls += 1
                         confirmation = await sender(client, effect)
             except TransientRemoteError as exc:
@@ -345,6 +368,21 @@ class OutboundLedger:
             return _Outcome(
                 effect.idempotency_key, "succeeded", confirmation.reference, None, calls
             )
+
+    def _lock_still_held(self) -> bool:
+        """Re-check the lock at most every ``lock_check_interval`` seconds (~0.2 ms a check).
+
+        Runs on the event loop's thread between awaits, so the connection is never used by
+        two coroutines at once.
+        """
+        if self._lock_lost:
+            return False
+        now = time.monotonic()
+        if now - self._lock_checked_at >= self.lock_check_interval:
+            assert self._conn is not None
+            self._lock_lost = not self.run.lock_is_held(self._conn)
+            self._lock_checked_at = now
+        return not self._lock_lost
 
     def _record(
         self, conn: psycopg.Connection, outcomes: list[_Outcome], summary: LedgerSummary

@@ -170,9 +170,13 @@ class RunContext:
             yield cur
             self.assert_lock_held(conn)
 
+    def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
+        """Whether this run's lock session still holds the lock (checked from ``conn``)."""
+        return lock_is_held(conn or self.connection, self._lock)
+
     def assert_lock_held(self, conn: psycopg.Connection | None = None) -> None:
         """Raise :class:`LockLostError` if this run's lock session has ended."""
-        if not lock_is_held(conn or self.connection, self._lock):
+        if not self.lock_is_held(conn):
             raise LockLostError(
                 f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
                 f"this attempt (its session, backend pid {self._lock.backend_pid}, ended): "

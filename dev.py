@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""One entry point for a fresh clone: `python3 dev.py demo` and `python3 dev.py test`.
+
+Needs only Python 3.10-3.12 (3.11 recommended) and git. Each command first makes sure the
+project's virtual environment exists and matches requirements/lock.txt (creating .venv,
+installing uv into it, syncing the locked packages, installing this checkout), then runs:
+
+    python3 dev.py setup            only the set-up
+    python3 dev.py test [ARGS]      the whole test suite (pytest ARGS)
+    python3 dev.py demo [ARGS]      the guided demo of the invoice DAG
+    python3 dev.py lint             ruff and mypy
+    python3 dev.py cli ARGS         the airflow-idempotency CLI
+    python3 dev.py bench [ARGS]     the benchmarks (figures and ratios, BENCHMARKS.md)
+    python3 dev.py faults [ARGS]    the fault scenarios and their report (FAULTS.md)
+
+PostgreSQL: IDEMPOTENCY_PG_DSN if set, else a server on 127.0.0.1:5432, else an embedded
+server started from the `pgserver` wheel (data in .pgdata/). IDEMPOTENCY_PG=embedded
+forces the embedded one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / "python"
+LOCK = ROOT / "requirements" / "lock.txt"
+STAMP = VENV / ".installed-lock-sha256"
+
+
+def say(message: str) -> None:
+    print(f"[setup] {message}", flush=True)
+
+
+def fail(message: str, fix: str) -> None:
+    print(f"[setup] FAILED: {message}\n[setup] fix: {fix}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def run(cmd: list[str], what: str, fix: str) -> None:
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-25:])
+        fail(f"{what} ({' '.join(cmd[:4])} ... exited {result.returncode}):\n{tail}", fix)
+
+
+def setup() -> None:
+    """Create or refresh .venv so that it holds exactly the locked packages."""
+    if not (3, 10) <= sys.version_info[:2] <= (3, 12):
+        fail(
+            f"Python {sys.version.split()[0]} is not supported (Airflow 3 and the embedded "
+            "PostgreSQL wheel need 3.10-3.12)",
+            "run this script with python3.11, e.g. `python3.11 dev.py test`",
+        )
+    digest = hashlib.sha256(LOCK.read_bytes() + (ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if PYTHON.exists() and STAMP.exists() and STAMP.read_text().strip() == digest:
+        return
+    if not PYTHON.exists():
+        say(f"creating the virtual environment {VENV.relative_to(ROOT)}/ ...")
+        try:
+            venv.EnvBuilder(with_pip=True, clear=VENV.exists()).create(VENV)
+        except Exception as exc:  # noqa: BLE001 - any failure here has the same fix
+            fail(f"could not create {VENV}: {exc}", "install your Python's venv module (Debian: apt-get install python3-venv)")
+    say("installing uv (the package installer) ...")
+    run([str(PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "uv>=0.4"],
+        "pip could not install uv", "check that PyPI is reachable (proxy settings, PIP_INDEX_URL)")
+    packages = sum(1 for line in LOCK.read_text().splitlines() if "==" in line and not line.startswith("#"))
+    say(f"installing {packages} locked packages from {LOCK.relative_to(ROOT)} (about a minute the first time) ...")
+    uv = [str(BIN / "uv"), "pip"]
+    env_python = ["--python", str(PYTHON)]
+    run([*uv, "sync", *env_python, str(LOCK)], "installing the locked packages failed",
+        "check network access to PyPI; delete .venv/ and try again")
+    say("installing this checkout (editable) ...")
+    run([*uv, "install", *env_python, "--no-deps", "-e", "."], "installing the project failed",
+        "delete .venv/ and try again")
+    STAMP.write_text(digest)
+    say("environment ready")
+
+
+def exec_in_venv(args: list[str]) -> None:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "dags"), env.get("PYTHONPATH")) if p)
+    os.chdir(ROOT)
+    os.execve(str(PYTHON), [str(PYTHON), *args], env)
+
+
+def main(argv: list[str]) -> None:
+    command, rest = (argv[0], argv[1:]) if argv else ("help", [])
+    if command in ("help", "-h", "--help"):
+        print(__doc__)
+        return
+    if command not in ("setup", "test", "demo", "lint", "cli", "bench", "faults"):
+        print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
+        raise SystemExit(2)
+    setup()
+    if command == "test":
+        exec_in_venv(["-m", "pytest", *rest])
+    elif command == "demo":
+        exec_in_venv(["-m", "devtools.demo", *rest])
+    elif command == "lint":
+        exec_in_venv(["-m", "devtools.lint", *rest])
+    elif command == "cli":
+        exec_in_venv(["-m", "airflow_idempotency.cli", *rest])
+    elif command == "bench":
+        exec_in_venv(["-m", "bench", *rest])
+    elif command == "faults":
+        exec_in_venv(["-m", "devtools.fault_report", *rest])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
