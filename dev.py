@@ -66,20 +66,34 @@ def setup() -> None:
         say(f"creating the virtual environment {VENV.relative_to(ROOT)}/ ...")
         try:
             venv.EnvBuilder(with_pip=True, clear=VENV.exists()).create(VENV)
-        except Exception as exc:  # noqa: BLE001 - any failure here has the same fix
-            fail(f"could not create {VENV}: {exc}", "install your Python's venv module (Debian: apt-get install python3-venv)")
+        except Exception as exc:
+            fail(
+                f"could not create {VENV}: {exc}",
+                "install your Python's venv module (Debian: apt-get install python3-venv)",
+            )
     say("installing uv (the package installer) ...")
-    run([str(PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "uv>=0.4"],
-        "pip could not install uv", "check that PyPI is reachable (proxy settings, PIP_INDEX_URL)")
-    packages = sum(1 for line in LOCK.read_text().splitlines() if "==" in line and not line.startswith("#"))
-    say(f"installing {packages} locked packages from {LOCK.relative_to(ROOT)} (about a minute the first time) ...")
+    run(
+        [str(PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "uv>=0.4"],
+        "pip could not install uv",
+        "check that PyPI is reachable (proxy settings, PIP_INDEX_URL)",
+    )
+    packages = sum(
+        1 for line in LOCK.read_text().splitlines() if "==" in line and not line.startswith("#")
+    )
+    say(f"installing {packages} locked packages from {LOCK.relative_to(ROOT)} (a minute or so) ...")
     uv = [str(BIN / "uv"), "pip"]
     env_python = ["--python", str(PYTHON)]
-    run([*uv, "sync", *env_python, str(LOCK)], "installing the locked packages failed",
-        "check network access to PyPI; delete .venv/ and try again")
+    run(
+        [*uv, "sync", *env_python, str(LOCK)],
+        "installing the locked packages failed",
+        "check network access to PyPI; delete .venv/ and try again",
+    )
     say("installing this checkout (editable) ...")
-    run([*uv, "install", *env_python, "--no-deps", "-e", "."], "installing the project failed",
-        "delete .venv/ and try again")
+    run(
+        [*uv, "install", *env_python, "--no-deps", "-e", "."],
+        "installing the project failed",
+        "delete .venv/ and try again",
+    )
     STAMP.write_text(digest)
     say("environment ready")
 
@@ -87,7 +101,9 @@ def setup() -> None:
 def exec_in_venv(args: list[str]) -> None:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "dags"), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), str(ROOT / "dags"), env.get("PYTHONPATH")) if p
+    )
     os.chdir(ROOT)
     os.execve(str(PYTHON), [str(PYTHON), *args], env)
 

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+
 from devtools import airflow_env
 from devtools.postgres import PostgresServer, find_server
 
@@ -76,11 +77,16 @@ class InvoicingEnv:
         import datetime as dt
 
         import psycopg
+
         from invoicing.seed import seed_orders
 
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             return seed_orders(
-                conn, dt.date.fromisoformat(start), dt.date.fromisoformat(end or start), orders, seed
+                conn,
+                dt.date.fromisoformat(start),
+                dt.date.fromisoformat(end or start),
+                orders,
+                seed,
             )
 
     def connection_env(self, **extra: Any) -> dict[str, str]:

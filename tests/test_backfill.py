@@ -29,12 +29,16 @@ def outcomes_by_pass(dsn: str) -> list[tuple[str, str, int]]:
 def test_backfill_week_twice_without_duplicates(invoicing, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A 7-date backfill runs each date once; reprocessing the completed range only no-ops."""
     invoicing.seed(BUSINESS_DATES[0], BUSINESS_DATES[-1], orders=40)
-    with airflow_stack(tmp_path / "home", DAGS_FOLDER, extra_env=invoicing.connection_env()) as stack:
+    with airflow_stack(
+        tmp_path / "home", DAGS_FOLDER, extra_env=invoicing.connection_env()
+    ) as stack:
         stack.unpause("finalize_invoices")
         # The run fired at D+1 01:00 processes business date D. Backfill bounds are instants
         # (a bare date means 00:00), so name the fire times of the first and last runs.
         first = stack.backfill("finalize_invoices", FROM, TO, timeout=600)
-        assert [r.state for r in first] == ["success"] * 7, stack.describe_runs("finalize_invoices", [r.run_id for r in first])
+        assert [r.state for r in first] == ["success"] * 7, stack.describe_runs(
+            "finalize_invoices", [r.run_id for r in first]
+        )
         assert all(r.run_type == "backfill" for r in first)
         states = {d: invoicing.state(d) for d in BUSINESS_DATES}
         for d in BUSINESS_DATES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,10 +27,8 @@ def complete(dsn: str, job: str, key: str, fail: bool = False) -> None:
             raise RuntimeError("boom")
         return {"n": 1}
 
-    try:
+    with contextlib.suppress(RuntimeError):
         run_idempotently(connect=lambda: psycopg.connect(dsn), job_name=job, run_key=key, work=work)
-    except RuntimeError:
-        pass
 
 
 def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
@@ -45,11 +44,24 @@ def test_runs_show_and_filters(pg_dsn: str, capsys: pytest.CaptureFixture[str]) 
     complete(pg_dsn, "job_b", "2026-10-03")
     runs = cli_json(capsys, "runs", "--dsn", pg_dsn)
     assert [(r["job_name"], r["run_key"], r["status"]) for r in runs] == [
-        ("job_b", "2026-10-03", "completed"), ("job_a", "2026-10-02", "failed"), ("job_a", "2026-10-01", "completed")
+        ("job_b", "2026-10-03", "completed"),
+        ("job_a", "2026-10-02", "failed"),
+        ("job_a", "2026-10-01", "completed"),
     ]
     failed = cli_json(capsys, "runs", "--dsn", pg_dsn, "--status", "failed")
     assert [r["run_key"] for r in failed] == ["2026-10-02"]
-    window = cli_json(capsys, "runs", "--dsn", pg_dsn, "--job", "job_a", "--from", "2026-10-01", "--to", "2026-10-01")
+    window = cli_json(
+        capsys,
+        "runs",
+        "--dsn",
+        pg_dsn,
+        "--job",
+        "job_a",
+        "--from",
+        "2026-10-01",
+        "--to",
+        "2026-10-01",
+    )
     assert [r["run_key"] for r in window] == ["2026-10-01"]
     shown = cli_json(capsys, "show", "job_a", "2026-10-01", "--dsn", pg_dsn)
     assert [a["outcome"] for a in shown["attempts"]] == ["completed", "noop"]
@@ -60,7 +72,20 @@ def test_runs_show_and_filters(pg_dsn: str, capsys: pytest.CaptureFixture[str]) 
 def test_reset_failed_run_records_reason(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     """`reset` marks a failed run with the reason and records a reset attempt; a completed one is refused."""
     complete(pg_dsn, "job", "2026-10-02", fail=True)
-    assert main(["reset", "job", "2026-10-02", "--reason", "upstream file re-delivered", "--dsn", pg_dsn]) == 0
+    assert (
+        main(
+            [
+                "reset",
+                "job",
+                "2026-10-02",
+                "--reason",
+                "upstream file re-delivered",
+                "--dsn",
+                pg_dsn,
+            ]
+        )
+        == 0
+    )
     assert "reset job 2026-10-02 to failed" in capsys.readouterr().out
     shown = cli_json(capsys, "show", "job", "2026-10-02", "--dsn", pg_dsn)
     assert shown["run"]["details"]["reset_reason"] == "upstream file re-delivered"
@@ -89,12 +114,18 @@ def test_ledger_and_locks_views(pg_dsn: str, capsys: pytest.CaptureFixture[str])
         inside.set()
         release.wait(10)
 
-    t = threading.Thread(target=lambda: run_idempotently(connect=lambda: psycopg.connect(pg_dsn), job_name="job", run_key="2026-10-09", work=hold))
+    t = threading.Thread(
+        target=lambda: run_idempotently(
+            connect=lambda: psycopg.connect(pg_dsn), job_name="job", run_key="2026-10-09", work=hold
+        )
+    )
     t.start()
     try:
         assert inside.wait(10)
         locks = cli_json(capsys, "locks", "--dsn", pg_dsn)
-        assert [(lk["job_name"], lk["run_key"], lk["status"]) for lk in locks] == [("job", "2026-10-09", "started")]
+        assert [(lk["job_name"], lk["run_key"], lk["status"]) for lk in locks] == [
+            ("job", "2026-10-09", "started")
+        ]
         assert locks[0]["worker_pid"] == os.getpid()
         assert main(["reset", "job", "2026-10-09", "--reason", "stuck?", "--dsn", pg_dsn]) == 75
     finally:
@@ -103,7 +134,9 @@ def test_ledger_and_locks_views(pg_dsn: str, capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.parametrize("bad", ["2026-13-01", "yesterday", "2026-10-1"])
-def test_run_refuses_malformed_dates_with_usage(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_refuses_malformed_dates_with_usage(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`run` with a malformed date exits 2 and prints the usage."""
     with pytest.raises(SystemExit) as exit_info:
         main(["run", "core_slow_job", "--date", bad, "--dsn", "host=/nonexistent"])
@@ -127,7 +160,11 @@ def cli_process(airflow_home: Path, dsn: str, *argv: str) -> subprocess.Complete
     env["AIRFLOW__CORE__DAGS_FOLDER"] = str(TEST_DAGS)
     env["AIRFLOW_CONN_IDEMPOTENCY_DEFAULT"] = airflow_env.airflow_connection_json(dsn)
     return subprocess.run(
-        [sys.executable, "-m", "airflow_idempotency.cli", *argv], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "airflow_idempotency.cli", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -142,13 +179,22 @@ def test_run_exit_codes_through_airflow(airflow_home: Path, pg_dsn: str, tmp_pat
     assert future.returncode == 1 and "has not ended yet" in future.stderr
 
     release = tmp_path / "release"
-    holder = start_worker(airflow_home, "core_slow_job", "2026-10-03", pg_dsn, {"IDEM_TEST_HOLD_FILE": str(release)})
+    holder = start_worker(
+        airflow_home, "core_slow_job", "2026-10-03", pg_dsn, {"IDEM_TEST_HOLD_FILE": str(release)}
+    )
     try:
         wait_until(
-            lambda: psycopg.connect(pg_dsn).execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0],  # type: ignore[index]
-            timeout=90, what="the holder to take the lock",
+            lambda: (
+                psycopg.connect(pg_dsn)
+                .execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+                .fetchone()[0]
+            ),  # type: ignore[index]
+            timeout=90,
+            what="the holder to take the lock",
         )
-        locked = cli_process(airflow_home, pg_dsn, "run", "core_slow_job", "--date", "2026-10-02", "--json")
+        locked = cli_process(
+            airflow_home, pg_dsn, "run", "core_slow_job", "--date", "2026-10-02", "--json"
+        )
     finally:
         release.touch()
         holder.communicate(timeout=120)

@@ -19,7 +19,9 @@ FIRE = "2026-10-02T01:00:00+00:00"  # the scheduled run that processes business 
 
 
 def load_dags() -> BundleDagBag:
-    return BundleDagBag(dag_folder=str(DAGS_FOLDER), bundle_path=DAGS_FOLDER, bundle_name="dags-folder")
+    return BundleDagBag(
+        dag_folder=str(DAGS_FOLDER), bundle_path=DAGS_FOLDER, bundle_name="dags-folder"
+    )
 
 
 def run_finalize(conf: dict[str, Any] | None = None, logical_date: Any = FIRE) -> Any:
@@ -64,7 +66,11 @@ def test_dag_bag_loads_without_import_errors() -> None:
     """Every DAG file in dags/ imports cleanly, and the example DAGs are there."""
     bag = load_dags()
     assert bag.import_errors == {}
-    assert {"finalize_invoices", "daily_reconciliation", "daily_reconciliation_pasted_twice"} <= set(bag.dags)
+    assert {
+        "finalize_invoices",
+        "daily_reconciliation",
+        "daily_reconciliation_pasted_twice",
+    } <= set(bag.dags)
 
 
 def test_date_run_twice_invoices_and_exports_once(invoicing) -> None:  # type: ignore[no-untyped-def]
@@ -74,7 +80,10 @@ def test_date_run_twice_invoices_and_exports_once(invoicing) -> None:  # type: i
     assert first.state == SUCCESS, task_states(first)
     state = invoicing.state(D)
     assert_converged(state)
-    assert job_details(invoicing.dsn, "create_invoices") == {"orders_seen": 150, "invoices_created": 150}
+    assert job_details(invoicing.dsn, "create_invoices") == {
+        "orders_seen": 150,
+        "invoices_created": 150,
+    }
     export = job_details(invoicing.dsn, "export_invoices")
     assert (export["exports_sent"], export["exports_skipped_existing"]) == (150, 0)
     requests_before = invoicing.service.stats()["requests"]
@@ -139,15 +148,27 @@ def test_connection_resets_are_retried(invoicing) -> None:  # type: ignore[no-un
 def test_worker_killed_mid_export_then_rerun_converges(invoicing, airflow_home) -> None:  # type: ignore[no-untyped-def]
     """The worker is SIGKILLed after the service committed an invoice but before the ledger knew: the rerun sends no duplicate."""
     invoicing.seed(D, orders=200)
-    env = {**invoicing.connection_env(), "AIRFLOW_IDEMPOTENCY_CRASH_AT": "ledger.after_remote_commit@90"}
-    crashed = start_worker(airflow_home, "finalize_invoices", FIRE, invoicing.dsn, env, dags_folder=DAGS_FOLDER)
+    env = {
+        **invoicing.connection_env(),
+        "AIRFLOW_IDEMPOTENCY_CRASH_AT": "ledger.after_remote_commit@90",
+    }
+    crashed = start_worker(
+        airflow_home, "finalize_invoices", FIRE, invoicing.dsn, env, dags_folder=DAGS_FOLDER
+    )
     out, _ = crashed.communicate(timeout=240)
     assert "fault point ledger.after_remote_commit@90: SIGKILL" in out, out[-3000:]
     middle = invoicing.state(D)
     assert 0 < len(middle["remote"]) < 200
     assert any(status == "pending" for _, status, _ in middle["ledger"])
 
-    rerun = start_worker(airflow_home, "finalize_invoices", FIRE, invoicing.dsn, invoicing.connection_env(), dags_folder=DAGS_FOLDER)
+    rerun = start_worker(
+        airflow_home,
+        "finalize_invoices",
+        FIRE,
+        invoicing.dsn,
+        invoicing.connection_env(),
+        dags_folder=DAGS_FOLDER,
+    )
     out, _ = rerun.communicate(timeout=240)
     assert rerun.returncode == 0, out[-3000:]
     assert_converged(invoicing.state(D))
@@ -163,7 +184,10 @@ def test_force_reconcile_mends_pending_keys_with_the_same_key(invoicing) -> None
             "UPDATE idempotency.outbound_ledger SET status = 'pending', remote_reference = NULL"
             " WHERE idempotency_key IN (SELECT idempotency_key FROM idempotency.outbound_ledger ORDER BY 1 LIMIT 7)"
         )
-    dr = run_finalize(conf={"run_key": D, "force_reconcile": True, "force": False, "dry_run": False}, logical_date=None)
+    dr = run_finalize(
+        conf={"run_key": D, "force_reconcile": True, "force": False, "dry_run": False},
+        logical_date=None,
+    )
     assert dr.state == SUCCESS, task_states(dr)
     details = job_details(invoicing.dsn, "reconcile_export")
     assert details["reconcile_not_confirmed"] == 7 and details["reconcile_mended"] == 7
@@ -176,7 +200,9 @@ def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home) -
     invoicing.seed(D, orders=30)
     fire = "2026-10-02T01:30:00+00:00"
     slow = {**invoicing.connection_env(), "AIRFLOW_IDEMPOTENCY_SLEEP_AT": "runner.after_started=25"}
-    first = start_worker(airflow_home, "daily_reconciliation", fire, invoicing.dsn, slow, dags_folder=DAGS_FOLDER)
+    first = start_worker(
+        airflow_home, "daily_reconciliation", fire, invoicing.dsn, slow, dags_folder=DAGS_FOLDER
+    )
     try:
         wait_until(
             lambda: query(
@@ -184,11 +210,16 @@ def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home) -
                 "SELECT to_regclass('idempotency.job_runs') IS NOT NULL"
                 " AND EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory')",
             )[0][0],
-            timeout=120, what="the first DAG to start the job",
+            timeout=120,
+            what="the first DAG to start the job",
         )
         second = start_worker(
-            airflow_home, "daily_reconciliation_pasted_twice", fire, invoicing.dsn,
-            invoicing.connection_env(), dags_folder=DAGS_FOLDER,
+            airflow_home,
+            "daily_reconciliation_pasted_twice",
+            fire,
+            invoicing.dsn,
+            invoicing.connection_env(),
+            dags_folder=DAGS_FOLDER,
         )
         out2, _ = second.communicate(timeout=240)
         out1, _ = first.communicate(timeout=240)
@@ -204,7 +235,9 @@ def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home) -
     assert rows[0] == ("daily_reconciliation", "completed")
     assert ("daily_reconciliation_pasted_twice", "lock_held") in rows
     assert rows[-1] == ("daily_reconciliation_pasted_twice", "noop")
-    assert query(invoicing.dsn, "SELECT count(*), max(runs) FROM reconciliation_summary") == [(1, 1)]
+    assert query(invoicing.dsn, "SELECT count(*), max(runs) FROM reconciliation_summary") == [
+        (1, 1)
+    ]
 
 
 def query(dsn: str, sql: str) -> list[tuple[Any, ...]]:

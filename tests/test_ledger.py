@@ -23,17 +23,24 @@ def effects(n: int, prefix: str = "job:2026-10-01:order_", amount: int = 100) ->
     return [Effect(f"{prefix}{i}", {"order_id": i, "amount_cents": amount}) for i in range(n)]
 
 
-def send(dsn: str, url: str, items: Any, path: str = "/api/invoices", job: str = "job", **options: Any) -> Any:
+def send(
+    dsn: str, url: str, items: Any, path: str = "/api/invoices", job: str = "job", **options: Any
+) -> Any:
     """Run one idempotent execution that sends ``items`` through the ledger; return its summary."""
     out: dict[str, Any] = {}
 
     def work(run: RunContext) -> dict[str, int]:
-        ledger = OutboundLedger(run, "accounting", backoff_initial=0.01, backoff_max=0.05, **options)
+        ledger = OutboundLedger(
+            run, "accounting", backoff_initial=0.01, backoff_max=0.05, **options
+        )
         out["summary"] = ledger.send_all(items, post_json(path), base_url=url)
         return out["summary"].as_counts("exports")
 
     run_idempotently(
-        connect=lambda: psycopg.connect(dsn), job_name=job, run_key="2026-10-01", work=work,
+        connect=lambda: psycopg.connect(dsn),
+        job_name=job,
+        run_key="2026-10-01",
+        work=work,
         options=RunOptions(force=True),
     )
     return out["summary"]
@@ -75,7 +82,9 @@ def test_permanent_errors_fail_after_the_batch(pg_dsn: str, accounting) -> None:
         send(pg_dsn, accounting.url, effects(5), path="/api/no-such-endpoint")
     rows = ledger_rows(pg_dsn)
     assert len(rows) == 5
-    assert all(status == "failed" and calls == 1 and "HTTP 404" in err for _, status, _, calls, err in rows)
+    assert all(
+        status == "failed" and calls == 1 and "HTTP 404" in err for _, status, _, calls, err in rows
+    )
     # A rerun retries the failed rows with the same keys.
     send(pg_dsn, accounting.url, effects(5))
     assert {status for _, status, _, _, _ in ledger_rows(pg_dsn)} == {"succeeded"}
@@ -98,10 +107,15 @@ def test_dry_run_sends_nothing_and_writes_nothing(pg_dsn: str, accounting) -> No
     out: dict[str, Any] = {}
 
     def work(run: RunContext) -> None:
-        out["s"] = OutboundLedger(run, "accounting").send_all(effects(6), post_json("/api/invoices"), base_url=accounting.url)
+        out["s"] = OutboundLedger(run, "accounting").send_all(
+            effects(6), post_json("/api/invoices"), base_url=accounting.url
+        )
 
     run_idempotently(
-        connect=lambda: psycopg.connect(pg_dsn), job_name="job", run_key="2026-10-01", work=work,
+        connect=lambda: psycopg.connect(pg_dsn),
+        job_name="job",
+        run_key="2026-10-01",
+        work=work,
         options=RunOptions(dry_run=True),
     )
     assert out["s"].sent == 6

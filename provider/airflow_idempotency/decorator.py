@@ -19,7 +19,7 @@ from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_d
 from airflow_idempotency.operator import IdempotentRunOperator
 
 
-class _IdempotentDecoratedOperator(DecoratedOperator, IdempotentRunOperator):
+class _IdempotentDecoratedOperator(DecoratedOperator, IdempotentRunOperator):  # type: ignore[misc]
     custom_operator_name: str = "@task.idempotent_run"
     template_fields: Sequence[str] = ("job_name", "op_args", "op_kwargs")
 

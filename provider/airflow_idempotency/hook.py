@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import Any
 
 import psycopg
@@ -23,8 +22,8 @@ class IdempotencyHook(PostgresHook):
     conn_type = "idempotency_postgres"
     hook_name = "Idempotency (Postgres)"
 
-    def new_connection(self) -> AbstractContextManager[psycopg.Connection[Any]]:
-        """Open a new psycopg 3 connection (a context manager that closes it)."""
+    def new_connection(self) -> psycopg.Connection[Any]:
+        """Open a new psycopg 3 connection (use it as a context manager: it closes on exit)."""
         conn = self.get_conn()
         if not isinstance(conn, psycopg.Connection):
             conn.close()

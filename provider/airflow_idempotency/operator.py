@@ -45,6 +45,7 @@ def idempotency_params(period: str = "day") -> dict[str, Param]:
     for daily jobs; left empty, the run key comes from the logical date.
     """
     hint = RunKeyRule(period=period).format_hint  # type: ignore[arg-type]
+    date_format: dict[str, Any] = {"format": "date"} if period == "day" else {}
     run_key = Param(
         None,
         type=["null", "string"],
@@ -53,7 +54,7 @@ def idempotency_params(period: str = "day") -> dict[str, Param]:
             f"The business period to process, {hint}. Set it when rerunning a date by hand: "
             "the logical date the form pre-fills is the current time, not the date you mean."
         ),
-        **({"format": "date"} if period == "day" else {}),
+        **date_format,
     )
     return {
         "run_key": run_key,
@@ -177,10 +178,11 @@ class IdempotentRunOperator(BaseOperator):
                     key, "callable", f"run_key {key!r} from the DAG's run_key_rule"
                 )
         rule = self.run_key_rule if isinstance(self.run_key_rule, RunKeyRule) else RunKeyRule()
+        dag = self._dag_or_none()
         return resolve_run_key(
             rule=rule,
             timezone=self._timezone_name(),
-            timetable_name=type(self.dag.timetable).__name__ if self.has_dag() else None,
+            timetable_name=type(dag.timetable).__name__ if dag else None,
             run_type=run_type,
             logical_date=context.get("logical_date") or dag_run.logical_date,
             conf_run_key=conf.get("run_key"),
@@ -192,8 +194,12 @@ class IdempotentRunOperator(BaseOperator):
         """``force`` and ``dry_run`` of this run, from its conf or params (booleans)."""
         return RunOptions(force=conf_flag(context, "force"), dry_run=conf_flag(context, "dry_run"))
 
+    def _dag_or_none(self) -> Any:
+        return self.dag if self.has_dag() else None  # type: ignore[no-untyped-call]
+
     def _timezone_name(self) -> str:
-        tz = self.dag.timezone if self.has_dag() else None
+        dag = self._dag_or_none()
+        tz = dag.timezone if dag else None
         return str(getattr(tz, "name", None) or tz or "UTC")
 
     def _trigger(self, context: Context) -> Trigger:
@@ -280,4 +286,4 @@ class IdempotentRunOperator(BaseOperator):
             ) from exc
         when = pendulum.now("UTC") + self.reschedule_interval
         self.log.info("lock held elsewhere: rescheduling to %s (waited ~%s so far)", when, waited)
-        raise AirflowRescheduleException(when) from exc
+        raise AirflowRescheduleException(when) from exc  # type: ignore[no-untyped-call]

@@ -141,10 +141,12 @@ class RunKeyRule:
         numbers = [int(g) for g in match.groups()]
         try:
             if self.period == "hour":
-                start = pendulum.datetime(*numbers, tz="UTC")
+                year, month, day, hour = numbers
+                start = pendulum.datetime(year, month, day, hour, tz="UTC")
                 return start, start.add(hours=1)
             if self.period == "day":
-                start = pendulum.datetime(*numbers, tz=timezone)
+                year, month, day = numbers
+                start = pendulum.datetime(year, month, day, tz=timezone)
                 return start, start.add(days=1)
             if self.period == "week":
                 monday = dt.date.fromisocalendar(numbers[0], numbers[1], 1)
@@ -199,14 +201,8 @@ def resolve_run_key(
     backfill and asset-triggered runs always derive it from the logical date: a run_key in
     their conf would map a whole backfill onto one key, so it is refused.
     """
-    explicit, source = (
-        (conf_run_key, "conf")
-        if conf_run_key not in (None, "")
-        else (
-            params_run_key,
-            "params",
-        )
-    )
+    source: Literal["conf", "params"] = "conf" if conf_run_key not in (None, "") else "params"
+    explicit = conf_run_key if source == "conf" else params_run_key
     manual = run_type in ("manual", "operator_triggered")
     if explicit not in (None, ""):
         if not manual:
@@ -224,7 +220,7 @@ def resolve_run_key(
         rule.check_ended(key, timezone, now)
         return ResolvedRunKey(
             key, source, f"run_key {key!r} given explicitly in the run's {source}"
-        )  # type: ignore[arg-type]
+        )
     if logical_date is None:
         raise RunKeyMissingError(
             f"this {run_type} run has no logical date and no run_key, so it does not say which "

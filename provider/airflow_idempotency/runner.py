@@ -44,7 +44,7 @@ from airflow_idempotency.locks import (
     run_lock_key,
     try_acquire_run_lock,
 )
-from airflow_idempotency.records import RunRecord, Trigger
+from airflow_idempotency.records import AttemptOutcome, RunRecord, Trigger
 from airflow_idempotency.run_key import check_text
 from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, use_schema
 
@@ -327,7 +327,7 @@ def _run_locked(
     airflow_context: Any,
     run_log: RunLogger,
 ) -> RunResult:
-    ids = {"job_name": job_name, "run_key": run_key, "lock_key": lock.lock_key}
+    ids: dict[str, Any] = {"job_name": job_name, "run_key": run_key, "lock_key": lock.lock_key}
     existing: RunRecord | None = records.get_run(lock_conn, job_name, run_key)
     if existing is not None and existing.status == "completed" and not options.force:
         attempt_id = records.insert_attempt(
@@ -351,7 +351,7 @@ def _run_locked(
         )
         return RunResult(RunOutcome.NOOP, job_name, run_key, attempt_id, dict(existing.details))
 
-    outcome_if_ok = "dry_run" if options.dry_run else "completed"
+    outcome_if_ok: AttemptOutcome = "dry_run" if options.dry_run else "completed"
     attempt_id = records.insert_attempt(
         lock_conn,
         **ids,
@@ -442,7 +442,7 @@ def _record_failure(
     run_log: RunLogger,
 ) -> None:
     """Mark the attempt (and, unless dry run, the run) failed; never mask ``exc``."""
-    outcome = "lock_lost" if isinstance(exc, LockLostError) else "failed"
+    outcome: AttemptOutcome = "lock_lost" if isinstance(exc, LockLostError) else "failed"
     error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:4000]
     run_log.error("%s: %s", outcome, error)
 
