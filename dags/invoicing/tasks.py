@@ -45,6 +45,7 @@ def accounting_endpoint(conn_id: str = "accounting_api") -> tuple[str, dict[str,
     return f"{scheme}://{conn.host}{port}", options
 
 
+# [START create_invoices]
 def create_invoices(run: RunContext) -> dict[str, int]:
     """Invoice the orders shipped on the business date (natural key, ON CONFLICT DO NOTHING)."""
     ensure_example_schema(run.connection)
@@ -55,6 +56,9 @@ def create_invoices(run: RunContext) -> dict[str, int]:
     crash_point("invoices.after_commit")
     run.log.info("orders shipped: %d, invoices created now: %d", orders_seen, invoices_created)
     return {"orders_seen": orders_seen, "invoices_created": invoices_created}
+
+
+# [END create_invoices]
 
 
 def rebuild_daily_totals(run: RunContext) -> dict[str, int]:
@@ -68,6 +72,7 @@ def rebuild_daily_totals(run: RunContext) -> dict[str, int]:
     return {"totals_rows": rows}
 
 
+# [START export_invoices]
 def invoice_effects(run: RunContext) -> Iterator[Effect]:
     """Stream the date's invoices as export effects (a server-side cursor, never a list)."""
     conn = run.connection
@@ -104,6 +109,9 @@ def export_invoices(run: RunContext, base_url: str, **ledger_options: Any) -> di
         invoice_effects(run), post_json(EXPORT_PATH), base_url=base_url, total=total
     )
     return {"exports_total": total, **summary.as_counts("exports")}
+
+
+# [END export_invoices]
 
 
 def remote_invoices(base_url: str, key_prefix: str) -> dict[str, str]:
