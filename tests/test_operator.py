@@ -251,7 +251,7 @@ def test_on_completed_skip(airflow_pg_conn: str) -> None:
 
 
 def test_callable_run_key_rule(airflow_pg_conn: str) -> None:
-    """A callable run_key_rule names the key from the Airflow context."""
+    """A callable run_key_rule names the key; a manual run's explicit free-text run_key wins."""
     seen: list[str] = []
     dag = make_dag(
         "op_callable",
@@ -259,7 +259,8 @@ def test_callable_run_key_rule(airflow_pg_conn: str) -> None:
         run_key_rule=lambda context: "fiscal-" + context["logical_date"].strftime("%Y"),
     )
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
-    assert seen == ["fiscal-2026"]
+    run_dag(dag, logical_date=utc(2026, 10, 2, 1), conf={"run_key": "fiscal-2025"})
+    assert seen == ["fiscal-2026", "fiscal-2025"]
 
 
 def test_provider_is_listed_by_airflow(airflow_home) -> None:  # type: ignore[no-untyped-def]

@@ -303,3 +303,37 @@ def test_invalid_schema_name_is_refused(pg_dsn: str) -> None:
             schema='x"; drop',
         )
     assert rows(pg_dsn, "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'x%%'") == [(0,)]
+
+
+def test_upgrade_from_an_older_schema_version(pg_dsn: str) -> None:
+    """A schema left at version 1 by an older release is migrated forward, keeping its rows."""
+    from airflow_idempotency._sql import migrations
+
+    version, name, body = migrations()[0]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA old_release")
+        conn.execute(
+            "CREATE TABLE old_release.schema_version (version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        conn.execute("SET search_path = old_release")
+        conn.execute(body.encode())
+        conn.execute("INSERT INTO schema_version (version, name) VALUES (%s, %s)", (version, name))
+        conn.execute(
+            "INSERT INTO job_runs (job_name, run_key, lock_key, status, triggered_by, started_at)"
+            " VALUES ('j', 'k', 1, 'completed', 'scheduled', now())"
+        )
+    schema_mod._migrated.clear()
+    result = run_idempotently(
+        connect=connect_to(pg_dsn),
+        job_name="j",
+        run_key="k",
+        work=lambda ctx: None,
+        schema="old_release",
+    )
+    assert result.outcome is RunOutcome.NOOP  # the old row survived the upgrade
+    assert rows(pg_dsn, "SELECT max(version) FROM old_release.schema_version") == [
+        (schema_mod.latest_version(),)
+    ]
+    assert rows(pg_dsn, "SELECT to_regclass('old_release.outbound_ledger') IS NOT NULL") == [
+        (True,)
+    ]

@@ -170,17 +170,12 @@ class IdempotentRunOperator(BaseOperator):
         params = context.get("params") or {}
         run_type = getattr(dag_run.run_type, "value", str(dag_run.run_type))
         if not isinstance(self.run_key_rule, RunKeyRule):
-            if conf.get("run_key") or params.get("run_key"):
-                pass  # an explicit key still wins; validated as free text below
-            else:
-                key = check_text(self.run_key_rule(context), "run key from run_key_rule")
-                return ResolvedRunKey(
-                    key, "callable", f"run_key {key!r} from the DAG's run_key_rule"
-                )
-        rule = self.run_key_rule if isinstance(self.run_key_rule, RunKeyRule) else RunKeyRule()
+            return self._resolve_with_callable(
+                context, run_type, conf.get("run_key") or params.get("run_key")
+            )
         dag = self._dag_or_none()
         return resolve_run_key(
-            rule=rule,
+            rule=self.run_key_rule,
             timezone=self._timezone_name(),
             timetable_name=type(dag.timetable).__name__ if dag else None,
             run_type=run_type,
@@ -189,6 +184,24 @@ class IdempotentRunOperator(BaseOperator):
             params_run_key=params.get("run_key"),
             now=pendulum.now("UTC"),
         )
+
+    def _resolve_with_callable(
+        self, context: Context, run_type: str, explicit: object
+    ) -> ResolvedRunKey:
+        """A callable rule names the key; a manual run's explicit run_key (free text) wins."""
+        if explicit not in (None, ""):
+            if run_type not in ("manual", "operator_triggered"):
+                raise InvalidInputError(
+                    f"run_key {explicit!r} was given to a {run_type} run; only manual runs take "
+                    "an explicit run_key"
+                )
+            key = check_text(explicit, "run_key")
+            return ResolvedRunKey(
+                key, "conf", f"run_key {key!r} given explicitly in the run's conf"
+            )
+        assert callable(self.run_key_rule)
+        key = check_text(self.run_key_rule(context), "run key from run_key_rule")
+        return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
 
     def run_options(self, context: Context) -> RunOptions:
         """``force`` and ``dry_run`` of this run, from its conf or params (booleans)."""
