@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +15,7 @@ import pytest
 
 from airflow_idempotency import RunContext, run_idempotently
 from airflow_idempotency.cli import main
-from devtools import airflow_env
-from workers import TEST_DAGS, kill_group, start_worker, wait_until
+from workers import kill_group, private_airflow_env, start_worker, wait_until
 
 
 def complete(dsn: str, job: str, key: str, fail: bool = False) -> None:
@@ -153,12 +150,7 @@ def test_run_requires_a_date(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def cli_process(airflow_home: Path, dsn: str, *argv: str) -> subprocess.CompletedProcess[str]:
-    home = Path(tempfile.mkdtemp(prefix="idem-cli-"))
-    shutil.copy(airflow_home / "airflow.db", home / "airflow.db")
-    env = dict(os.environ)
-    airflow_env.configure(home, env)
-    env["AIRFLOW__CORE__DAGS_FOLDER"] = str(TEST_DAGS)
-    env["AIRFLOW_CONN_IDEMPOTENCY_DEFAULT"] = airflow_env.airflow_connection_json(dsn)
+    env = private_airflow_env(airflow_home, dsn)
     return subprocess.run(
         [sys.executable, "-m", "airflow_idempotency.cli", *argv],
         env=env,

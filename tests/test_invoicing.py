@@ -195,14 +195,19 @@ def test_force_reconcile_mends_pending_keys_with_the_same_key(invoicing) -> None
     assert_converged(invoicing.state(D))
 
 
-def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home) -> None:  # type: ignore[no-untyped-def]
+def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Two DAGs with the same job name run the same date at once: one works, the other waits on the lock, then no-ops."""
     invoicing.seed(D, orders=30)
     fire = "2026-10-02T01:30:00+00:00"
-    slow = {**invoicing.connection_env(), "AIRFLOW_IDEMPOTENCY_SLEEP_AT": "runner.after_started=25"}
+    release = tmp_path / "release"
+    held = {
+        **invoicing.connection_env(),
+        "AIRFLOW_IDEMPOTENCY_WAIT_AT": f"runner.after_started={release}",
+    }
     first = start_worker(
-        airflow_home, "daily_reconciliation", fire, invoicing.dsn, slow, dags_folder=DAGS_FOLDER
+        airflow_home, "daily_reconciliation", fire, invoicing.dsn, held, dags_folder=DAGS_FOLDER
     )
+    second = None
     try:
         wait_until(
             lambda: query(
@@ -210,8 +215,8 @@ def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home) -
                 "SELECT to_regclass('idempotency.job_runs') IS NOT NULL"
                 " AND EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory')",
             )[0][0],
-            timeout=120,
-            what="the first DAG to start the job",
+            timeout=180,
+            what="the first DAG to hold the job's lock",
         )
         second = start_worker(
             airflow_home,
@@ -221,10 +226,22 @@ def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home) -
             invoicing.connection_env(),
             dags_folder=DAGS_FOLDER,
         )
-        out2, _ = second.communicate(timeout=240)
+        wait_until(
+            lambda: query(
+                invoicing.dsn,
+                "SELECT count(*) FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'",
+            )[0][0],
+            timeout=180,
+            what="the second DAG to find the job locked",
+        )
+        release.touch()
         out1, _ = first.communicate(timeout=240)
+        out2, _ = second.communicate(timeout=240)
     finally:
+        release.touch()
         kill_group(first)
+        if second is not None:
+            kill_group(second)
     assert first.returncode == 0, out1[-3000:]
     assert second.returncode == 0, out2[-3000:]
     assert "is locked by another execution" in out2

@@ -22,6 +22,19 @@ from devtools import airflow_env
 TEST_DAGS = Path(__file__).parent / "dags"
 
 
+def private_airflow_env(
+    airflow_home: Path, job_dsn: str, dags_folder: Path = TEST_DAGS
+) -> dict[str, str]:
+    """os.environ plus an Airflow home of its own (a copy of the migrated metadata DB)."""
+    home = Path(tempfile.mkdtemp(prefix="idem-worker-"))
+    shutil.copy(airflow_home / "airflow.db", home / "airflow.db")
+    env = dict(os.environ)
+    airflow_env.configure(home, env)
+    env["AIRFLOW__CORE__DAGS_FOLDER"] = str(dags_folder)
+    env["AIRFLOW_CONN_IDEMPOTENCY_DEFAULT"] = airflow_env.airflow_connection_json(job_dsn)
+    return env
+
+
 def start_worker(
     airflow_home: Path,
     dag_id: str,
@@ -32,12 +45,7 @@ def start_worker(
     dags_folder: Path = TEST_DAGS,
 ) -> subprocess.Popen[str]:
     """Start ``airflow dags test DAG_ID DATE`` in its own process group and Airflow home."""
-    home = Path(tempfile.mkdtemp(prefix="idem-worker-"))
-    shutil.copy(airflow_home / "airflow.db", home / "airflow.db")
-    worker_env = dict(os.environ)
-    airflow_env.configure(home, worker_env)
-    worker_env["AIRFLOW__CORE__DAGS_FOLDER"] = str(dags_folder)
-    worker_env["AIRFLOW_CONN_IDEMPOTENCY_DEFAULT"] = airflow_env.airflow_connection_json(job_dsn)
+    worker_env = private_airflow_env(airflow_home, job_dsn, dags_folder)
     worker_env.update(env or {})
     cmd = [sys.executable, "-m", "airflow", "dags", "test", dag_id, date]
     if conf:

@@ -5,10 +5,12 @@ For tests and demos of crash recovery; no code is edited to inject a fault.
 - ``AIRFLOW_IDEMPOTENCY_CRASH_AT="ledger.after_remote_commit@250"`` SIGKILLs the process
   the 250th time that point is reached (``@N`` defaults to 1);
 - ``AIRFLOW_IDEMPOTENCY_SLEEP_AT="runner.after_started=8"`` sleeps 8 seconds there, the
-  first time the point is reached.
+  first time the point is reached;
+- ``AIRFLOW_IDEMPOTENCY_WAIT_AT="runner.after_started=/tmp/go"`` waits there until that
+  file exists (at most 10 minutes), the first time the point is reached.
 
-Several points may be given, comma-separated. With neither variable set (the normal
-case) a fault point costs two dictionary lookups.
+Several points may be given, comma-separated. With none of these set (the normal case)
+a fault point costs three dictionary lookups.
 
 Points: runner.after_lock, runner.after_started, runner.before_completion,
 ledger.after_claim, ledger.before_remote_call, ledger.after_remote_commit,
@@ -26,6 +28,8 @@ from collections import Counter
 
 CRASH_ENV = "AIRFLOW_IDEMPOTENCY_CRASH_AT"
 SLEEP_ENV = "AIRFLOW_IDEMPOTENCY_SLEEP_AT"
+WAIT_ENV = "AIRFLOW_IDEMPOTENCY_WAIT_AT"
+_ENVS = (CRASH_ENV, SLEEP_ENV, WAIT_ENV)
 _hits: Counter[str] = Counter()
 _slept: dict[str, bool] = {}
 
@@ -39,14 +43,19 @@ def _parse(spec: str, separator: str) -> dict[str, str]:
 
 
 def crash_point(name: str) -> None:
-    """Crash (SIGKILL) or sleep here if ``name`` is configured; otherwise do nothing."""
-    if CRASH_ENV not in os.environ and SLEEP_ENV not in os.environ:
+    """Crash (SIGKILL), sleep or wait here if ``name`` is configured; otherwise do nothing."""
+    if not any(env in os.environ for env in _ENVS):
         return
     pause = _parse(os.environ.get(SLEEP_ENV, ""), "=").get(name)
-    if pause and not _slept.get(name):
+    gate = _parse(os.environ.get(WAIT_ENV, ""), "=").get(name)
+    if (pause or gate) and not _slept.get(name):
         _slept[name] = True
-        print(f"fault point {name}: sleeping {pause}s", file=sys.stderr, flush=True)
-        time.sleep(float(pause))
+        print(f"fault point {name}: pausing ({pause or gate})", file=sys.stderr, flush=True)
+        if pause:
+            time.sleep(float(pause))
+        deadline = time.monotonic() + 600
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.1)
     nth = _parse(os.environ.get(CRASH_ENV, ""), "@").get(name)
     if nth is None:
         return
