@@ -160,6 +160,7 @@ def test_held_lock_is_reported_with_its_holder(pg_dsn: str) -> None:
                 connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None
             )
         assert info.value.holder["attempt"]["hostname"]
+        assert info.value.holder["application_name"].startswith("airflow-idempotency ")
         # A different key is not blocked.
         other = run_idempotently(
             connect=connect_to(pg_dsn), job_name="j", run_key="other", work=lambda ctx: None

@@ -23,6 +23,8 @@ import contextlib
 import enum
 import json
 import logging
+import os
+import socket
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -272,7 +274,9 @@ def run_idempotently(
         lock_conn = stack.enter_context(connect())
         lock_conn.autocommit = True
         ensure_schema(lock_conn, schema)
-        use_schema(lock_conn, schema)
+        use_schema(
+            lock_conn, schema, f"airflow-idempotency {socket.gethostname()} pid {os.getpid()}"
+        )
         lock = try_acquire_run_lock(lock_conn, lock_key)
         if lock is None:
             holder = _describe_holder(lock_conn, lock_key)

@@ -49,11 +49,17 @@ def _migration_lock_key(schema: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def use_schema(conn: psycopg.Connection, schema: str) -> None:
-    """Point the session's search_path at ``schema`` (pg_catalog stays first, implicitly)."""
+def use_schema(conn: psycopg.Connection, schema: str, application_name: str | None = None) -> None:
+    """Point the session's search_path at ``schema`` (pg_catalog stays first, implicitly).
+
+    ``application_name``, if given, is set in the same round trip: it is what
+    ``pg_stat_activity`` shows for the session (Postgres keeps 63 bytes of it).
+    """
     conn.execute(
-        "SELECT set_config('search_path', quote_ident(%(schema)s), false)",
-        {"schema": validate_schema_name(schema)},
+        "SELECT set_config('search_path', quote_ident(%(schema)s), false),"
+        " set_config('application_name',"
+        "            coalesce(%(app)s, current_setting('application_name')), false)",
+        {"schema": validate_schema_name(schema), "app": application_name},
     )
 
 
