@@ -63,6 +63,10 @@ def test_backfill_week_twice_without_duplicates(invoicing, tmp_path: Path) -> No
         ).fetchall()
     for job in ("create_invoices", "rebuild_totals", "export_invoices"):
         name = f"finalize_invoices.{job}"
-        assert (name, "completed", "backfill", 7) in per_job
-        assert (name, "noop", "backfill", 7) in per_job
+        outcomes = {(o, t): n for j, o, t, n in per_job if j == name}
+        # Each date worked exactly once; every later execution of it was a no-op (more than
+        # 7 no-ops when the scheduler re-ran a task, e.g. after a heartbeat timeout).
+        assert outcomes[("completed", "backfill")] == 7
+        assert outcomes[("noop", "backfill")] >= 7
+        assert set(outcomes) == {("completed", "backfill"), ("noop", "backfill")}
     assert remote_dupes == []
