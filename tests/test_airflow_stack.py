@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from devtools.airflow_stack import airflow_stack, run_id_from_trigger_output
 
 DAGS = Path(__file__).resolve().parent / "dags_stack"
