@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
-from devtools.accounting import AccountingService, AccountingServiceError, run_accounting_service
 
 from accounting_service.store import ensure_schema
+from devtools.accounting import AccountingService, AccountingServiceError, run_accounting_service
 
 INVOICE = {"customer": "ACME", "lines": [{"sku": "widget", "qty": 3, "unit_cents": 1250}]}
 
