@@ -67,6 +67,16 @@ WHERE attempt_id = %(attempt_id)s;
 
 -- name: upsert_started
 -- Never a bare INSERT: a rerun of a failed or crashed key takes the existing row over.
+-- This attempt holds the lock, so any other attempt of the key still marked running died
+-- without finishing (a killed worker): close it, in the same round trip.
+WITH abandoned AS (
+    UPDATE job_run_attempts
+    SET outcome = 'lock_lost', finished_at = now(),
+        error = 'abandoned: the worker ended without finishing; taken over by attempt '
+                || %(attempt_id)s::text
+    WHERE job_name = %(job_name)s AND run_key = %(run_key)s
+      AND outcome = 'running' AND attempt_id <> %(attempt_id)s
+)
 INSERT INTO job_runs (
     job_name, run_key, lock_key, status, triggered_by, triggering_user, dag_id, run_id, task_id,
     attempt_count, current_attempt_id, started_at, updated_at
