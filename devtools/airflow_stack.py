@@ -643,6 +643,7 @@ class AirflowStack:
         dag_run_conf: dict[str, Any] | None = None,
         timeout: float = 180.0,
         mark_complete: bool = True,
+        pause_while_creating: bool = True,
     ) -> list[RunResult]:
         """``airflow backfill create`` and wait for its runs; return the runs it created/cleared.
 
@@ -652,6 +653,11 @@ class AirflowStack:
         with ``mark_complete`` (default) this method sets ``backfill.completed_at`` itself once
         all its runs are terminal (the scheduler's own criterion), so that the next backfill
         can start at once. Otherwise it waits for the scheduler to do it.
+
+        ``pause_while_creating`` (default) pauses the DAG while the CLI creates the runs:
+        when a write of ``backfill create`` hits SQLite's "database is locked", Airflow
+        deletes the runs it had made, and a scheduler already working on them died with
+        ObjectDeletedError (seen on a loaded machine). The scheduler ignores paused DAGs.
         """
         t0 = time.monotonic()
         before = self.latest_backfill_id(dag_id) or 0
@@ -664,7 +670,13 @@ class AirflowStack:
             args += ["--max-active-runs", str(max_active_runs)]
         if dag_run_conf is not None:
             args += ["--dag-run-conf", json.dumps(dag_run_conf)]
-        self._create_backfill(dag_id, args, before, deadline=t0 + timeout)
+        if pause_while_creating:
+            self.pause(dag_id)
+        try:
+            self._create_backfill(dag_id, args, before, deadline=t0 + timeout)
+        finally:
+            if pause_while_creating:
+                self.unpause(dag_id)
         backfill_id = self.latest_backfill_id(dag_id) or 0
         if backfill_id <= before:
             raise StackError(f"`airflow {' '.join(args)}` created no backfill")
