@@ -178,7 +178,9 @@ def test_run_exit_codes_through_airflow(airflow_home: Path, pg_dsn: str, tmp_pat
         wait_until(
             lambda: (
                 psycopg.connect(pg_dsn)
-                .execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+                .execute(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                )
                 .fetchone()[0]
             ),  # type: ignore[index]
             timeout=90,

@@ -213,7 +213,7 @@ def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home, t
             lambda: query(
                 invoicing.dsn,
                 "SELECT to_regclass('idempotency.job_runs') IS NOT NULL"
-                " AND EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory')",
+                " AND EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
             )[0][0],
             timeout=180,
             what="the first DAG to hold the job's lock",

@@ -256,6 +256,7 @@ def test_callable_run_key_rule(airflow_pg_conn: str) -> None:
     dag = make_dag(
         "op_callable",
         lambda run: seen.append(run.run_key),
+        form=False,
         run_key_rule=lambda context: "fiscal-" + context["logical_date"].strftime("%Y"),
     )
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))

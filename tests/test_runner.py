@@ -181,7 +181,7 @@ def test_lock_session_terminated_mid_run_does_not_complete(pg_dsn: str) -> None:
     def work(ctx: RunContext) -> dict[str, int]:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
                 "AND objsubid = 1 AND classid::bigint = %s AND objid::bigint = %s",
                 split_lock_key(run_lock_key("j", "k")),
             )
@@ -208,7 +208,7 @@ def test_writes_after_losing_the_lock_are_refused(pg_dsn: str) -> None:
     def work(ctx: RunContext) -> None:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1"
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND objsubid = 1"
             )
         with ctx.transaction() as cur:
             cur.execute("INSERT INTO public.facts VALUES ('late write')")
@@ -226,7 +226,10 @@ def test_lock_is_released_after_the_run(pg_dsn: str) -> None:
         run_idempotently(
             connect=connect_to(pg_dsn), job_name="j", run_key="k2", work=lambda ctx: 1 / 0
         )
-    assert rows(pg_dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]
+    assert rows(
+        pg_dsn,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    ) == [(0,)]
 
 
 def test_lock_key_mapping_is_stable() -> None:

@@ -28,7 +28,10 @@ def work_log_count(dsn: str) -> int:
 
 
 def advisory_locks(dsn: str) -> int:
-    return rows(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")[0][0]
+    return rows(
+        dsn,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )[0][0]
 
 
 def finish(proc) -> tuple[int, str]:  # type: ignore[no-untyped-def]
