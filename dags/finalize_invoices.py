@@ -81,7 +81,6 @@ with DAG(
         task_id="reconcile_export",
         postgres_conn_id=JOBS_DB,
         job_name="finalize_invoices.reconcile_export",
-        trigger_rule="all_done",
     )
 
     create_invoices() >> rebuild_totals() >> export_invoices() >> reconcile

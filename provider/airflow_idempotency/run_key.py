@@ -154,7 +154,7 @@ class RunKeyRule:
                 return start, start.add(weeks=1)
             start = pendulum.datetime(numbers[0], numbers[1], 1, tz=timezone)
             return start, start.add(months=1)
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:  # Feb 30; a period ending after 9999
             raise InvalidRunKeyError(
                 f"run_key {key!r} is not a real {self.period}: {exc}. Expected {hint}."
             ) from None

@@ -96,15 +96,33 @@ class RunResult:
         }
 
 
-class RunLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """Prefixes every line with ``job=... run_key=... attempt=...``."""
+class RunLogger:
+    """Logs ``job=... run_key=... attempt=... message`` lines through ``logger``.
 
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        extra = self.extra or {}
-        prefix = (
-            f"job={extra['job']} run_key={extra['run_key']} attempt={extra.get('attempt', '-')}"
-        )
-        return f"{prefix} {msg}", kwargs
+    The prefix travels as a format argument, never inside the format string, so a job name
+    or run key containing ``%`` is logged verbatim. Works with stdlib loggers and with
+    Airflow's structlog task logger alike.
+    """
+
+    def __init__(self, logger: Any, job_name: str, run_key: str) -> None:
+        self._logger = logger
+        self._job_name = job_name
+        self._run_key = run_key
+        self.attempt: int | None = None
+
+    def _emit(self, level: int, msg: str, args: tuple[Any, ...]) -> None:
+        text = msg % args if args else msg
+        prefix = f"job={self._job_name} run_key={self._run_key} attempt={self.attempt or '-'}"
+        self._logger.log(level, "%s %s", prefix, text)
+
+    def info(self, msg: str, *args: Any) -> None:
+        self._emit(logging.INFO, msg, args)
+
+    def warning(self, msg: str, *args: Any) -> None:
+        self._emit(logging.WARNING, msg, args)
+
+    def error(self, msg: str, *args: Any) -> None:
+        self._emit(logging.ERROR, msg, args)
 
 
 class RunContext:
@@ -269,7 +287,7 @@ def run_idempotently(
     check_text(job_name, "job name")
     check_text(run_key, "run key")
     lock_key = run_lock_key(job_name, run_key)
-    run_log = RunLogger(logger or log, {"job": job_name, "run_key": run_key})
+    run_log = RunLogger(logger or log, job_name, run_key)
     with contextlib.ExitStack() as stack:
         lock_conn = stack.enter_context(connect())
         lock_conn.autocommit = True
@@ -296,7 +314,7 @@ def run_idempotently(
                 f"job {job_name!r} run_key {run_key!r} is locked by another execution: "
                 f"{_format_holder(holder)}"
             )
-            run_log.extra = {**run_log.extra, "attempt": attempt_id}  # type: ignore[dict-item]
+            run_log.attempt = attempt_id
             run_log.warning("%s", message)
             raise RunLockedError(message, holder=holder)
         stack.callback(release_run_lock, lock_conn, lock)
@@ -345,7 +363,7 @@ def _run_locked(
                 "completed_at": existing.completed_at.isoformat() if existing.completed_at else None
             },
         )
-        run_log.extra = {**run_log.extra, "attempt": attempt_id}  # type: ignore[dict-item]
+        run_log.attempt = attempt_id
         run_log.info(
             "found existing completed run (completed %s by %s, %s attempt(s)): no-op. "
             "Set force=true in the run's conf to recompute it.",
@@ -365,7 +383,7 @@ def _run_locked(
         force=options.force,
         dry_run=options.dry_run,
     )
-    run_log.extra = {**run_log.extra, "attempt": attempt_id}  # type: ignore[dict-item]
+    run_log.attempt = attempt_id
     if not options.dry_run:
         count = records.upsert_started(lock_conn, **ids, attempt_id=attempt_id, trigger=trigger)
         previous = existing.status if existing else "new"
@@ -462,12 +480,15 @@ def _record_failure(
                     error=error,
                 )
 
-    try:
-        if not (lock_conn.closed or lock_conn.broken):
+    if not (lock_conn.closed or lock_conn.broken):
+        try:
             write(lock_conn)
             return
-        # The lock session is gone; record the failure from a fresh session. mark_failed only
-        # touches the run if this attempt still owns it, so a successor is never overwritten.
+        except psycopg.OperationalError:
+            pass  # terminated server-side: psycopg only learns it from a failed statement
+    # The lock session is gone; record the failure from a fresh session. mark_failed only
+    # touches the run if this attempt still owns it, so a successor is never overwritten.
+    try:
         with _schema_connection(connect, schema) as conn:
             write(conn)
     except (psycopg.Error, IdempotencyError) as record_exc:

@@ -177,8 +177,12 @@ UPDATE outbound_ledger AS l
 SET status = CASE WHEN l.status = 'succeeded' THEN 'succeeded' ELSE o.status END,
     remote_reference = coalesce(o.remote_reference, l.remote_reference),
     call_count = l.call_count + o.calls,
-    last_error = CASE WHEN o.status = 'succeeded' THEN NULL ELSE o.error END,
-    last_attempt_id = %(attempt_id)s,
+    -- A row already confirmed keeps naming the attempt that confirmed it, without error.
+    last_error = CASE WHEN o.status = 'succeeded' THEN NULL
+                      WHEN l.status = 'succeeded' THEN l.last_error
+                      ELSE o.error END,
+    last_attempt_id = CASE WHEN l.status = 'succeeded' AND o.status <> 'succeeded'
+                           THEN l.last_attempt_id ELSE %(attempt_id)s END,
     updated_at = now(),
     confirmed_at = CASE WHEN o.status = 'succeeded' AND l.confirmed_at IS NULL THEN now()
                         ELSE l.confirmed_at END
