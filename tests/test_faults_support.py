@@ -1,0 +1,277 @@
+"""Helpers shared by the fault scenarios (tests/test_faults_*.py); this module has no tests.
+
+Workers are ``airflow dags test`` processes like those of tests/workers.py, but their
+Airflow home lives under a folder the caller owns, so every home is removed with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+
+from devtools import airflow_env
+from devtools.airflow_env import DAGS_FOLDER
+
+D = "2026-10-01"  # the business date of every finalize_invoices scenario
+FIRE = "2026-10-02T01:00:00+00:00"  # the scheduled run that processes it
+JOBS = ("create_invoices", "rebuild_totals", "export_invoices")
+
+
+def spawn_worker(
+    airflow_home: Path,
+    home: Path,
+    job_dsn: str,
+    env: dict[str, str],
+    dag_id: str = "finalize_invoices",
+    date: str = FIRE,
+    conf: str | None = None,
+) -> subprocess.Popen[str]:
+    """Start ``airflow dags test DAG_ID DATE`` in its own process group, Airflow home ``home``."""
+    home.mkdir(parents=True, exist_ok=False)
+    shutil.copy(airflow_home / "airflow.db", home / "airflow.db")
+    worker_env = dict(os.environ)
+    airflow_env.configure(home, worker_env)
+    worker_env["AIRFLOW__CORE__DAGS_FOLDER"] = str(DAGS_FOLDER)
+    worker_env["AIRFLOW_CONN_IDEMPOTENCY_DEFAULT"] = airflow_env.airflow_connection_json(job_dsn)
+    worker_env.pop("AIRFLOW_IDEMPOTENCY_CRASH_AT", None)
+    worker_env.pop("AIRFLOW_IDEMPOTENCY_SLEEP_AT", None)
+    worker_env.update(env)
+    cmd = [sys.executable, "-m", "airflow", "dags", "test", dag_id, date]
+    if conf:
+        cmd += ["-c", conf]
+    return subprocess.Popen(
+        cmd,
+        env=worker_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the worker's process group (only ours: its id is the worker's pid)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str, float]:
+    """Wait for a worker; return its exit code, its output and how long it ran from now."""
+    started = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)  # nothing it started may outlive it (a crash leaves no children)
+    return proc.returncode, out, time.monotonic() - started
+
+
+def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def advisory_locks(dsn: str) -> int:
+    """Advisory locks held right now in this database (other databases are not ours)."""
+    return rows(
+        dsn,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )[0][0]
+
+
+def job_statuses(dsn: str, run_key: str = D) -> dict[str, str]:
+    """task -> job_runs.status of the finalize_invoices jobs (absent: never started)."""
+    if not rows(dsn, "SELECT to_regclass('idempotency.job_runs') IS NOT NULL")[0][0]:
+        return {}
+    return {
+        job.removeprefix("finalize_invoices."): status
+        for job, status in rows(
+            dsn,
+            "SELECT job_name, status FROM idempotency.job_runs WHERE run_key = %s",
+            (run_key,),
+        )
+    }
+
+
+def final_state(dsn: str, day: str = D) -> dict[str, Any]:
+    """What must be identical to an uninterrupted run, in a form comparable across databases.
+
+    Invoices by their natural columns (no identity ids, no timestamps), totals, the ledger
+    as (key, status) and the remote invoices as key -> order_id. Remote references differ
+    between databases, so they are checked for consistency inside one database instead
+    (see :func:`check_consistency`).
+    """
+    d = {"d": day}
+    return {
+        "invoices": rows(
+            dsn,
+            "SELECT invoice_number, order_id, business_date::text, store_id, customer_id,"
+            " amount_cents, currency FROM invoices WHERE business_date = %(d)s"
+            " ORDER BY invoice_number",
+            d,
+        ),
+        "uninvoiced_orders": rows(
+            dsn,
+            "SELECT count(*) FROM orders WHERE shipped_on = %(d)s AND invoiced_at IS NULL",
+            d,
+        )[0][0],
+        "totals": rows(
+            dsn,
+            "SELECT store_id, invoice_count, amount_cents FROM daily_invoice_totals"
+            " WHERE business_date = %(d)s ORDER BY store_id",
+            d,
+        ),
+        "ledger": rows(
+            dsn,
+            "SELECT idempotency_key, status FROM idempotency.outbound_ledger"
+            " WHERE run_key = %(d)s ORDER BY idempotency_key",
+            d,
+        ),
+        "remote": rows(
+            dsn,
+            "SELECT idempotency_key, (invoice->>'order_id')::bigint FROM accounting.invoices"
+            " WHERE invoice->>'business_date' = %(d)s ORDER BY idempotency_key",
+            d,
+        ),
+        "jobs": job_statuses(dsn, day),
+    }
+
+
+# The accounting service's reference of invoice r: format_reference() in its store.py.
+_REFERENCE = "'ACC-' || repeat('0', greatest(0, 6 - length(r.id::text))) || r.id::text"
+
+
+def check_consistency(dsn: str, day: str = D) -> dict[str, Any]:
+    """Duplicates and ledger/remote disagreements in one database: all must be empty."""
+    d = {"d": day}
+    return {
+        "duplicate_remote_orders": rows(
+            dsn,
+            "SELECT invoice->>'order_id', count(*) FROM accounting.invoices"
+            " GROUP BY 1 HAVING count(*) > 1",
+        ),
+        "duplicate_invoices": rows(
+            dsn, "SELECT order_id, count(*) FROM invoices GROUP BY 1 HAVING count(*) > 1"
+        ),
+        # A confirmed ledger row whose reference is not the remote's invoice for that key.
+        "reference_mismatch": rows(
+            dsn,
+            f"SELECT l.idempotency_key, l.status, l.remote_reference, {_REFERENCE}"
+            " FROM idempotency.outbound_ledger AS l"
+            " LEFT JOIN accounting.invoices AS r USING (idempotency_key)"
+            " WHERE l.run_key = %(d)s AND (l.status <> 'succeeded' OR r.id IS NULL"
+            f"   OR l.remote_reference IS DISTINCT FROM {_REFERENCE})",
+            d,
+        ),
+        # A remote invoice for another order than the key names.
+        "key_order_mismatch": rows(
+            dsn,
+            "SELECT idempotency_key FROM accounting.invoices"
+            " WHERE idempotency_key <> 'finalize_invoices:' || (invoice->>'business_date')"
+            "   || ':order_' || (invoice->>'order_id')",
+        ),
+    }
+
+
+NO_PROBLEMS = {
+    "duplicate_remote_orders": [],
+    "duplicate_invoices": [],
+    "reference_mismatch": [],
+    "key_order_mismatch": [],
+}
+
+
+def connection_env(job_dsn: str, service_url: str, **extra: Any) -> dict[str, str]:
+    """AIRFLOW_CONN_* of the job DB and the accounting service (as InvoicingEnv builds them)."""
+    url = urlsplit(service_url)
+    options = {"timeout": 2, "backoff_initial": 0.05, "backoff_max": 0.5, **extra}
+    accounting = {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": options}
+    return {
+        "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(job_dsn),
+        "AIRFLOW_CONN_ACCOUNTING_API": json.dumps(accounting),
+    }
+
+
+@contextlib.contextmanager
+def invoicing_world(
+    pg_server: Any, orders: int, seed: int = 7, day: str = D
+) -> Iterator[tuple[str, Any]]:
+    """A fresh job database seeded with ``orders`` orders and its own accounting service."""
+    from devtools.accounting import run_accounting_service
+    from invoicing.seed import seed_orders
+
+    name = pg_server.create_database("idem_fault")
+    dsn = pg_server.dsn(name)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            date = dt.date.fromisoformat(day)
+            seed_orders(conn, date, date, orders, seed)
+        with run_accounting_service(dsn) as service:
+            yield dsn, service
+    finally:
+        pg_server.drop_database(name)
+
+
+def service_counts(service: Any) -> dict[str, int]:
+    """Requests, replays and invoices of the service, read after its counters were flushed."""
+    time.sleep(0.3)  # the service flushes its request counters every 0.1 s
+    stats = service.stats()
+    return {k: stats[k] for k in ("requests", "replays", "invoices")}
+
+
+class Watched:
+    """A worker whose output is read as it comes, so a test can wait for a line of it."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 180) -> None:
+        """Wait until ``text`` appears in the output (fail early if the worker exits)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                raise AssertionError(f"worker exited before {text!r}:\n{self.output[-4000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} after {timeout}s:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 300) -> tuple[int, str]:
+        try:
+            self.proc.wait(timeout=timeout)
+            self._reader.join(timeout=30)
+        finally:
+            kill_group(self.proc)
+        return self.proc.returncode, self.output
+
+
+def figures(text: str) -> None:
+    """Print what a scenario measured; devtools/fault_report.py copies these lines to FAULTS.md."""
+    print(f"[figures] {text}", flush=True)
