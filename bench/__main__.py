@@ -1,0 +1,79 @@
+"""``python -m bench [--size tiny|small|full] [--only NAME ...] [--output FILE]``.
+
+Runs the benchmarks, prints one table of figures and side-by-side ratios, and writes
+BENCHMARKS.md (by default only for ``--size full``, the size the targets are stated for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import os
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from bench.common import SIZES, BenchResult, machine_info, say
+from bench.report import render_markdown, render_table
+from devtools.postgres import find_server
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ("overhead", "contention", "invoices", "export", "airflow_e2e")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument(
+        "--only", nargs="+", choices=BENCHMARKS, metavar="NAME", help=f"any of {BENCHMARKS}"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="write the report here (default: BENCHMARKS.md for --size full, none otherwise)",
+    )
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    size = SIZES[args.size]
+    command = "python3 dev.py bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    server = find_server()
+    started = dt.datetime.now(dt.timezone.utc)
+    machine = machine_info(server)
+    results: list[BenchResult] = []
+    try:
+        for name in args.only or BENCHMARKS:
+            module = importlib.import_module(f"bench.{name}")
+            say(f"{name} ({size.name}) ...")
+            t0 = time.monotonic()
+            try:
+                result: BenchResult = module.run(size, server)
+            except Exception as exc:  # report and go on: one broken benchmark is not all
+                result = BenchResult(name, getattr(module, "TITLE", name))
+                result.error = " ".join(f"{type(exc).__name__}: {exc}".split())
+                say(f"{name} FAILED:\n{traceback.format_exc()}")
+            result.seconds = time.monotonic() - t0
+            say(f"{name} done in {result.seconds:.0f} s")
+            results.append(result)
+    finally:
+        server.stop()
+    machine["load average (end)"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    table = render_table(results)
+    print(table)
+    output = args.output or (ROOT / "BENCHMARKS.md" if size.name == "full" else None)
+    if output and not args.no_write:
+        output.write_text(
+            render_markdown(results, size, machine, command, started), encoding="utf-8"
+        )
+        say(f"wrote {output}")
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""What every benchmark shares: sizes, result rows, statistics, child processes, databases."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from devtools.postgres import PostgresServer
+
+RESULT_PREFIX = "BENCH-RESULT "
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big each benchmark runs. ``full`` is the size the targets are stated for."""
+
+    name: str
+    overhead_runs: int  # run_idempotently calls per variant
+    airflow_dates: int  # dates per backfill
+    airflow_rounds: int  # timed rerun passes per DAG (alternating plain / idempotent)
+    airflow_first_passes: bool  # first passes through Airflow (else keys completed in-process)
+    invoice_orders: int  # orders of the one business date
+    export_invoices: int  # invoices exported through the ledger
+    export_bare_requests: int  # requests of each bare-client loop (one before, one after)
+    export_shared_requests: int  # requests of the single-shared-AsyncClient loop (reference)
+    export_concurrency: int
+    contention_workers: int
+
+
+SIZES: dict[str, Size] = {
+    "tiny": Size("tiny", 20, 1, 1, False, 2_000, 500, 200, 100, 32, 4),
+    "small": Size("small", 300, 7, 1, True, 100_000, 10_000, 5_000, 1_000, 32, 32),
+    "full": Size("full", 1_000, 30, 2, True, 1_000_000, 100_000, 20_000, 2_000, 32, 32),
+}
+
+
+@dataclass
+class Row:
+    """One line of the results table."""
+
+    bench: str
+    figure: str
+    value: float | None
+    unit: str = ""
+    target: str = ""
+    ok: bool | None = None  # None: no target, a figure for the record
+    note: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return {True: "ok", False: "MISSED", None: ""}[self.ok]
+
+    def shown(self) -> str:
+        if self.value is None:
+            return "n/a"
+        v = self.value
+        if self.unit in ("x", "ratio"):
+            return f"{v:.3f}"
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        return f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}"
+
+
+@dataclass
+class BenchResult:
+    """The rows of one benchmark, its wall time and notes for BENCHMARKS.md."""
+
+    name: str
+    title: str
+    rows: list[Row] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def add(self, *args: Any, **kwargs: Any) -> Row:
+        row = Row(self.name, *args, **kwargs)
+        self.rows.append(row)
+        return row
+
+
+def at_most(value: float | None, limit: float) -> bool | None:
+    return None if value is None else value <= limit
+
+
+def at_least(value: float | None, limit: float) -> bool | None:
+    return None if value is None else value >= limit
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile (p99 of 1,000 values is the 990th smallest)."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), int(-(-pct * len(ordered) // 100))))
+    return float(ordered[rank - 1])
+
+
+# ---------------------------------------------------------------- the machine
+
+
+def machine_info(server: PostgresServer | None = None) -> dict[str, str]:
+    """nproc, CPU model, RAM, Python, Postgres and library versions, load average."""
+    info: dict[str, str] = {}
+    info["nproc"] = str(
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    )
+    model = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    info["cpu"] = model
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("MemTotal"):
+                info["ram"] = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+                break
+    info["os"] = f"{platform.system()} {platform.release()}"
+    info["python"] = platform.python_version()
+    if server is not None:
+        with psycopg.connect(server.admin_dsn) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+        info["postgres"] = f"{row[0] if row else '?'} ({server.source})"
+    from importlib.metadata import version
+
+    for dist in ("apache-airflow", "psycopg", "psycopg-pool", "httpx", "httpcore", "uvicorn"):
+        with contextlib.suppress(Exception):
+            info[dist] = version(dist)
+    info["load average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return info
+
+
+# ---------------------------------------------------------------- child processes
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size, in MB (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_child(target: str, args: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
+    """Run ``module:function(**args)`` in a fresh interpreter; return its dict result.
+
+    The child adds ``peak_rss_mb`` (its own ru_maxrss, so only the process doing the work
+    is counted), ``child_seconds`` (the call, without interpreter start and imports of
+    the child's entry point) and ``cpu_seconds`` (its CPU time, user + system, in the call).
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.common", target, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
+            return result
+    raise RuntimeError(
+        f"child {target} exited {proc.returncode} without a result\n"
+        f"--- stdout:\n{proc.stdout[-3000:]}\n--- stderr:\n{proc.stderr[-5000:]}"
+    )
+
+
+def _child_main(argv: list[str]) -> None:
+    target, raw = argv
+    module_name, func_name = target.split(":")
+    func: Callable[..., dict[str, Any]] = getattr(importlib.import_module(module_name), func_name)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    result = func(**json.loads(raw))
+    result["child_seconds"] = time.perf_counter() - t0
+    result["cpu_seconds"] = time.process_time() - c0
+    result["peak_rss_mb"] = peak_rss_mb()
+    print(RESULT_PREFIX + json.dumps(result, default=str), flush=True)
+
+
+# ---------------------------------------------------------------- databases
+
+
+def create_database(server: PostgresServer, prefix: str, template: str | None = None) -> str:
+    """A new database (copied from ``template`` with the FILE_COPY strategy if given)."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    stmt = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template:
+        stmt += sql.SQL(" TEMPLATE {} STRATEGY FILE_COPY").format(sql.Identifier(template))
+    with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
+        conn.execute(stmt)
+    return name
+
+
+@contextlib.contextmanager
+def database(server: PostgresServer, prefix: str, template: str | None = None) -> Iterator[str]:
+    """Create a database, yield its DSN, drop it afterwards."""
+    name = create_database(server, prefix, template)
+    try:
+        yield server.dsn(name)
+    finally:
+        server.drop_database(name)
+
+
+def checkpoint(server: PostgresServer) -> None:
+    """Flush dirty buffers now, so that a timed run does not pay for an earlier one's."""
+    with (
+        contextlib.suppress(psycopg.Error),
+        psycopg.connect(server.admin_dsn, autocommit=True) as conn,
+    ):
+        conn.execute("CHECKPOINT")
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])
