@@ -33,8 +33,8 @@ class Size:
     name: str
     overhead_runs: int  # run_idempotently calls per variant
     airflow_dates: int  # dates per backfill
-    airflow_rounds: int  # timed rerun passes per DAG (alternating plain / idempotent)
-    airflow_first_passes: bool  # first passes through Airflow (else keys completed in-process)
+    airflow_rounds: int  # timed passes per DAG (alternating plain / idempotent)
+    airflow_warmup: bool  # an untimed warm-up pass of each DAG first
     invoice_orders: int  # orders of the one business date
     export_invoices: int  # invoices exported through the ledger
     export_bare_requests: int  # requests of each bare-client loop (one before, one after)
