@@ -75,10 +75,12 @@ def render_markdown(
         "",
         "**Noise.** Other developers run heavy test suites on this machine at the same time "
         "(Airflow stacks, Postgres-heavy tests), so absolute figures move from run to run by "
-        "10-30 %. That is why every target that compares with a baseline is a ratio measured "
+        "10-30 % on a quiet day and 2-3x while heavy suites run (a round trip to Postgres "
+        "went from 0.08 ms to 2 ms, a commit from 0.3 ms to 9 ms). That is why every target that compares with a baseline is a ratio measured "
         "side by side in the same run, interleaved or bracketed where possible. The load "
-        "average at the start and end is in the machine line above; re-run a figure that "
-        "looks off with `--only NAME`.",
+        "average at the start and end is in the machine line above; a figure that looks off "
+        "can be re-measured alone with `python3 dev.py bench --only NAME` (prints the table, "
+        "leaves this file alone).",
         "",
         "## Results",
         "",
@@ -106,10 +108,10 @@ def render_markdown(
         "",
         "1. runner.py / records.py: a new key costs 3 durable commits (attempt row, job_runs "
         "upsert, completion) and 10 round trips, the no-op decision 1 commit and 5 round "
-        "trips; on this disk a commit's WAL flush is 0.5-9 ms, which alone exceeds the 2 ms "
+        "trips; on this disk a commit's WAL flush is 0.3-9 ms, which alone exceeds the 2 ms "
         "target under load (see the overhead section).",
-        "2. schema.py: ensure_schema recomputes `conn.info.dsn` (libpq conninfo, ~0.13 ms) "
-        "as its cache key on every call; use_schema sends set_config on every call; the "
+        "2. schema.py: ensure_schema recomputes `conn.info.dsn` (libpq conninfo, 0.13-0.3 ms, "
+        "about a quarter of the client CPU of a run) as its cache key on every call; use_schema sends set_config on every call; the "
         "first call in a process reads the migration files (~4 ms).",
         "3. runner.py: the lock connection's search_path is set to the bookkeeping schema and "
         "never restored, so a pooled connection (psycopg_pool) goes back to the pool with "
@@ -119,7 +121,8 @@ def render_markdown(
         "text-array parameters: the forced rerun's cost per skipped key (see the export "
         "section).",
         "5. operator.py / hook.py: the DAG-file parse in each task process imports "
-        "PostgresHook, providers.common.sql and sqlalchemy (see the Airflow section).",
+        "PostgresHook, providers.common.sql, sqlparse and psycopg2 besides psycopg (see the "
+        "Airflow section).",
         "",
         "## Tools",
         "",
