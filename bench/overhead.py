@@ -32,11 +32,11 @@ from devtools.postgres import PostgresServer
 
 TITLE = "Wrapper overhead (in-process, no-op work)"
 JOB = "bench.overhead"
-# Statements of each path, counted from runner.py (BEGIN and COMMIT are round trips too).
-ROUND_TRIPS_NEW_KEY = 10  # search_path, try_lock, get_run, insert_attempt, upsert_started,
-# BEGIN, mark_completed, finish_attempt, COMMIT, unlock
-ROUND_TRIPS_NOOP = 5  # search_path, try_lock, get_run, insert_attempt(noop), unlock
-COMMITS_NEW_KEY = 3  # insert_attempt, upsert_started, the completion transaction
+# Statements of each path, counted from runner.py (each one its own autocommit transaction).
+ROUND_TRIPS_NEW_KEY = 5  # open_lock_session, get_run, start_attempt, complete_attempt,
+# close_lock_session
+ROUND_TRIPS_NOOP = 4  # open_lock_session, get_run, insert_attempt(noop), close_lock_session
+COMMITS_NEW_KEY = 2  # start_attempt, complete_attempt
 COMMITS_NOOP = 1  # the noop attempt row
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -230,6 +231,46 @@ def test_lock_is_released_after_the_run(pg_dsn: str) -> None:
         pg_dsn,
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     ) == [(0,)]
+
+
+def test_pooled_connection_is_handed_back_as_it_came(pg_dsn: str) -> None:
+    """After every kind of run, a pooled lock connection keeps its own search_path and name."""
+    from psycopg_pool import ConnectionPool
+
+    def configure(conn: psycopg.Connection) -> None:
+        conn.execute("SET search_path = app_schema, public")
+        conn.execute("SET application_name = 'my-app'")
+        conn.commit()
+
+    def settings(pool: ConnectionPool) -> tuple[Any, ...]:
+        with pool.connection() as conn:
+            row = conn.execute(
+                "SELECT current_setting('search_path'), current_setting('application_name'),"
+                " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())"
+            ).fetchone()
+            assert row is not None
+            return tuple(row)
+
+    expected = ("app_schema, public", "my-app", 0)
+    with ConnectionPool(pg_dsn, min_size=1, max_size=1, configure=configure) as pool:
+        for key, work in (
+            ("k", lambda ctx: None),
+            ("k", lambda ctx: None),
+            ("f", lambda ctx: 1 / 0),
+        ):
+            with contextlib.suppress(ZeroDivisionError):
+                run_idempotently(connect=pool.connection, job_name="j", run_key=key, work=work)
+            assert settings(pool) == expected
+        with psycopg.connect(pg_dsn, autocommit=True) as holder:
+            holder.execute("SELECT pg_advisory_lock(%s)", (run_lock_key("j", "held"),))
+            with pytest.raises(RunLockedError):
+                run_idempotently(
+                    connect=pool.connection, job_name="j", run_key="held", work=lambda ctx: None
+                )
+        assert settings(pool) == expected
+    assert rows(
+        pg_dsn, "SELECT run_key, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id"
+    ) == [("k", "completed"), ("k", "noop"), ("f", "failed"), ("held", "lock_held")]
 
 
 def test_lock_key_mapping_is_stable() -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import re
 from functools import cache
 from importlib.resources import files
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 _NAME = re.compile(r"^-- name: (?P<name>\w+)\s*$", re.MULTILINE)
 
@@ -31,16 +35,29 @@ def query(name: str) -> str:
 
 
 @cache
-def migrations() -> tuple[tuple[int, str, str], ...]:
-    """Return ``(version, file name, sql)`` for each file in sql/migrations/, in order."""
+def _migration_files() -> tuple[tuple[int, Traversable], ...]:
     folder = files("airflow_idempotency").joinpath("sql", "migrations")
     found = []
     for entry in folder.iterdir():
         match = re.fullmatch(r"(\d{4})_\w+\.sql", entry.name)
         if match:
-            found.append((int(match.group(1)), entry.name, entry.read_text(encoding="utf-8")))
-    found.sort()
-    versions = [v for v, _, _ in found]
+            found.append((int(match.group(1)), entry))
+    found.sort(key=lambda item: item[0])
+    versions = [v for v, _ in found]
     if versions != list(range(1, len(versions) + 1)):
         raise RuntimeError(f"migrations must be numbered 1..n without gaps, found {versions}")
     return tuple(found)
+
+
+def latest_migration() -> int:
+    """The number of the newest file in sql/migrations/ (without reading the files)."""
+    return _migration_files()[-1][0]
+
+
+@cache
+def migrations() -> tuple[tuple[int, str, str], ...]:
+    """Return ``(version, file name, sql)`` for each file in sql/migrations/, in order."""
+    return tuple(
+        (version, entry.name, entry.read_text(encoding="utf-8"))
+        for version, entry in _migration_files()
+    )

@@ -29,7 +29,6 @@ from collections import Counter
 CRASH_ENV = "AIRFLOW_IDEMPOTENCY_CRASH_AT"
 SLEEP_ENV = "AIRFLOW_IDEMPOTENCY_SLEEP_AT"
 WAIT_ENV = "AIRFLOW_IDEMPOTENCY_WAIT_AT"
-_ENVS = (CRASH_ENV, SLEEP_ENV, WAIT_ENV)
 _hits: Counter[str] = Counter()
 _slept: dict[str, bool] = {}
 
@@ -44,7 +43,8 @@ def _parse(spec: str, separator: str) -> dict[str, str]:
 
 def crash_point(name: str) -> None:
     """Crash (SIGKILL), sleep or wait here if ``name`` is configured; otherwise do nothing."""
-    if not any(env in os.environ for env in _ENVS):
+    environ = os.environ
+    if CRASH_ENV not in environ and SLEEP_ENV not in environ and WAIT_ENV not in environ:
         return
     pause = _parse(os.environ.get(SLEEP_ENV, ""), "=").get(name)
     gate = _parse(os.environ.get(WAIT_ENV, ""), "=").get(name)

@@ -17,10 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Any
-
 import psycopg
-from psycopg.rows import dict_row
 
 from airflow_idempotency._sql import query
 
@@ -53,6 +50,56 @@ class RunLock:
         return {"lock_hi": hi, "lock_lo": lo, "lock_backend_pid": self.backend_pid}
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """A session's ``search_path`` and ``application_name``, as a run found them."""
+
+    search_path: str
+    application_name: str
+
+
+def open_lock_session(
+    conn: psycopg.Connection, lock_key: int, *, schema: str, application_name: str
+) -> tuple[RunLock | None, SessionSettings]:
+    """Try the lock on ``conn`` and point the session at ``schema``, in one round trip.
+
+    Returns the lock (``None`` when another session holds it) and the settings it replaced,
+    for :func:`close_lock_session`. ``schema`` must already be validated.
+    """
+    row = conn.execute(
+        query("open_lock_session"),
+        {"lock_key": lock_key, "schema": schema, "application_name": application_name},
+    ).fetchone()
+    assert row is not None
+    acquired, backend_pid, search_path, previous_name = row[:4]
+    lock = RunLock(lock_key, backend_pid) if acquired else None
+    return lock, SessionSettings(search_path, previous_name)
+
+
+def close_lock_session(
+    conn: psycopg.Connection, lock_key: int, lock: RunLock | None, previous: SessionSettings
+) -> None:
+    """Release ``lock`` (if held) and restore the session's settings, in one round trip.
+
+    Logs, never raises: a session that is gone released its lock with it.
+    """
+    if conn.closed or conn.broken:
+        return
+    params = {
+        "acquired": lock is not None,
+        "lock_key": lock_key,
+        "search_path": previous.search_path,
+        "application_name": previous.application_name,
+    }
+    try:
+        row = conn.execute(query("close_lock_session"), params).fetchone()
+    except psycopg.Error as exc:
+        log.warning("could not release run lock %s: %s", lock_key, exc)
+        return
+    if lock is not None and not (row and row[0]):
+        log.warning("run lock %s was not held by this session when releasing it", lock_key)
+
+
 def try_acquire_run_lock(conn: psycopg.Connection, lock_key: int) -> RunLock | None:
     """Take the lock on ``conn`` without waiting; ``None`` when another session holds it."""
     row = conn.execute(query("try_lock"), {"lock_key": lock_key}).fetchone()
@@ -72,14 +119,6 @@ def release_run_lock(conn: psycopg.Connection, lock: RunLock) -> None:
         return
     if not row or not row[0]:
         log.warning("run lock %s was not held by this session when releasing it", lock.lock_key)
-
-
-def lock_holder(conn: psycopg.Connection, lock_key: int) -> dict[str, Any] | None:
-    """Who holds ``lock_key`` (pid, application, client, since when), from pg_stat_activity."""
-    hi, lo = split_lock_key(lock_key)
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(query("lock_holder"), {"lock_hi": hi, "lock_lo": lo}).fetchone()
-    return dict(row) if row else None
 
 
 def lock_is_held(conn: psycopg.Connection, lock: RunLock) -> bool:

@@ -20,6 +20,8 @@ from psycopg.types.json import Jsonb
 from airflow_idempotency._sql import query
 from airflow_idempotency.locks import RunLock
 
+_HOSTNAME = socket.gethostname()
+
 RunStatus = Literal["started", "completed", "failed"]
 AttemptOutcome = Literal[
     "running", "completed", "failed", "noop", "lock_held", "dry_run", "lock_lost", "reset"
@@ -66,6 +68,33 @@ def get_run(conn: psycopg.Connection, job_name: str, run_key: str) -> RunRecord 
     return RunRecord(**row) if row else None
 
 
+def _attempt_params(
+    *,
+    job_name: str,
+    run_key: str,
+    lock_key: int,
+    trigger: Trigger,
+    lock: RunLock | None,
+    force: bool,
+) -> dict[str, Any]:
+    return {
+        "job_name": job_name,
+        "run_key": run_key,
+        "lock_key": lock_key,
+        "triggered_by": trigger.triggered_by,
+        "triggering_user": trigger.triggering_user,
+        "dag_id": trigger.dag_id,
+        "run_id": trigger.run_id,
+        "task_id": trigger.task_id,
+        "try_number": trigger.try_number,
+        "map_index": trigger.map_index,
+        "hostname": _HOSTNAME,
+        "pid": os.getpid(),
+        "lock_backend_pid": lock.backend_pid if lock else None,
+        "force": force,
+    }
+
+
 def insert_attempt(
     conn: psycopg.Connection,
     *,
@@ -81,31 +110,46 @@ def insert_attempt(
     details: dict[str, Any] | None = None,
 ) -> int:
     """Record one execution; an outcome other than ``running`` is recorded as finished."""
-    row = conn.execute(
-        query("insert_attempt"),
-        {
-            "job_name": job_name,
-            "run_key": run_key,
-            "lock_key": lock_key,
-            "outcome": outcome,
-            "triggered_by": trigger.triggered_by,
-            "triggering_user": trigger.triggering_user,
-            "dag_id": trigger.dag_id,
-            "run_id": trigger.run_id,
-            "task_id": trigger.task_id,
-            "try_number": trigger.try_number,
-            "map_index": trigger.map_index,
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "lock_backend_pid": lock.backend_pid if lock else None,
-            "force": force,
-            "dry_run": dry_run,
-            "error": error,
-            "details": Jsonb(details or {}),
-        },
-    ).fetchone()
+    params = _attempt_params(
+        job_name=job_name,
+        run_key=run_key,
+        lock_key=lock_key,
+        trigger=trigger,
+        lock=lock,
+        force=force,
+    )
+    params.update(outcome=outcome, dry_run=dry_run, error=error, details=Jsonb(details or {}))
+    row = conn.execute(query("insert_attempt"), params).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def start_attempt(
+    conn: psycopg.Connection,
+    *,
+    job_name: str,
+    run_key: str,
+    lock_key: int,
+    trigger: Trigger,
+    lock: RunLock,
+    force: bool = False,
+) -> tuple[int, int]:
+    """Record a running attempt and mark (job_name, run_key) started by it, in one statement.
+
+    Any other attempt of the key still marked running is closed as abandoned (the caller
+    holds the lock, so its worker died). Returns (attempt id, attempt count of the key).
+    """
+    params = _attempt_params(
+        job_name=job_name,
+        run_key=run_key,
+        lock_key=lock_key,
+        trigger=trigger,
+        lock=lock,
+        force=force,
+    )
+    row = conn.execute(query("start_attempt"), params).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
 
 
 def finish_attempt(
@@ -128,44 +172,17 @@ def finish_attempt(
     )
 
 
-def upsert_started(
-    conn: psycopg.Connection,
-    *,
-    job_name: str,
-    run_key: str,
-    lock_key: int,
-    attempt_id: int,
-    trigger: Trigger,
-) -> int:
-    """Mark (job_name, run_key) started by ``attempt_id``; return its attempt count."""
-    row = conn.execute(
-        query("upsert_started"),
-        {
-            "job_name": job_name,
-            "run_key": run_key,
-            "lock_key": lock_key,
-            "attempt_id": attempt_id,
-            "triggered_by": trigger.triggered_by,
-            "triggering_user": trigger.triggering_user,
-            "dag_id": trigger.dag_id,
-            "run_id": trigger.run_id,
-            "task_id": trigger.task_id,
-        },
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def mark_completed(
+def complete_attempt(
     conn: psycopg.Connection,
     *,
     job_name: str,
     run_key: str,
     attempt_id: int,
     lock: RunLock,
-    details: dict[str, Any],
+    counts: dict[str, Any],
 ) -> bool:
-    """Mark the run completed; ``False`` when this attempt no longer owns it or its lock.
+    """Mark the run and the attempt completed; ``False`` (nothing written) when this attempt
+    no longer owns the run or its lock.
 
     Must run on the lock connection: the statement checks that this very session still
     holds the advisory lock (fencing).
@@ -174,10 +191,10 @@ def mark_completed(
         "job_name": job_name,
         "run_key": run_key,
         "attempt_id": attempt_id,
-        "details": Jsonb(details),
+        "details": Jsonb(counts),
         **lock.params,
     }
-    return conn.execute(query("mark_completed"), params).fetchone() is not None
+    return conn.execute(query("complete_attempt"), params).fetchone() is not None
 
 
 def mark_failed(

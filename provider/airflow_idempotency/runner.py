@@ -40,15 +40,19 @@ from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
 from airflow_idempotency.locks import (
     RunLock,
-    lock_holder,
+    close_lock_session,
     lock_is_held,
-    release_run_lock,
+    open_lock_session,
     run_lock_key,
-    try_acquire_run_lock,
+    split_lock_key,
 )
 from airflow_idempotency.records import AttemptOutcome, RunRecord, Trigger
 from airflow_idempotency.run_key import check_text
-from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, use_schema
+from airflow_idempotency.schema import (
+    DEFAULT_SCHEMA,
+    ensure_schema,
+    use_schema,
+)
 
 if TYPE_CHECKING:
     from airflow_idempotency.ledger import OutboundLedger
@@ -223,16 +227,24 @@ def _schema_connection(connect: ConnectionFactory, schema: str) -> Iterator[psyc
 
 
 def _describe_holder(conn: psycopg.Connection, lock_key: int) -> dict[str, Any]:
-    holder = lock_holder(conn, lock_key) or {}
-    if holder.get("pid"):
-        with conn.cursor(row_factory=dict_row) as cur:
-            attempt = cur.execute(
-                query("running_attempt_for_lock"),
-                {"lock_key": lock_key, "lock_backend_pid": holder["pid"]},
-            ).fetchone()
-        if attempt:
-            holder["attempt"] = dict(attempt)
+    hi, lo = split_lock_key(lock_key)
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(
+            query("run_lock_holder"), {"lock_key": lock_key, "lock_hi": hi, "lock_lo": lo}
+        ).fetchone()
+    if not row:
+        return {}
+    holder = {k: v for k, v in row.items() if not k.startswith("attempt_")}
+    if row["attempt_attempt_id"] is not None:
+        holder["attempt"] = {
+            k.removeprefix("attempt_"): v for k, v in row.items() if k.startswith("attempt_")
+        }
     return holder
+
+
+def _application_name() -> str:
+    """What pg_stat_activity shows for a run's lock session (Postgres keeps 63 bytes)."""
+    return f"airflow-idempotency {socket.gethostname()} pid {os.getpid()}"
 
 
 def _format_holder(holder: Mapping[str, Any]) -> str:
@@ -292,10 +304,12 @@ def run_idempotently(
         lock_conn = stack.enter_context(connect())
         lock_conn.autocommit = True
         ensure_schema(lock_conn, schema)
-        use_schema(
-            lock_conn, schema, f"airflow-idempotency {socket.gethostname()} pid {os.getpid()}"
+        lock, previous = open_lock_session(
+            lock_conn, lock_key, schema=schema, application_name=_application_name()
         )
-        lock = try_acquire_run_lock(lock_conn, lock_key)
+        # Releases the lock and hands the session back with the settings it came with
+        # (a pooled connection must not keep search_path on the bookkeeping schema).
+        stack.callback(close_lock_session, lock_conn, lock_key, lock, previous)
         if lock is None:
             holder = _describe_holder(lock_conn, lock_key)
             attempt_id = records.insert_attempt(
@@ -317,7 +331,6 @@ def run_idempotently(
             run_log.attempt = attempt_id
             run_log.warning("%s", message)
             raise RunLockedError(message, holder=holder)
-        stack.callback(release_run_lock, lock_conn, lock)
         crash_point("runner.after_lock")
         return _run_locked(
             lock_conn=lock_conn,
@@ -373,24 +386,26 @@ def _run_locked(
         )
         return RunResult(RunOutcome.NOOP, job_name, run_key, attempt_id, dict(existing.details))
 
-    outcome_if_ok: AttemptOutcome = "dry_run" if options.dry_run else "completed"
-    attempt_id = records.insert_attempt(
-        lock_conn,
-        **ids,
-        outcome="running",
-        trigger=trigger,
-        lock=lock,
-        force=options.force,
-        dry_run=options.dry_run,
-    )
-    run_log.attempt = attempt_id
-    if not options.dry_run:
-        count = records.upsert_started(lock_conn, **ids, attempt_id=attempt_id, trigger=trigger)
+    if options.dry_run:
+        attempt_id = records.insert_attempt(
+            lock_conn,
+            **ids,
+            outcome="running",
+            trigger=trigger,
+            lock=lock,
+            force=options.force,
+            dry_run=True,
+        )
+        run_log.attempt = attempt_id
+        run_log.info("dry run: work runs in a transaction that is rolled back; job_runs untouched")
+    else:
+        attempt_id, count = records.start_attempt(
+            lock_conn, **ids, trigger=trigger, lock=lock, force=options.force
+        )
+        run_log.attempt = attempt_id
         previous = existing.status if existing else "new"
         run_log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
         crash_point("runner.after_started")
-    else:
-        run_log.info("dry run: work runs in a transaction that is rolled back; job_runs untouched")
 
     try:
         with (
@@ -421,22 +436,20 @@ def _run_locked(
 
     crash_point("runner.before_completion")
     try:
-        with lock_conn.transaction():
-            done = records.mark_completed(
-                lock_conn,
-                job_name=job_name,
-                run_key=run_key,
-                attempt_id=attempt_id,
-                lock=lock,
-                details=counts,
+        done = records.complete_attempt(
+            lock_conn,
+            job_name=job_name,
+            run_key=run_key,
+            attempt_id=attempt_id,
+            lock=lock,
+            counts=counts,
+        )
+        if not done:
+            raise LockLostError(
+                f"job {job_name!r} run_key {run_key!r}: attempt {attempt_id} finished its work "
+                "but no longer owns the run or its lock, so it may not mark it completed. "
+                "Another attempt took over or the lock session ended; rerun to converge."
             )
-            if not done:
-                raise LockLostError(
-                    f"job {job_name!r} run_key {run_key!r}: attempt {attempt_id} finished its work "
-                    "but no longer owns the run or its lock, so it may not mark it completed. "
-                    "Another attempt took over or the lock session ended; rerun to converge."
-                )
-            records.finish_attempt(lock_conn, attempt_id, outcome_if_ok, details={"counts": counts})
     except (psycopg.OperationalError, LockLostError) as exc:
         lost = (
             exc

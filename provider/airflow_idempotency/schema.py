@@ -15,7 +15,7 @@ import threading
 import psycopg
 from psycopg import sql
 
-from airflow_idempotency._sql import migrations
+from airflow_idempotency._sql import latest_migration, migrations
 from airflow_idempotency.exceptions import InvalidInputError, SchemaError
 
 DEFAULT_SCHEMA = "idempotency"
@@ -25,13 +25,13 @@ _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 # _migration_lock_key) kept apart from run locks, which hash (job, run key).
 _MIGRATION_LOCK_SALT = b"airflow_idempotency.schema_migration\x00"
 
-_migrated: set[tuple[str, str]] = set()
+_migrated: set[tuple[tuple[bytes | None, ...], str]] = set()
 _migrated_guard = threading.Lock()
 
 
 def latest_version() -> int:
     """The schema version this code expects."""
-    return migrations()[-1][0]
+    return latest_migration()
 
 
 def validate_schema_name(schema: str) -> str:
@@ -64,18 +64,25 @@ def use_schema(conn: psycopg.Connection, schema: str, application_name: str | No
 
 
 def current_version(conn: psycopg.Connection, schema: str) -> int:
-    """The applied schema version, 0 when the schema or its version table does not exist."""
-    row = conn.execute(
-        "SELECT to_regclass(quote_ident(%(schema)s) || '.schema_version') IS NOT NULL",
-        {"schema": schema},
-    ).fetchone()
-    if not row or not row[0]:
-        return 0
+    """The applied schema version, 0 when the schema or its version table does not exist.
+
+    One round trip in the usual case (the table exists). ``conn`` must not be inside a
+    transaction: a missing table is learnt from the failed statement.
+    """
     stmt = sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_version").format(
         sql.Identifier(schema)
     )
-    found = conn.execute(stmt).fetchone()
+    try:
+        found = conn.execute(stmt).fetchone()
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+        return 0
     return int(found[0]) if found else 0
+
+
+def _server_identity(conn: psycopg.Connection) -> tuple[bytes | None, ...]:
+    """Which server and database ``conn`` talks to, cheaply (libpq's accessors, no parsing)."""
+    pgconn = conn.pgconn
+    return (pgconn.host, pgconn.port, pgconn.db, pgconn.user)
 
 
 def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int:
@@ -84,7 +91,7 @@ def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int
     ``conn`` must not be inside a transaction. Cheap after the first call per process.
     """
     validate_schema_name(schema)
-    cache_key = (str(conn.info.dsn), schema)
+    cache_key = (_server_identity(conn), schema)
     if cache_key in _migrated:
         return latest_version()
     target = latest_version()

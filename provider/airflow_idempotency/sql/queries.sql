@@ -7,9 +7,33 @@ SELECT pg_try_advisory_lock(%(lock_key)s) AS acquired, pg_backend_pid() AS backe
 -- name: unlock
 SELECT pg_advisory_unlock(%(lock_key)s) AS released;
 
--- name: lock_holder
--- Who holds an advisory lock taken with the bigint form: Postgres splits the key into
--- classid (high 32 bits) and objid (low 32 bits) and sets objsubid = 1.
+-- name: open_lock_session
+-- One round trip at the start of a run: try the run lock, point the session's search_path
+-- at the bookkeeping schema and name the session in pg_stat_activity. Returns the settings
+-- it replaced (read first: the MATERIALIZED CTE is scanned before the SELECT list runs), so
+-- close_lock_session can hand a pooled connection back as it came.
+WITH previous AS MATERIALIZED (
+    SELECT current_setting('search_path') AS search_path,
+           current_setting('application_name') AS application_name
+)
+SELECT pg_try_advisory_lock(%(lock_key)s) AS acquired,
+       pg_backend_pid() AS backend_pid,
+       previous.search_path,
+       previous.application_name,
+       set_config('search_path', quote_ident(%(schema)s), false) AS run_search_path,
+       set_config('application_name', %(application_name)s, false) AS run_application_name
+FROM previous;
+
+-- name: close_lock_session
+-- Release the run lock (when this session took it) and restore the session's settings.
+SELECT CASE WHEN %(acquired)s THEN pg_advisory_unlock(%(lock_key)s) END AS released,
+       set_config('search_path', %(search_path)s, false) AS search_path,
+       set_config('application_name', %(application_name)s, false) AS application_name;
+
+-- name: run_lock_holder
+-- Who holds a run lock, in one round trip: the session (from pg_stat_activity) and the
+-- attempt it runs, as recorded by that attempt itself (host and pid of the worker). Postgres
+-- shows a bigint advisory key as classid (high 32 bits), objid (low 32 bits), objsubid = 1.
 SELECT a.pid,
        a.application_name,
        host(a.client_addr) AS client_addr,
@@ -17,9 +41,27 @@ SELECT a.pid,
        a.usename AS user_name,
        a.backend_start,
        a.state,
-       a.state_change
+       a.state_change,
+       -- the holder's attempt, prefixed: the runner nests these under "attempt"
+       att.attempt_id AS attempt_attempt_id,
+       att.hostname AS attempt_hostname,
+       att.pid AS attempt_pid,
+       att.started_at AS attempt_started_at,
+       att.dag_id AS attempt_dag_id,
+       att.run_id AS attempt_run_id,
+       att.task_id AS attempt_task_id,
+       att.try_number AS attempt_try_number,
+       att.triggered_by AS attempt_triggered_by
 FROM pg_locks AS l
 JOIN pg_stat_activity AS a ON a.pid = l.pid
+LEFT JOIN LATERAL (
+    SELECT attempt_id, hostname, pid, started_at, dag_id, run_id, task_id, try_number,
+           triggered_by
+    FROM job_run_attempts
+    WHERE lock_key = %(lock_key)s AND lock_backend_pid = a.pid AND outcome = 'running'
+    ORDER BY attempt_id DESC
+    LIMIT 1
+) AS att ON true
 WHERE l.locktype = 'advisory'
   AND l.granted
   AND l.objsubid = 1
@@ -65,56 +107,85 @@ UPDATE job_run_attempts
 SET outcome = %(outcome)s, finished_at = now(), error = %(error)s, details = details || %(details)s
 WHERE attempt_id = %(attempt_id)s;
 
--- name: upsert_started
--- Never a bare INSERT: a rerun of a failed or crashed key takes the existing row over.
--- This attempt holds the lock, so any other attempt of the key still marked running died
--- without finishing (a killed worker): close it, in the same round trip.
-WITH abandoned AS (
+-- name: start_attempt
+-- One statement, one commit: record this execution as running and take job_runs over for it.
+-- Never a bare INSERT into job_runs: a rerun of a failed or crashed key takes the existing
+-- row over. This attempt holds the lock, so any other attempt of the key still marked
+-- running died without finishing (a killed worker): close it. (The UPDATE does not see the
+-- row inserted by the same statement.)
+WITH attempt AS (
+    INSERT INTO job_run_attempts (
+        job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
+        dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
+        force, dry_run, details
+    ) VALUES (
+        %(job_name)s, %(run_key)s, %(lock_key)s, 'running', %(triggered_by)s,
+        %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s,
+        %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false, '{}'
+    )
+    RETURNING attempt_id
+),
+abandoned AS (
     UPDATE job_run_attempts
     SET outcome = 'lock_lost', finished_at = now(),
         error = 'abandoned: the worker ended without finishing; taken over by attempt '
-                || %(attempt_id)s::text
-    WHERE job_name = %(job_name)s AND run_key = %(run_key)s
-      AND outcome = 'running' AND attempt_id <> %(attempt_id)s
+                || (SELECT attempt_id FROM attempt)::text
+    WHERE job_name = %(job_name)s AND run_key = %(run_key)s AND outcome = 'running'
+),
+run AS (
+    INSERT INTO job_runs (
+        job_name, run_key, lock_key, status, triggered_by, triggering_user, dag_id, run_id,
+        task_id, attempt_count, current_attempt_id, started_at, updated_at
+    )
+    SELECT %(job_name)s, %(run_key)s, %(lock_key)s, 'started', %(triggered_by)s,
+           %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, 1, attempt.attempt_id,
+           now(), now()
+    FROM attempt
+    ON CONFLICT (job_name, run_key) DO UPDATE
+    SET status = 'started',
+        triggered_by = EXCLUDED.triggered_by,
+        triggering_user = EXCLUDED.triggering_user,
+        dag_id = EXCLUDED.dag_id,
+        run_id = EXCLUDED.run_id,
+        task_id = EXCLUDED.task_id,
+        attempt_count = job_runs.attempt_count + 1,
+        current_attempt_id = EXCLUDED.current_attempt_id,
+        started_at = now(),
+        completed_at = NULL,
+        updated_at = now()
+    RETURNING attempt_count
 )
-INSERT INTO job_runs (
-    job_name, run_key, lock_key, status, triggered_by, triggering_user, dag_id, run_id, task_id,
-    attempt_count, current_attempt_id, started_at, updated_at
-) VALUES (
-    %(job_name)s, %(run_key)s, %(lock_key)s, 'started', %(triggered_by)s, %(triggering_user)s,
-    %(dag_id)s, %(run_id)s, %(task_id)s, 1, %(attempt_id)s, now(), now()
-)
-ON CONFLICT (job_name, run_key) DO UPDATE
-SET status = 'started',
-    triggered_by = EXCLUDED.triggered_by,
-    triggering_user = EXCLUDED.triggering_user,
-    dag_id = EXCLUDED.dag_id,
-    run_id = EXCLUDED.run_id,
-    task_id = EXCLUDED.task_id,
-    attempt_count = job_runs.attempt_count + 1,
-    current_attempt_id = EXCLUDED.current_attempt_id,
-    started_at = now(),
-    completed_at = NULL,
-    updated_at = now()
-RETURNING attempt_count;
+SELECT attempt.attempt_id, run.attempt_count
+FROM attempt, run;
 
--- name: mark_completed
--- Fenced: only the attempt that owns the run, and only while this very session still holds
--- the lock (the statement runs on the lock connection, so pg_backend_pid() is the holder).
-UPDATE job_runs
-SET status = 'completed', completed_at = now(), updated_at = now(),
-    details = details || %(details)s
-WHERE job_name = %(job_name)s
-  AND run_key = %(run_key)s
-  AND current_attempt_id = %(attempt_id)s
-  AND status = 'started'
-  AND EXISTS (
-      SELECT 1 FROM pg_locks
-      WHERE locktype = 'advisory' AND granted AND objsubid = 1
-        AND pid = pg_backend_pid()
-        AND classid::bigint = %(lock_hi)s AND objid::bigint = %(lock_lo)s
-  )
-RETURNING completed_at;
+-- name: complete_attempt
+-- Fenced, one statement, one commit: mark the run completed only for the attempt that owns
+-- it, and only while this very session still holds the lock (the statement runs on the lock
+-- connection, so pg_backend_pid() is the holder); close the attempt in the same statement.
+-- No row back means the attempt no longer owns the run or its lock, and nothing changed.
+WITH run AS (
+    UPDATE job_runs
+    SET status = 'completed', completed_at = now(), updated_at = now(),
+        details = details || %(details)s
+    WHERE job_name = %(job_name)s
+      AND run_key = %(run_key)s
+      AND current_attempt_id = %(attempt_id)s
+      AND status = 'started'
+      AND EXISTS (
+          SELECT 1 FROM pg_locks
+          WHERE locktype = 'advisory' AND granted AND objsubid = 1
+            AND pid = pg_backend_pid()
+            AND classid::bigint = %(lock_hi)s AND objid::bigint = %(lock_lo)s
+      )
+    RETURNING completed_at
+),
+attempt AS (
+    UPDATE job_run_attempts
+    SET outcome = 'completed', finished_at = now(), error = NULL,
+        details = details || jsonb_build_object('counts', %(details)s)
+    WHERE attempt_id = %(attempt_id)s AND EXISTS (SELECT 1 FROM run)
+)
+SELECT completed_at FROM run;
 
 -- name: mark_failed
 UPDATE job_runs
@@ -125,14 +196,6 @@ WHERE job_name = %(job_name)s
   AND current_attempt_id = %(attempt_id)s
   AND status = 'started'
 RETURNING updated_at;
-
--- name: running_attempt_for_lock
--- The attempt that holds a lock, as recorded by that attempt itself (host and pid of the worker).
-SELECT attempt_id, hostname, pid, started_at, dag_id, run_id, task_id, try_number, triggered_by
-FROM job_run_attempts
-WHERE lock_key = %(lock_key)s AND lock_backend_pid = %(lock_backend_pid)s AND outcome = 'running'
-ORDER BY attempt_id DESC
-LIMIT 1;
 
 -- name: ledger_claim_batch
 -- Set-based: insert the batch's keys as pending (existing keys untouched) and return, for
