@@ -1,7 +1,7 @@
 """Helpers shared by the fault scenarios (tests/test_faults_*.py); this module has no tests.
 
-Workers are ``airflow dags test`` processes like those of tests/workers.py, but their
-Airflow home lives under a folder the caller owns, so every home is removed with it.
+Workers are ``airflow dags test`` processes started by tests/workers.py, with their Airflow
+home under a folder the caller owns, so every home is removed with it.
 """
 
 from __future__ import annotations
@@ -9,11 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import os
-import shutil
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +21,7 @@ import psycopg
 
 from devtools import airflow_env
 from devtools.airflow_env import DAGS_FOLDER
+from workers import dags_test, kill_group, private_airflow_env
 
 D = "2026-10-01"  # the business date of every finalize_invoices scenario
 FIRE = "2026-10-02T01:00:00+00:00"  # the scheduled run that processes it
@@ -41,34 +38,9 @@ def spawn_worker(
     conf: str | None = None,
 ) -> subprocess.Popen[str]:
     """Start ``airflow dags test DAG_ID DATE`` in its own process group, Airflow home ``home``."""
-    home.mkdir(parents=True, exist_ok=False)
-    shutil.copy(airflow_home / "airflow.db", home / "airflow.db")
-    worker_env = dict(os.environ)
-    airflow_env.configure(home, worker_env)
-    worker_env["AIRFLOW__CORE__DAGS_FOLDER"] = str(DAGS_FOLDER)
-    worker_env["AIRFLOW_CONN_IDEMPOTENCY_DEFAULT"] = airflow_env.airflow_connection_json(job_dsn)
-    worker_env.pop("AIRFLOW_IDEMPOTENCY_CRASH_AT", None)
-    worker_env.pop("AIRFLOW_IDEMPOTENCY_SLEEP_AT", None)
+    worker_env = private_airflow_env(airflow_home, job_dsn, DAGS_FOLDER, home=home)
     worker_env.update(env)
-    cmd = [sys.executable, "-m", "airflow", "dags", "test", dag_id, date]
-    if conf:
-        cmd += ["-c", conf]
-    return subprocess.Popen(
-        cmd,
-        env=worker_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def kill_group(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the worker's process group (only ours: its id is the worker's pid)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=30)
+    return dags_test(worker_env, dag_id, date, conf)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str, float]:
