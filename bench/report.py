@@ -104,25 +104,21 @@ def render_markdown(
         for note in result.notes:
             out += [note, ""]
     out += [
-        "## Findings outside ledger.py's HTTP handling (reported, not changed)",
+        "## What these benchmarks changed",
         "",
-        "1. runner.py / records.py: a new key costs 3 durable commits (attempt row, job_runs "
-        "upsert, completion) and 10 round trips, the no-op decision 1 commit and 5 round "
-        "trips; on this disk a commit's WAL flush is 0.3-9 ms, which alone exceeds the 2 ms "
-        "target under load (see the overhead section).",
-        "2. schema.py: ensure_schema recomputes `conn.info.dsn` (libpq conninfo, 0.13-0.3 ms, "
-        "about a quarter of the client CPU of a run) as its cache key on every call; use_schema sends set_config on every call; the "
-        "first call in a process reads the migration files (~4 ms).",
-        "3. runner.py: the lock connection's search_path is set to the bookkeeping schema and "
-        "never restored, so a pooled connection (psycopg_pool) goes back to the pool with "
-        "search_path = idempotency (found when this benchmark's own probe table vanished "
-        "from view).",
-        "4. ledger.py, claim path: check_text per key, Effect.fingerprint computed twice, "
-        "text-array parameters: the forced rerun's cost per skipped key (see the export "
-        "section).",
-        "5. operator.py / hook.py: the DAG-file parse in each task process imports "
-        "PostgresHook, providers.common.sql, sqlparse and psycopg2 besides psycopg (see the "
-        "Airflow section).",
+        "1. dev.py installs with `--compile-bytecode`: with PYTHONDONTWRITEBYTECODE set and "
+        "uv's default of not compiling, every Airflow task process compiled its imports from "
+        "source (see the Airflow section).",
+        "2. runner.py / records.py / locks.py / schema.py: a new key takes 5 round trips and 2 "
+        "durable commits (was 10 and 3), the no-op decision 4 and 1 (was 5 and 1); "
+        "ensure_schema's cache key no longer parses the conninfo; the schema version is one "
+        "query; the migration files are read only when a migration runs.",
+        "3. runner.py: the lock session's search_path and application_name are restored "
+        "when the run ends, so a pooled connection goes back to its pool as it came (found "
+        "when this benchmark's probe table vanished from view; tests/test_runner.py).",
+        "4. ledger.py: the forced rerun's claim path (see the export section).",
+        "5. Migration 3: a partial index on running attempts, so naming a lock's holder "
+        "never scans the attempt history.",
         "",
         "## Tools",
         "",
