@@ -3,16 +3,19 @@
 Each effect has a stable idempotency key (``finalize_invoices:2026-10-01:order_12345``)
 and a request. :meth:`OutboundLedger.send_all` processes a stream of effects in batches:
 
-1. one statement records the batch's keys as ``pending`` (existing rows untouched) and
-   returns what the ledger already knows: ``succeeded`` keys are skipped without a call;
-   a key stored with a different request fingerprint is refused (like Stripe's
-   ``idempotency_error``); ``pending`` and ``failed`` keys are sent again with the SAME key;
+1. one statement records the batch's new keys as ``pending`` (existing rows untouched)
+   and returns what the ledger already knows: keys ``succeeded`` for the same request are
+   skipped without a call (the statement leaves them out of its result); a key stored with
+   a different request fingerprint is refused (like Stripe's ``idempotency_error``);
+   ``pending`` and ``failed`` keys are sent again with the SAME key. The next batch is
+   pulled from the stream while the database runs this statement;
 2. the calls go out concurrently (bounded), each carrying its key; transient errors
    (timeouts, connection resets, 409/429/5xx) are retried with exponential backoff;
 3. one statement records the batch's outcomes: ``succeeded`` with the remote reference,
    ``failed`` with the reason for a permanent refusal, ``pending`` when retries ran out.
 
-The claim of each batch is fenced: it commits only while this run still holds its lock.
+The claim of each batch is fenced: it commits only while this run still holds its lock
+(checked after the statement, just before the commit).
 A crash anywhere leaves ``pending`` rows, which the rerun sends again under the same key,
 so the remote (which deduplicates by key) acts once.
 """
@@ -48,12 +51,18 @@ from airflow_idempotency.exceptions import (
     LockLostError,
     RemoteCallError,
 )
-from airflow_idempotency.run_key import check_text
+from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
 
 if TYPE_CHECKING:
     from airflow_idempotency.runner import RunContext
 
 log = logging.getLogger(__name__)
+
+# The canonical JSON of a request: exactly json.dumps(request, sort_keys=True,
+# separators=(",", ":"), default=str), without building a new encoder for every call.
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+# Pipeline mode needs libpq >= 14 (the psycopg[binary] wheels bundle a newer one).
+_PIPELINE = psycopg.Pipeline.is_supported()
 
 
 @dataclass(frozen=True)
@@ -65,9 +74,8 @@ class Effect:
 
     @property
     def fingerprint(self) -> str:
-        """SHA-256 of the canonical JSON of the request."""
-        canonical = json.dumps(self.request, sort_keys=True, separators=(",", ":"), default=str)
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        """SHA-256 of the canonical JSON of the request (computed on each access)."""
+        return hashlib.sha256(_CANONICAL_JSON.encode(self.request).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,24 @@ class LedgerSummary:
 
 
 @dataclass(frozen=True)
+class _Batch:
+    """A batch of effects ready to claim: checked keys and one fingerprint per effect."""
+
+    effects: list[Effect]
+    keys: list[str]
+    fingerprints: list[str]
+    position: dict[str, int]  # key -> index in the three lists
+
+
+def _attempt(call: Callable[[], _Batch | None]) -> _Batch | Exception | None:
+    """What ``call`` returns, or the exception it raised (for the caller to raise later)."""
+    try:
+        return call()
+    except Exception as exc:
+        return exc
+
+
+@dataclass(frozen=True)
 class _Outcome:
     key: str
     status: str  # succeeded | failed | pending
@@ -204,8 +230,28 @@ class _ClientPool:
         self._idle.clear()
 
 
+def _plain_ascii_key(key: object) -> bool:
+    """Whether ``key`` is a valid idempotency key of the common kind, checked cheaply.
+
+    True only for text that :func:`check_idempotency_key` accepts: printable ASCII
+    (in ASCII the control characters are exactly the unprintable ones, and no ASCII code
+    point is a surrogate or unassigned), 1..MAX_KEY_LENGTH long, without surrounding
+    blanks. False says nothing: the full check decides (and words the refusal).
+    """
+    return (
+        type(key) is str
+        and key.isascii()
+        and key.isprintable()
+        and 0 < len(key) <= MAX_KEY_LENGTH
+        and key == key.strip()
+    )
+
+
 def check_idempotency_key(key: object) -> str:
     """Refuse a key that cannot travel as an HTTP header value: printable ASCII only."""
+    if _plain_ascii_key(key):  # ~0.3 µs instead of ~5-25 µs of unicodedata per character
+        assert isinstance(key, str)
+        return key
     check_text(key, "idempotency key")
     assert isinstance(key, str)
     if not key.isascii():
@@ -329,9 +375,14 @@ class OutboundLedger:
         summary: LedgerSummary,
     ) -> LedgerSummary:
         clients = _ClientPool(base_url, self.timeout, self.concurrency)
+        batches = (self._prepare(batch) for batch in _batches(effects, self.batch_size))
         try:
-            for batch in _batches(effects, self.batch_size):
-                to_send = self._claim(conn, batch, summary)
+            batch = next(batches, None)
+            while batch is not None:
+                # The next batch is pulled and prepared while the database runs this batch's
+                # claim; an error in doing so is raised once this batch is done, as before.
+                rows, upcoming = self._claim(conn, batch, lambda: next(batches, None))
+                to_send = self._classify(batch, rows, summary)
                 if to_send and not self.run.dry_run:
                     outcomes = await asyncio.gather(
                         *(self._call(clients, sender, effect) for effect in to_send)
@@ -347,46 +398,76 @@ class OutboundLedger:
                 elif to_send:
                     summary.sent += len(to_send)  # would be sent
                 self._log_progress(summary, total)
+                if isinstance(upcoming, Exception):
+                    raise upcoming
+                batch = upcoming
         finally:
             await clients.aclose()
         return summary
 
-    def _claim(
-        self, conn: psycopg.Connection, batch: list[Effect], summary: LedgerSummary
-    ) -> list[Effect]:
-        for effect in batch:
-            check_idempotency_key(effect.idempotency_key)
-        by_key = {e.idempotency_key: e for e in batch}
-        if len(by_key) != len(batch):
+    def _prepare(self, effects: list[Effect]) -> _Batch:
+        """Check a batch's keys and compute each request's fingerprint, once."""
+        keys = [check_idempotency_key(effect.idempotency_key) for effect in effects]
+        position = {key: i for i, key in enumerate(keys)}
+        if len(position) != len(effects):
             raise InvalidInputError(
                 f"duplicate idempotency keys in one batch of {self.remote_system!r}"
             )
+        return _Batch(effects, keys, [effect.fingerprint for effect in effects], position)
+
+    def _claim(
+        self, conn: psycopg.Connection, batch: _Batch, meanwhile: Callable[[], _Batch | None]
+    ) -> tuple[list[tuple[Any, ...]], _Batch | Exception | None]:
+        """Claim a batch (fenced); call ``meanwhile`` while the database runs the statement.
+
+        Returns the rows of the keys that need something (both statements leave out the
+        keys confirmed for this very request) and what ``meanwhile`` returned or raised.
+
+        In pipeline mode a statement is sent at once and its result read later, so the
+        claim runs on the server while ``meanwhile`` runs here. The fencing check comes
+        after the claim, just before the commit: the transaction commits only if the lock
+        is still held then (otherwise it rolls back, claim included). The transaction stays
+        open while ``meanwhile`` runs (pulling the next batch: normally a few ms).
+        """
         params = {
-            "keys": list(by_key),
-            "fingerprints": [e.fingerprint for e in batch],
+            "keys": batch.keys,
+            "fingerprints": batch.fingerprints,
             "remote_system": self.remote_system,
             "job_name": self.run.job_name,
             "run_key": self.run.run_key,
             "attempt_id": self.run.attempt_id,
         }
+        pipeline = conn.pipeline() if _PIPELINE else contextlib.nullcontext()
         if self.run.dry_run:
-            known = conn.execute(query("ledger_classify_batch"), params).fetchall()
-        else:
+            with pipeline:
+                cursor = conn.execute(query("ledger_classify_batch"), params)
+                upcoming = _attempt(meanwhile)
+                return cursor.fetchall(), upcoming
+        with pipeline:
             with conn.transaction():
-                self.run.assert_lock_held(conn)  # fencing: no new claims once the lock is gone
-                known = conn.execute(query("ledger_claim_batch"), params).fetchall()
-            crash_point("ledger.after_claim")
-        summary.total += len(batch)
+                cursor = conn.execute(query("ledger_claim_batch"), params)
+                upcoming = _attempt(meanwhile)
+                self.run.assert_lock_held(conn)  # fencing: no claim commits once the lock is gone
+            rows = cursor.fetchall()
+        crash_point("ledger.after_claim")
+        return rows, upcoming
+
+    def _classify(
+        self, batch: _Batch, rows: list[tuple[Any, ...]], summary: LedgerSummary
+    ) -> list[Effect]:
+        """Count a claimed batch; return the effects to send (conflicts are never sent)."""
+        summary.total += len(batch.effects)
+        summary.skipped_existing += len(batch.effects) - len(rows)
         to_send = []
-        for key, status, stored_fingerprint, _reference in known:
-            effect = by_key[key]
-            if status is not None and stored_fingerprint != effect.fingerprint:
+        for key, status, stored_fingerprint in rows:
+            i = batch.position[key]
+            if status is not None and stored_fingerprint != batch.fingerprints[i]:
                 summary.conflicts += 1
                 summary.errors.append(f"{key}: request differs from the one first sent")
             elif status == "succeeded":
-                summary.skipped_existing += 1
+                summary.skipped_existing += 1  # not returned by the statements; kept for safety
             else:
-                to_send.append(effect)
+                to_send.append(batch.effects[i])
         return to_send
 
     async def _call(self, clients: _ClientPool, sender: Sender, effect: Effect) -> _Outcome:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+
 import psycopg
 
 from airflow_idempotency._sql import query
