@@ -52,26 +52,16 @@ RERUN_LIMIT_S = 2.0
 
 
 def _payloads(dsn: str, limit: int, tag: str) -> list[tuple[str, dict[str, Any]]]:
-    """The export's own requests (same fields as invoice_effects), under fresh keys."""
+    """The export's own requests (invoicing.tasks.invoice_request), under fresh keys."""
     from invoicing import queries
+    from invoicing.tasks import invoice_request
 
-    out = []
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
             queries()["invoices_to_export"], {"business_date": dt.date.fromisoformat(DAY)}
         ).fetchmany(limit)
-    for number, order_id, store_id, customer_id, amount_cents, currency, day in rows:
-        request = {
-            "invoice_number": number,
-            "order_id": order_id,
-            "store_id": store_id,
-            "customer_id": customer_id,
-            "amount_cents": amount_cents,
-            "currency": currency,
-            "business_date": day.isoformat(),
-        }
-        out.append((f"bench-{tag}:{day.isoformat()}:order_{order_id}", request))
-    return out
+    requests = [invoice_request(row) for row in rows]
+    return [(f"bench-{tag}:{r['business_date']}:order_{r['order_id']}", r) for r in requests]
 
 
 def child_bare_loop(

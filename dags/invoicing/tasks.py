@@ -73,25 +73,31 @@ def rebuild_daily_totals(run: RunContext) -> dict[str, int]:
 
 
 # [START export_invoices]
+def invoice_request(row: tuple[Any, ...]) -> dict[str, Any]:
+    """The accounting service's request for one row of the invoices_to_export query."""
+    number, order_id, store_id, customer_id, amount_cents, currency, day = row
+    return {
+        "invoice_number": number,
+        "order_id": order_id,
+        "store_id": store_id,
+        "customer_id": customer_id,
+        "amount_cents": amount_cents,
+        "currency": currency,
+        "business_date": day.isoformat(),
+    }
+
+
 def invoice_effects(run: RunContext) -> Iterator[Effect]:
     """Stream the date's invoices as export effects (a server-side cursor, never a list)."""
     conn = run.connection
     with conn.transaction(), conn.cursor(name="invoices_to_export") as cur:
         cur.itersize = 2000
         cur.execute(queries()["invoices_to_export"], {"business_date": business_date(run)})
-        for number, order_id, store_id, customer_id, amount_cents, currency, day in cur:
-            yield Effect(
-                idempotency_key=f"{KEY_PREFIX}:{day.isoformat()}:order_{order_id}",
-                request={
-                    "invoice_number": number,
-                    "order_id": order_id,
-                    "store_id": store_id,
-                    "customer_id": customer_id,
-                    "amount_cents": amount_cents,
-                    "currency": currency,
-                    "business_date": day.isoformat(),
-                },
-            )
+        for row in cur:
+            request = invoice_request(row)
+            # One key per order and business date: a rerun sends the same key again.
+            key = f"{KEY_PREFIX}:{request['business_date']}:order_{request['order_id']}"
+            yield Effect(idempotency_key=key, request=request)
 
 
 def count_invoices(run: RunContext) -> int:
