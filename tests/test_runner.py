@@ -382,3 +382,16 @@ def test_upgrade_from_an_older_schema_version(pg_dsn: str) -> None:
     assert rows(pg_dsn, "SELECT to_regclass('old_release.outbound_ledger') IS NOT NULL") == [
         (True,)
     ]
+
+
+def test_schema_is_created_through_a_connection_without_autocommit(pg_dsn: str) -> None:
+    """ensure_schema probes a missing schema without leaving the caller's session aborted."""
+    schema_mod._migrated.clear()
+    with psycopg.connect(pg_dsn) as conn:  # autocommit off, as psycopg connects by default
+        assert schema_mod.current_version(conn, "manual_tx") == 0
+        assert conn.info.transaction_status is psycopg.pq.TransactionStatus.IDLE
+        assert schema_mod.ensure_schema(conn, "manual_tx") == schema_mod.latest_version()
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert rows(pg_dsn, "SELECT max(version) FROM manual_tx.schema_version") == [
+        (schema_mod.latest_version(),)
+    ]

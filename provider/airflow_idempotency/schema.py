@@ -8,6 +8,7 @@ workers queue behind the first one and then find nothing left to do.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import threading
@@ -66,14 +67,17 @@ def use_schema(conn: psycopg.Connection, schema: str, application_name: str | No
 def current_version(conn: psycopg.Connection, schema: str) -> int:
     """The applied schema version, 0 when the schema or its version table does not exist.
 
-    One round trip in the usual case (the table exists). ``conn`` must not be inside a
-    transaction: a missing table is learnt from the failed statement.
+    One round trip in the usual case (the table exists, autocommit): a missing table is
+    learnt from the failed statement, which a connection without autocommit runs in a
+    transaction (or savepoint) of its own so that the error leaves nothing aborted.
     """
     stmt = sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_version").format(
         sql.Identifier(schema)
     )
+    probe = contextlib.nullcontext() if conn.autocommit else conn.transaction()
     try:
-        found = conn.execute(stmt).fetchone()
+        with probe:
+            found = conn.execute(stmt).fetchone()
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
         return 0
     return int(found[0]) if found else 0
