@@ -69,14 +69,9 @@ def get_run(conn: psycopg.Connection, job_name: str, run_key: str) -> RunRecord 
 
 
 def _attempt_params(
-    *,
-    job_name: str,
-    run_key: str,
-    lock_key: int,
-    trigger: Trigger,
-    lock: RunLock | None,
-    force: bool,
+    job_name: str, run_key: str, lock_key: int, trigger: Trigger, lock: RunLock | None, force: bool
 ) -> dict[str, Any]:
+    """The columns every attempt row gets: who, which key, which worker, which lock session."""
     return {
         "job_name": job_name,
         "run_key": run_key,
@@ -110,14 +105,7 @@ def insert_attempt(
     details: dict[str, Any] | None = None,
 ) -> int:
     """Record one execution; an outcome other than ``running`` is recorded as finished."""
-    params = _attempt_params(
-        job_name=job_name,
-        run_key=run_key,
-        lock_key=lock_key,
-        trigger=trigger,
-        lock=lock,
-        force=force,
-    )
+    params = _attempt_params(job_name, run_key, lock_key, trigger, lock, force)
     params.update(outcome=outcome, dry_run=dry_run, error=error, details=Jsonb(details or {}))
     row = conn.execute(query("insert_attempt"), params).fetchone()
     assert row is not None
@@ -139,14 +127,7 @@ def start_attempt(
     Any other attempt of the key still marked running is closed as abandoned (the caller
     holds the lock, so its worker died). Returns (attempt id, attempt count of the key).
     """
-    params = _attempt_params(
-        job_name=job_name,
-        run_key=run_key,
-        lock_key=lock_key,
-        trigger=trigger,
-        lock=lock,
-        force=force,
-    )
+    params = _attempt_params(job_name, run_key, lock_key, trigger, lock, force)
     row = conn.execute(query("start_attempt"), params).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
