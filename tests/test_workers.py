@@ -97,9 +97,15 @@ def test_different_keys_run_in_parallel(airflow_home: Path, pg_dsn: str, tmp_pat
         for d in ("2026-10-02", "2026-10-03")
     ]
     try:
-        wait_until(
-            lambda: work_log_count(pg_dsn) == 2, timeout=120, what="both workers to be working"
-        )
+        try:
+            wait_until(
+                lambda: work_log_count(pg_dsn) == 2, timeout=120, what="both workers to be working"
+            )
+        except AssertionError as exc:
+            for p in procs:
+                kill_group(p)
+            tails = [p.stdout.read()[-3000:] if p.stdout else "" for p in procs]
+            raise AssertionError(f"{exc}; worker output:\n" + "\n-----\n".join(tails)) from exc
         assert advisory_locks(pg_dsn) == 2
         release.touch()
         results = [finish(p) for p in procs]

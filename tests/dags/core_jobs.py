@@ -19,6 +19,9 @@ from airflow_idempotency import IdempotentRunOperator, RunContext, idempotency_p
 def slow_work(run: RunContext) -> dict[str, int]:
     """Record that the work ran (committed at once, so tests see it), then sleep or hold."""
     with run.transaction() as cur:
+        # Two workers creating the table at the same moment can both pass IF NOT EXISTS and
+        # collide in the catalog (UniqueViolation on pg_type): serialize the creation.
+        cur.execute("SELECT pg_advisory_xact_lock(hashtext('public.work_log'))")
         cur.execute(
             "CREATE TABLE IF NOT EXISTS public.work_log (run_key text, pid int, at timestamptz DEFAULT now())"
         )
