@@ -73,6 +73,37 @@ def test_dag_bag_loads_without_import_errors() -> None:
     } <= set(bag.dags)
 
 
+def test_applied_example_schema_takes_no_lock_while_other_dates_write(pg_dsn: str) -> None:
+    """Tasks of other dates writing orders and invoices never wait on the schema check.
+
+    Seen in a backfill: one date's create_invoices ran schema.sql's CREATE INDEX IF NOT
+    EXISTS (a SHARE lock on the table, though the index existed) while another date's
+    task was inserting invoices and updating orders, and Postgres killed one of them as a
+    deadlock. Here the writer holds what create_invoices holds mid-statement; the check
+    of a second worker must return without waiting for it.
+    """
+    from invoicing import ensure_example_schema
+
+    with psycopg.connect(pg_dsn, autocommit=True) as first:
+        ensure_example_schema(first)
+        ensure_example_schema(first)  # applied once: the digest is recorded once
+        assert first.execute("SELECT count(*) FROM invoicing_schema").fetchone() == (1,)
+    with psycopg.connect(pg_dsn) as writer, psycopg.connect(pg_dsn, autocommit=True) as other:
+        writer.execute("LOCK TABLE orders, invoices IN ROW EXCLUSIVE MODE")
+        other.execute("SET lock_timeout = '2s'")
+        ensure_example_schema(other)  # LockNotAvailable if it ran the DDL again
+        with other.transaction():  # inside a transaction too (a dry run's connection)
+            ensure_example_schema(other)
+        writer.rollback()
+        # A changed schema.sql (another digest) is applied again, once.
+        other.execute("DROP INDEX orders_shipped_on_idx")
+        other.execute("DELETE FROM invoicing_schema")
+        ensure_example_schema(other)
+        assert other.execute(
+            "SELECT to_regclass('orders_shipped_on_idx') IS NOT NULL"
+        ).fetchone() == (True,)
+
+
 def test_date_run_twice_invoices_and_exports_once(invoicing) -> None:  # type: ignore[no-untyped-def]
     """A date run twice: invoices = orders, one remote invoice per order, all confirmed; the second run is a no-op."""
     invoicing.seed(D, orders=150)

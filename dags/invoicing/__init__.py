@@ -7,6 +7,8 @@ benchmarks call the very same code.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from functools import cache
 from pathlib import Path
 
@@ -26,7 +28,36 @@ def queries() -> dict[str, str]:
 
 
 def ensure_example_schema(conn: psycopg.Connection) -> None:
-    """Create the example tables if missing (safe when several workers do it at once)."""
+    """Create the example tables once per version of schema.sql (safe with many workers).
+
+    The DDL runs only when this schema.sql was never applied to the database, never while
+    other tasks work: even a ``CREATE INDEX IF NOT EXISTS`` of an index that exists takes
+    a SHARE lock on its table, and one task doing that while another date's task writes
+    ``orders`` and ``invoices`` deadlocks the two. Applied versions are recorded in
+    ``invoicing_schema`` by the SHA-256 of the file.
+    """
+    ddl = (HERE / "schema.sql").read_bytes()
+    digest = hashlib.sha256(ddl).hexdigest()
+    if _schema_applied(conn, digest):
+        return
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-        conn.execute((HERE / "schema.sql").read_bytes())
+        if _schema_applied(conn, digest):  # another worker applied it while we waited
+            return
+        conn.execute(ddl)
+        conn.execute("INSERT INTO invoicing_schema (digest) VALUES (%s)", (digest,))
+
+
+def _schema_applied(conn: psycopg.Connection, digest: str) -> bool:
+    # Inside a transaction (or without autocommit) the probe gets a savepoint (or a
+    # transaction) of its own, so a missing table leaves nothing aborted.
+    idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    probe = contextlib.nullcontext() if conn.autocommit and idle else conn.transaction()
+    try:
+        with probe:
+            found = conn.execute(
+                "SELECT 1 FROM invoicing_schema WHERE digest = %s", (digest,)
+            ).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return False
+    return found is not None

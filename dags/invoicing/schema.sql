@@ -1,4 +1,10 @@
--- The example's own tables (in the job database, schema public). Idempotent DDL.
+-- The example's own tables (in the job database, schema public). Idempotent DDL, applied
+-- by invoicing.ensure_example_schema only when this file's digest is not yet recorded.
+
+CREATE TABLE IF NOT EXISTS invoicing_schema (
+    digest      text        PRIMARY KEY,  -- SHA-256 of this file
+    applied_at  timestamptz NOT NULL DEFAULT now()
+);
 
 CREATE TABLE IF NOT EXISTS orders (
     order_id      bigint      PRIMARY KEY,
