@@ -670,18 +670,16 @@ class AirflowStack:
             args += ["--max-active-runs", str(max_active_runs)]
         if dag_run_conf is not None:
             args += ["--dag-run-conf", json.dumps(dag_run_conf)]
-        if pause_while_creating:
-            self.pause(dag_id)
-        try:
-            self._create_backfill(dag_id, args, before, deadline=t0 + timeout)
-        finally:
-            if pause_while_creating:
-                self.unpause(dag_id)
+        self._create_backfill(dag_id, args, before, t0 + timeout, pause_while_creating)
         backfill_id = self.latest_backfill_id(dag_id) or 0
         if backfill_id <= before:
             raise StackError(f"`airflow {' '.join(args)}` created no backfill")
         self.last_backfill_id = backfill_id
-        run_ids = [r.run_id for r in self.backfill_runs(backfill_id)]
+        # Normally one backfill; after a half-made one (see _create_backfill), its runs too.
+        runs: dict[str, RunResult] = {}
+        for made in range(before + 1, backfill_id + 1):
+            runs.update((r.run_id, r) for r in self.backfill_runs(made))
+        run_ids = list(runs)
         remaining = max(1.0, timeout - (time.monotonic() - t0))
         self.wait_for_runs(dag_id, run_ids, remaining)
         if mark_complete:
@@ -700,26 +698,66 @@ class AirflowStack:
                 log="scheduler",
             )
         self.timings["last_backfill"] = time.monotonic() - t0
-        return self.backfill_runs(backfill_id)
+        fresh = [self.dag_run(dag_id, r) or runs[r] for r in run_ids]
+        return sorted(fresh, key=lambda r: (r.logical_date is None, r.logical_date or 0))
 
     last_backfill_id: int | None = None
 
-    def _create_backfill(self, dag_id: str, args: list[str], before: int, deadline: float) -> None:
-        """Run ``airflow backfill create``, again after a lock error or while another is active."""
+    def _create_backfill(
+        self, dag_id: str, args: list[str], before: int, deadline: float, pause: bool
+    ) -> None:
+        """Run ``airflow backfill create`` until it succeeds, recovering from what a failed
+        attempt leaves behind.
+
+        A write of ``backfill create`` can fail with SQLite's "database is locked" after the
+        backfill row and some of its runs were committed. Airflow then deletes that backfill
+        (best effort): if the clean-up fails too, the half-made backfill stays active and
+        every later attempt answers "Another backfill is running". A half-made backfill
+        with runs is let finish (its runs need the DAG unpaused), closed, and the create is
+        run again; the caller collects the runs of both. One with no runs is closed at once.
+        Each failed attempt's output goes to ``stack-logs/backfill-create-<n>.log``.
+        """
         attempt = 0
         while True:
             attempt += 1
-            proc = self.airflow(*args, check=False)
+            if pause:
+                self.pause(dag_id)
+            try:
+                proc = self.airflow(*args, check=False)
+            finally:
+                if pause:
+                    self.unpause(dag_id)
             if proc.returncode == 0:
                 return
             text = proc.stdout + proc.stderr
-            if "database is locked" in text and attempt < 6:
-                # Airflow deletes the half-made backfill itself (best effort); if that failed
-                # too, the backfill row is left with no runs and blocks the DAG for 2 minutes.
-                self._complete_orphan_backfills(dag_id, before)
-            elif "Another backfill is running" not in text or time.monotonic() > deadline:
+            self.log_path(f"backfill-create-{attempt}").write_text(text, encoding="utf-8")
+            half_made = self._half_made_backfill(dag_id, before)
+            if time.monotonic() > deadline or attempt >= 8:
+                raise _cli_error(args, proc, f" (attempt {attempt})")
+            if half_made is not None:
+                print(
+                    f"[stack] `airflow backfill create` failed (attempt {attempt}, output in "
+                    f"{self.log_path(f'backfill-create-{attempt}')}) and left backfill "
+                    f"{half_made} half made: letting its runs finish, then creating again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                run_ids = [r.run_id for r in self.backfill_runs(half_made)]
+                self.wait_for_runs(dag_id, run_ids, max(1.0, deadline - time.monotonic()))
+                self._mark_backfill_complete(half_made)
+            elif "database is locked" not in text and "Another backfill is running" not in text:
                 raise _cli_error(args, proc, f" (attempt {attempt})")
             time.sleep(min(0.5 * attempt, 3.0))
+
+    def _half_made_backfill(self, dag_id: str, after_id: int) -> int | None:
+        """An active backfill newer than ``after_id`` (only a failed attempt made it). One
+        with no runs is marked complete here, as the scheduler does after 2 minutes."""
+        self._complete_orphan_backfills(dag_id, after_id)
+        row = self._query_one(
+            "SELECT max(id) FROM backfill WHERE dag_id = ? AND id > ? AND completed_at IS NULL",
+            (dag_id, after_id),
+        )
+        return row[0] if row and row[0] is not None else None
 
     def _complete_orphan_backfills(self, dag_id: str, after_id: int) -> None:
         """Mark backfills newer than ``after_id`` that got no run rows complete (as the

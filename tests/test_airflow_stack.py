@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections import Counter
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -85,3 +87,46 @@ def test_backfill_then_reprocess_completed(tmp_path: Path) -> None:
     assert set(per_run) == {r.run_id for r in first} and min(per_run.values()) >= 2
     assert [p for p in tree if p.is_running() and p.status() != "zombie"] == []
     assert _home_processes(home.resolve()) == []
+
+
+@pytest.mark.slow
+def test_backfill_recovers_from_a_create_that_failed_half_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `backfill create` that fails after committing its backfill and runs (SQLite's
+    "database is locked", seen in CI) does not leave the helper waiting on "Another backfill
+    is running" with the DAG paused: the half-made backfill's runs finish, it is closed,
+    and the create runs again.
+
+    The failure itself cannot be provoked on demand, so the first attempt is the real
+    command with its exit status replaced, which leaves exactly that state.
+    """
+    home = tmp_path / "home"
+    with airflow_stack(home, DAGS, extra_env={"STACK_PROBE_OUT": str(tmp_path / "out")}) as stack:
+        stack.unpause("stack_probe")
+        real_airflow = stack.airflow
+        calls: list[tuple[str, ...]] = []
+
+        def first_create_fails(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+            proc = real_airflow(*args, **kwargs)
+            calls.append(args)
+            if args[:2] == ("backfill", "create") and len(calls) == 1:
+                assert proc.returncode == 0, proc.stderr
+                return subprocess.CompletedProcess(
+                    proc.args, 1, proc.stdout, "sqlite3.OperationalError: database is locked"
+                )
+            return proc
+
+        monkeypatch.setattr(stack, "airflow", first_create_fails)
+        runs = stack.backfill("stack_probe", "2026-10-01", "2026-10-02")
+
+        assert [(r.logical_date.date() if r.logical_date else None) for r in runs] == [
+            date(2026, 10, 1),
+            date(2026, 10, 2),
+        ]
+        assert {r.state for r in runs} == {"success"}
+        assert [c[:2] for c in calls] == [("backfill", "create")] * 2
+        assert "database is locked" in stack.log_path("backfill-create-1").read_text()
+        # Both backfills are closed: the DAG is free for the next one.
+        assert stack.query("SELECT count(*) FROM backfill WHERE completed_at IS NULL")[0][0] == 0
+        assert stack.query("SELECT is_paused FROM dag WHERE dag_id = 'stack_probe'")[0][0] == 0
