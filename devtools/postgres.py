@@ -13,6 +13,7 @@ Order of preference, each announced on stderr so nobody wonders which one is use
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import uuid
@@ -87,6 +88,9 @@ def start_embedded(data_dir: Path = EMBEDDED_DATA_DIR) -> PostgresServer:
             "No PostgreSQL found and the embedded server is not installed: "
             "run `python3 dev.py setup`, or set IDEMPOTENCY_PG_DSN to a server you have."
         ) from exc
+    # pgserver narrates at INFO, also from an atexit hook that runs after pytest has closed
+    # the streams Airflow's logging writes to ("--- Logging error ---" at the end of a run).
+    logging.getLogger("pgserver").setLevel(logging.WARNING)
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     _say(f"starting embedded PostgreSQL in {data_dir} ...")
     handle = pgserver.get_server(data_dir, cleanup_mode="stop")
