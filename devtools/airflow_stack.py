@@ -732,7 +732,7 @@ class AirflowStack:
             text = proc.stdout + proc.stderr
             self.log_path(f"backfill-create-{attempt}").write_text(text, encoding="utf-8")
             half_made = self._half_made_backfill(dag_id, before)
-            if time.monotonic() > deadline or attempt >= 8:
+            if time.monotonic() > deadline:
                 raise _cli_error(args, proc, f" (attempt {attempt})")
             if half_made is not None:
                 print(
@@ -745,7 +745,9 @@ class AirflowStack:
                 run_ids = [r.run_id for r in self.backfill_runs(half_made)]
                 self.wait_for_runs(dag_id, run_ids, max(1.0, deadline - time.monotonic()))
                 self._mark_backfill_complete(half_made)
-            elif "database is locked" not in text and "Another backfill is running" not in text:
+            elif "Another backfill is running" in text:
+                pass  # an earlier backfill is still active: wait for it
+            elif "database is locked" not in text or attempt >= 8:
                 raise _cli_error(args, proc, f" (attempt {attempt})")
             time.sleep(min(0.5 * attempt, 3.0))
 
