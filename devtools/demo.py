@@ -702,45 +702,29 @@ class Demo:
         )
 
     def backfill(self, reprocess_behavior: str) -> list[Any]:
-        """``airflow backfill create`` over the week, with the stack's retries; wait for the
-        runs of every date of the week.
+        """``airflow backfill create`` over the week through the stack helper; return the run
+        of every date of the week, once all are finished.
 
-        The DAG is paused while the CLI creates the runs. When a write of `backfill create`
-        fails with SQLite's "database is locked" (frequent on a busy machine), Airflow deletes
-        the runs it had made so far; a scheduler that had already picked them up then dies
-        with ObjectDeletedError. The scheduler does not look at the runs of a paused DAG.
+        The helper pauses the DAG while the CLI creates the runs, runs the CLI again when a
+        write failed with SQLite's "database is locked" (frequent on a busy machine), lets a
+        backfill that such a failure left half made finish first, and marks the backfill
+        complete itself (the scheduler does it only every 30 s) so the next one can start.
         """
         week = self.plan.week
         fires = [fire_time(d) for d in week]
-        args = [
-            "backfill", "create", "--dag-id", DAG_ID, "--from-date", fires[0],
-            "--to-date", fires[-1], "--reprocess-behavior", reprocess_behavior,
-        ]  # fmt: skip
         before = self.stack.latest_backfill_id(DAG_ID) or 0
-        self.set_paused(True)
-        try:
-            # The retry loop of AirflowStack.backfill, without its waiting (private API).
-            self.stack._create_backfill(DAG_ID, args, before, deadline=time.monotonic() + 600)
-        finally:
-            self.set_paused(False)
+        runs = self.stack.backfill(
+            DAG_ID, fires[0], fires[-1], reprocess_behavior=reprocess_behavior, timeout=900
+        )
         latest = self.stack.latest_backfill_id(DAG_ID) or 0
         if latest - before > 1:
             self.say(
                 f'[yellow]note[/]: `airflow backfill create` hit SQLite\'s "database is locked" '
                 f"and was run again ({latest - before} backfills created)"
             )
-        by_fire = {
-            r.logical_date.isoformat(): r.run_id
-            for r in self.stack.dag_runs(DAG_ID)
-            if r.run_type == "backfill" and r.logical_date is not None
-        }
-        run_ids = [by_fire[f] for f in fires if f in by_fire]
-        if len(run_ids) != len(week):
-            raise DemoFailure(f"backfill runs of {len(run_ids)} dates, expected {len(week)}")
-        runs = list(self.stack.wait_for_runs(DAG_ID, run_ids, timeout=900))
-        for backfill_id in range(before + 1, latest + 1):
-            # As the scheduler would, without its 30 s timer: the next backfill can start.
-            self.stack._mark_backfill_complete(backfill_id)
+        got = [r.logical_date.isoformat() if r.logical_date else None for r in runs]
+        if got != fires:
+            raise DemoFailure(f"backfill runs for {got}, expected one per fire time {fires}")
         return runs
 
     def step_backfill(self) -> None:
