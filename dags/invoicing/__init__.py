@@ -30,11 +30,12 @@ def queries() -> dict[str, str]:
 def ensure_example_schema(conn: psycopg.Connection) -> None:
     """Create the example tables once per version of schema.sql (safe with many workers).
 
-    The DDL runs only when this schema.sql was never applied to the database, never while
-    other tasks work: even a ``CREATE INDEX IF NOT EXISTS`` of an index that exists takes
-    a SHARE lock on its table, and one task doing that while another date's task writes
-    ``orders`` and ``invoices`` deadlocks the two. Applied versions are recorded in
-    ``invoicing_schema`` by the SHA-256 of the file.
+    The DDL runs only when this version of schema.sql was never applied to the database,
+    not at the start of every task: even a ``CREATE INDEX IF NOT EXISTS`` of an index that
+    exists takes a SHARE lock on its table, and a task doing that while another date's
+    task writes ``orders`` and ``invoices`` deadlocks the two (seen in a backfill). Applied
+    versions are recorded in ``invoicing_schema`` by the SHA-256 of the file; deploy a
+    changed file when no run is writing.
     """
     ddl = (HERE / "schema.sql").read_bytes()
     digest = hashlib.sha256(ddl).hexdigest()
