@@ -541,9 +541,6 @@ class Demo:
                 time.sleep(attempt)
         return None
 
-    def set_paused(self, paused: bool) -> None:
-        self.api("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": paused})
-
     def trigger(self, logical_date: str | None = None, conf: dict[str, Any] | None = None) -> Any:
         """Trigger a run through the REST API (what the UI's Trigger button does; ~10 s less
         than `airflow dags trigger`, which imports all of Airflow first) and wait for it."""
