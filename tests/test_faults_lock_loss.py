@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from airflow_idempotency.locks import run_lock_key, split_lock_key
+from lock_sessions import terminate_lock_session
 from test_faults_support import (
     NO_PROBLEMS,
     D,
@@ -41,23 +41,6 @@ from test_faults_support import (
 ORDERS = 60
 BATCH = 10
 EXPORT_JOB = "finalize_invoices.export_invoices"
-
-
-def terminate_lock_holder(dsn: str) -> int:
-    """pg_terminate_backend the session holding the export's lock; return its pid."""
-    hi, lo = split_lock_key(run_lock_key(EXPORT_JOB, D))
-    found = rows(
-        dsn,
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
-        " AND classid::bigint = %s AND objid::bigint = %s"
-        # pg_locks shows the whole cluster: other databases' sessions are not ours to end
-        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        (hi, lo),
-    )
-    assert len(found) == 1, found
-    (pid,) = found[0]
-    assert rows(dsn, "SELECT pg_terminate_backend(%s)", (pid,)) == [(True,)]
-    return int(pid)
 
 
 def export_attempts(dsn: str) -> list[tuple[int, int, str]]:
@@ -95,7 +78,7 @@ def takeover(invoicing: Any, airflow_home: Path, tmp_path: Path, pause_at: str) 
     )
     try:
         a.wait_for(f"fault point {pause_at}: ")  # "sleeping Ns" or "pausing (N)"
-        lock_pid = terminate_lock_holder(invoicing.dsn)
+        lock_pid = terminate_lock_session(invoicing.dsn, EXPORT_JOB, D)
         os.killpg(a.proc.pid, signal.SIGSTOP)  # A stays paused until B is done
         try:
             before_b = service_counts(invoicing.service)
@@ -224,18 +207,6 @@ def test_paused_with_a_batch_in_hand_a_records_its_confirmations_then_stops(
 # -- bugs the scenarios above uncovered (fixed in 70ef64c), reduced to fast regression tests
 
 
-def terminate_own_lock(dsn: str, job: str, run_key: str) -> None:
-    """End the session holding (job, run_key)'s lock, as an operator or a failover would."""
-    hi, lo = split_lock_key(run_lock_key(job, run_key))
-    rows(
-        dsn,
-        "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
-        " AND objsubid = 1 AND classid::bigint = %s AND objid::bigint = %s"
-        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        (hi, lo),
-    )
-
-
 def test_a_failure_after_the_lock_session_died_is_recorded(pg_dsn: str) -> None:
     """When the lock session was terminated and the work then fails, the attempt is recorded as lock_lost and the run as failed, not left running."""
     import psycopg
@@ -244,7 +215,7 @@ def test_a_failure_after_the_lock_session_died_is_recorded(pg_dsn: str) -> None:
     from airflow_idempotency.runner import run_idempotently
 
     def work(run: Any) -> None:
-        terminate_own_lock(pg_dsn, "j", "k")
+        terminate_lock_session(pg_dsn, "j", "k")
         with run.transaction() as cur:  # the fencing check refuses this commit
             cur.execute("SELECT 1")
 
@@ -285,7 +256,7 @@ def test_a_lost_attempt_does_not_rewrite_rows_its_successor_confirmed(
 
     async def first_call_loses_the_lock(client: Any, effect: Effect) -> Any:
         if "B" not in attempt_ids:
-            terminate_own_lock(pg_dsn, "job", "k")
+            terminate_lock_session(pg_dsn, "job", "k")
             takeover = threading.Thread(target=successor)
             takeover.start()
             takeover.join(60)  # B confirms both effects while A's call is "in flight"

@@ -23,9 +23,9 @@ from airflow_idempotency import (
     run_idempotently,
 )
 from airflow_idempotency.ledger import check_idempotency_key
-from airflow_idempotency.locks import run_lock_key, split_lock_key
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
 from airflow_idempotency.runner import RunOptions
+from lock_sessions import terminate_lock_session
 
 
 def effects(n: int, prefix: str = "job:2026-10-01:order_", amount: int = 100) -> list[Effect]:
@@ -247,27 +247,13 @@ def test_dry_run_classifies_confirmed_changed_and_new_keys_without_writing(  # t
     assert accounting.stats()["requests"] == requests
 
 
-def _terminate_lock_session(dsn: str, job: str = "job", run_key: str = "2026-10-01") -> None:
-    """End the session holding the run's advisory lock (as a lost connection would)."""
-    hi, lo = split_lock_key(run_lock_key(job, run_key))
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        (pid,) = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
-            " AND classid::bigint = %s AND objid::bigint = %s"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-            (hi, lo),
-        ).fetchone() or (None,)
-        assert pid is not None
-        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-
-
 def test_a_claim_commits_only_while_the_lock_is_held(pg_dsn: str, accounting) -> None:  # type: ignore[no-untyped-def]
     """The fencing check runs after the claim statement, just before its commit: a lock lost while the claim is in flight rolls the claim back, and nothing is sent."""
 
     def generate():  # type: ignore[no-untyped-def]
         yield from effects(5)
         # Pulled for the next batch while the first batch's claim is in flight.
-        _terminate_lock_session(pg_dsn)
+        terminate_lock_session(pg_dsn, "job", "2026-10-01")
         yield from effects(5, prefix="job:2026-10-01:later_")
 
     with pytest.raises(LockLostError):

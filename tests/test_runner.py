@@ -11,8 +11,9 @@ import pytest
 
 from airflow_idempotency import schema as schema_mod
 from airflow_idempotency.exceptions import LockLostError, RunLockedError, SchemaError
-from airflow_idempotency.locks import run_lock_key, split_lock_key
+from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
+from lock_sessions import terminate_lock_session
 
 
 def connect_to(dsn: str):  # type: ignore[no-untyped-def]
@@ -180,12 +181,7 @@ def test_lock_session_terminated_mid_run_does_not_complete(pg_dsn: str) -> None:
     """If the lock session is killed during the work, the attempt fails loudly and the run stays started."""
 
     def work(ctx: RunContext) -> dict[str, int]:
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-                "AND objsubid = 1 AND classid::bigint = %s AND objid::bigint = %s",
-                split_lock_key(run_lock_key("j", "k")),
-            )
+        terminate_lock_session(pg_dsn, "j", "k")
         return {"rows": 1}
 
     with pytest.raises(LockLostError):
@@ -207,10 +203,7 @@ def test_writes_after_losing_the_lock_are_refused(pg_dsn: str) -> None:
         conn.execute("CREATE TABLE public.facts (k text PRIMARY KEY)")
 
     def work(ctx: RunContext) -> None:
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND objsubid = 1"
-            )
+        terminate_lock_session(pg_dsn, "j", "k")
         with ctx.transaction() as cur:
             cur.execute("INSERT INTO public.facts VALUES ('late write')")
 
