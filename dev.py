@@ -34,7 +34,7 @@ PYTHON = BIN / "python"
 LOCK = ROOT / "requirements" / "lock.txt"
 STAMP = VENV / ".installed-lock-sha256"
 # Bumped when the way packages are installed changes, so that existing .venv/s are redone.
-SETUP_REVISION = b"2: bytecode compiled at install"
+SETUP_REVISION = b"3: the accounting service is its own distribution"
 
 
 def say(message: str) -> None:
@@ -62,7 +62,10 @@ def setup() -> None:
             "run this script with python3.11, e.g. `python3.11 dev.py test`",
         )
     digest = hashlib.sha256(
-        SETUP_REVISION + LOCK.read_bytes() + (ROOT / "pyproject.toml").read_bytes()
+        SETUP_REVISION
+        + LOCK.read_bytes()
+        + (ROOT / "pyproject.toml").read_bytes()
+        + (ROOT / "accounting" / "pyproject.toml").read_bytes()
     ).hexdigest()
     if PYTHON.exists() and STAMP.exists() and STAMP.read_text().strip() == digest:
         return
@@ -95,9 +98,9 @@ def setup() -> None:
         "installing the locked packages failed",
         "check network access to PyPI; delete .venv/ and try again",
     )
-    say("installing this checkout (editable) ...")
+    say("installing this checkout (editable: the provider and the example's accounting service) ...")
     run(
-        [*uv, "install", *env_python, "--no-deps", "-e", "."],
+        [*uv, "install", *env_python, "--no-deps", "-e", ".", "-e", "accounting"],
         "installing the project failed",
         "delete .venv/ and try again",
     )

@@ -242,7 +242,7 @@ def test_dockerfile_installs_the_lock_file() -> None:
     """The image installs dependencies from requirements/lock.txt, then our code with --no-deps."""
     instructions = _dockerfile_instructions()
     copies = " ".join(args for word, args in instructions if word == "COPY")
-    for path in ("pyproject.toml", "README.md", "requirements/", "provider/"):
+    for path in ("pyproject.toml", "README.md", "requirements/", "provider/", "accounting/"):
         assert path in copies, f"docker/Dockerfile does not COPY {path}"
     # Single shell commands of all RUN instructions (split on && ; ||).
     commands = [

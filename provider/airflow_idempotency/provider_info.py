@@ -25,7 +25,7 @@ def get_provider_info() -> dict[str, Any]:
         "integrations": [
             {
                 "integration-name": "Idempotency",
-                "external-doc-url": "https://pypi.org/project/airflow-provider-idempotency/",
+                "external-doc-url": "https://github.com/airflow-provider-idempotency/airflow-provider-idempotency#readme",
                 "tags": ["software"],
             }
         ],
