@@ -24,6 +24,7 @@ import contextlib
 import multiprocessing as mp
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -70,7 +71,7 @@ def _worker(dsn: str, ready: Any, starts: Any, releases: Any, results: Any) -> N
             session = conn
             with contextlib.suppress(RunLockedError):
                 run_idempotently(
-                    connect=lambda session=session: contextlib.nullcontext(session),
+                    connect=_session_first(dsn, session),
                     job_name=JOB,
                     run_key=WARM_KEY,
                     work=hold_until(releases[index]),
@@ -78,8 +79,7 @@ def _worker(dsn: str, ready: Any, starts: Any, releases: Any, results: Any) -> N
                 )
             conn = psycopg.connect(dsn) if session.closed else session
 
-        def connect(conn: psycopg.Connection | None = conn) -> Any:
-            return psycopg.connect(dsn) if conn is None else contextlib.nullcontext(conn)
+        connect = _session_first(dsn, conn)
 
         ready.wait()
         starts[index].wait()
@@ -111,6 +111,22 @@ def _worker(dsn: str, ready: Any, starts: Any, releases: Any, results: Any) -> N
             conn = psycopg.connect(dsn)
     if conn is not None:
         conn.close()
+
+
+def _session_first(dsn: str, session: psycopg.Connection | None) -> Callable[[], Any]:
+    """A connection factory whose first call lends ``session`` (the lock connection: the
+    one that decides); later calls (the work connection of a winner) open new ones."""
+    lent = session is None
+
+    def connect() -> Any:
+        nonlocal lent
+        if lent:
+            return psycopg.connect(dsn)
+        lent = True
+        assert session is not None
+        return contextlib.nullcontext(session)
+
+    return connect
 
 
 def _floor_round(

@@ -6,11 +6,12 @@ that every variant sees the same machine state:
 1. back to back (the 1,000-run loop the target speaks of):
 
 * ``bare``: the callable itself;
-* ``pool, new key``: the whole contract (lock + session set-up, read, attempt row and
-  job_runs started in one statement, fenced completion and the attempt's outcome in one
-  statement, unlock + session restore) with a connection factory backed by a psycopg_pool
+* ``pool, new key``: the whole contract (the lock transaction and its lock statement, the
+  read in a savepoint, attempt row and job_runs started in one statement on the work
+  connection, fenced completion and the attempt's outcome in one statement committed with
+  the lock transaction) with a connection factory backed by a psycopg_pool
   ``ConnectionPool`` (``connect=pool.connection``), so connection set-up is not counted;
-* ``pool, completed key``: the no-op rerun decision (lock, read, noop attempt row, unlock);
+* ``pool, completed key``: the no-op rerun decision (lock, read, noop attempt row, commit);
 * one ``SELECT 1`` round trip and one durable commit (a one-row autocommit INSERT, which
   waits for the WAL flush) on a pool connection: the units of the floor;
 * diagnostic only: the two pool variants on sessions with ``synchronous_commit = off``,
@@ -40,12 +41,14 @@ from devtools.postgres import PostgresServer
 
 TITLE = "Wrapper overhead (in-process, no-op work)"
 JOB = "bench.overhead"
-# Statements of each path, counted from runner.py (each one its own autocommit transaction).
-ROUND_TRIPS_NEW_KEY = 5  # open_lock_session, get_run, start_attempt, complete_attempt,
-# close_lock_session
-ROUND_TRIPS_NOOP = 4  # open_lock_session, get_run, insert_attempt(noop), close_lock_session
-COMMITS_NEW_KEY = 2  # start_attempt, complete_attempt
-COMMITS_NOOP = 1  # the noop attempt row
+# Round trips of each path, counted from runner.py and locks.py (pipelined statements count
+# once): BEGIN + acquire_run_lock; SAVEPOINT + get_run + ROLLBACK TO; then for a new key
+# start_attempt (on the work connection, autocommit) and complete_attempt + COMMIT, for a
+# completed key insert_attempt(noop) + COMMIT.
+ROUND_TRIPS_NEW_KEY = 4
+ROUND_TRIPS_NOOP = 3
+COMMITS_NEW_KEY = 2  # start_attempt, the lock transaction (completion)
+COMMITS_NOOP = 1  # the lock transaction (the noop attempt row)
 IDLE_S = 0.005
 
 
@@ -101,7 +104,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         with (
             ConnectionPool(dsn, min_size=2, max_size=2, open=True, name="bench") as pool,
             ConnectionPool(
-                dsn, min_size=1, max_size=1, open=True, name="async", configure=no_flush_wait
+                dsn, min_size=2, max_size=2, open=True, name="async", configure=no_flush_wait
             ) as async_pool,
             psycopg.connect(dsn, autocommit=True) as conn,
         ):
@@ -228,9 +231,9 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         f"and a SELECT 1 each after {IDLE_S * 1000:g} ms of idle; then the two variants "
         "that open and close a session per call, with a pause after each pair so that the "
         "closed backend's exit does not land in the next measurement. added = wrapped minus "
-        "bare (median minus median, p99 minus p99). The psycopg.connect() variants open one "
-        "new session per call (the no-op work never asks for ctx.connection, which would "
-        "open a second one), as the Airflow operator does through its hook."
+        "bare (median minus median, p99 minus p99). The psycopg.connect() variants open new "
+        "sessions per call as the Airflow operator does through its hook: one for a completed "
+        "key, two for a new key (the lock transaction's and the work's)."
     )
     result.notes.append(
         f"**What limits it.** A new key costs {ROUND_TRIPS_NEW_KEY} round trips and "
@@ -245,10 +248,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         f"{median(_cpu['pool_completed'][warmup:]):.2f} ms of CPU per new key and "
         f"{median(_cpu['pool_noop'][warmup:]):.2f} ms per no-op decision, nearly all of it "
         "psycopg's per-statement work (cProfile with a CPU clock). Until this release a new "
-        "key took 10 round trips and 3 commits (search_path set on every call, the attempt "
-        "row and the job_runs upsert as two commits, the completion as a transaction of "
-        "two statements) and ~1.3 ms of client CPU, a quarter of it `conn.info.dsn` "
-        "recomputed as ensure_schema's cache key. "
+        "key took 10 round trips and 3 commits; the session-level lock of 0.1.0 took 5 and 4. "
         "**Idle matters on this VM:** after 5 ms in which the process and its backend slept, "
         "one round trip costs two to three times as much (CPU wake-up of both sides), so a "
         "single run that meets idle cores (as a nightly task's does) pays the `after idle` "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psycopg
 
-from airflow_idempotency.locks import run_lock_key, split_lock_key
+from airflow_idempotency.locks import run_lock_key
 
 # pg_terminate_backend only signals the backend unless given a timeout; with one it waits
 # until the backend has exited, and so released its session locks (PostgreSQL 14+).
@@ -14,7 +14,9 @@ _WAIT_MS = 10_000
 def terminate_lock_session(dsn: str, job: str, run_key: str) -> int:
     """Terminate the session holding (job, run_key)'s lock and wait until it is gone; return
     its pid. Without the wait, a fencing check racing the dying backend still sees the lock."""
-    hi, lo = split_lock_key(run_lock_key(job, run_key))
+    # Postgres shows a bigint advisory key as classid (high 32 bits) and objid (low 32 bits).
+    unsigned = run_lock_key(job, run_key) & 0xFFFFFFFFFFFFFFFF
+    hi, lo = unsigned >> 32, unsigned & 0xFFFFFFFF
     with psycopg.connect(dsn, autocommit=True) as conn:
         found = conn.execute(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"

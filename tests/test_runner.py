@@ -227,7 +227,11 @@ def test_lock_is_released_after_the_run(pg_dsn: str) -> None:
 
 
 def test_pooled_connection_is_handed_back_as_it_came(pg_dsn: str) -> None:
-    """After every kind of run, a pooled lock connection keeps its own search_path and name."""
+    """After every kind of run, the pool's connections keep their own search_path and name.
+
+    A run holds two connections at once (the lock transaction and the work), so the pool
+    has two, and both are checked.
+    """
     from psycopg_pool import ConnectionPool
 
     def configure(conn: psycopg.Connection) -> None:
@@ -235,17 +239,21 @@ def test_pooled_connection_is_handed_back_as_it_came(pg_dsn: str) -> None:
         conn.execute("SET application_name = 'my-app'")
         conn.commit()
 
-    def settings(pool: ConnectionPool) -> tuple[Any, ...]:
-        with pool.connection() as conn:
-            row = conn.execute(
-                "SELECT current_setting('search_path'), current_setting('application_name'),"
-                " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())"
-            ).fetchone()
-            assert row is not None
-            return tuple(row)
+    def settings(pool: ConnectionPool) -> set[tuple[Any, ...]]:
+        with pool.connection() as first, pool.connection() as second:
+            return {
+                tuple(
+                    conn.execute(
+                        "SELECT current_setting('search_path'), current_setting('application_name'),"
+                        " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())"
+                    ).fetchone()
+                    or ()
+                )
+                for conn in (first, second)
+            }
 
-    expected = ("app_schema, public", "my-app", 0)
-    with ConnectionPool(pg_dsn, min_size=1, max_size=1, configure=configure) as pool:
+    expected = {("app_schema, public", "my-app", 0)}
+    with ConnectionPool(pg_dsn, min_size=2, max_size=2, configure=configure) as pool:
         for key, work in (
             ("k", lambda ctx: None),
             ("k", lambda ctx: None),

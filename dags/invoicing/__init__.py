@@ -15,10 +15,11 @@ from pathlib import Path
 import psycopg
 
 from airflow_idempotency import named_queries
+from airflow_idempotency.locks import named_lock_key
 
 HERE = Path(__file__).parent
-# Serialises concurrent creation of the example schema (any constant would do).
-_SCHEMA_LOCK = 0x1A7C0_0001
+# Serialises concurrent creation of the example schema (a named lock: see locks.py).
+_SCHEMA_LOCK = named_lock_key("invoicing.schema")
 
 
 @cache

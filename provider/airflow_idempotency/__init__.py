@@ -17,16 +17,20 @@ if TYPE_CHECKING:
     from airflow_idempotency._sql import named_queries
     from airflow_idempotency.decorator import idempotent_run_task
     from airflow_idempotency.exceptions import (
+        ConfigurationError,
         IdempotencyError,
         IdempotencyKeyConflictError,
         InvalidInputError,
         InvalidRunKeyError,
         LockLostError,
         PeriodNotEndedError,
+        PermanentRemoteError,
         RemoteCallError,
+        RemoteError,
         RunKeyMissingError,
         RunLockedError,
         SchemaError,
+        TransientRemoteError,
     )
     from airflow_idempotency.hook import IdempotencyHook
     from airflow_idempotency.ledger import (
@@ -34,15 +38,13 @@ if TYPE_CHECKING:
         Effect,
         LedgerSummary,
         OutboundLedger,
-        PermanentRemoteError,
-        TransientRemoteError,
         post_json,
     )
     from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
     from airflow_idempotency.records import Trigger
+    from airflow_idempotency.run_context import RunContext
     from airflow_idempotency.run_key import RunKeyRule
     from airflow_idempotency.runner import (
-        RunContext,
         RunOptions,
         RunOutcome,
         RunResult,
@@ -54,7 +56,7 @@ _EXPORTS = {
     "idempotency_params": "operator",
     "idempotent_run_task": "decorator",
     "IdempotencyHook": "hook",
-    "RunContext": "runner",
+    "RunContext": "run_context",
     "RunOptions": "runner",
     "RunOutcome": "runner",
     "RunResult": "runner",
@@ -66,8 +68,6 @@ _EXPORTS = {
     "Confirmation": "ledger",
     "LedgerSummary": "ledger",
     "post_json": "ledger",
-    "TransientRemoteError": "ledger",
-    "PermanentRemoteError": "ledger",
     "Trigger": "records",
     "IdempotencyError": "exceptions",
     "InvalidInputError": "exceptions",
@@ -79,6 +79,10 @@ _EXPORTS = {
     "RunLockedError": "exceptions",
     "LockLostError": "exceptions",
     "RemoteCallError": "exceptions",
+    "RemoteError": "exceptions",
+    "TransientRemoteError": "exceptions",
+    "PermanentRemoteError": "exceptions",
+    "ConfigurationError": "exceptions",
 }
 
 __all__ = ["__version__", *_EXPORTS]

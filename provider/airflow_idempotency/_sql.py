@@ -7,6 +7,8 @@ from functools import cache
 from importlib.resources import files
 from typing import TYPE_CHECKING
 
+from psycopg import sql
+
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
@@ -26,12 +28,18 @@ def _queries() -> dict[str, str]:
     return named_queries(text)
 
 
-def query(name: str) -> str:
-    """Return the statement called ``name`` in sql/queries.sql."""
+@cache
+def query(name: str, schema: str) -> str:
+    """The statement called ``name`` in sql/queries.sql, its names qualified with ``schema``.
+
+    ``{schema}`` in the file becomes the quoted identifier (psycopg.sql does the quoting;
+    callers validate the name first). Cached: composed once per statement and schema.
+    """
     try:
-        return _queries()[name]
+        text = _queries()[name]
     except KeyError:
         raise KeyError(f"no query named {name!r} in sql/queries.sql") from None
+    return sql.SQL(text).format(schema=sql.Identifier(schema)).as_string()
 
 
 @cache

@@ -3,6 +3,10 @@
 Exit codes (the runbook's): 0 success, or an already completed key (a no-op);
 1 failure; 2 bad usage (a missing or malformed date); 75 the run key is locked elsewhere.
 
+Read-only commands (``runs``, ``show``, ``locks``, ``ledger``) never write: they refuse a
+database whose bookkeeping schema is missing or older than this version instead of
+creating or migrating it; ``migrate`` does that on purpose.
+
 The database comes from ``--dsn`` (or ``AIRFLOW_IDEMPOTENCY_DSN``), else from the Airflow
 connection ``--conn-id`` (default ``idempotency_default``).
 """
@@ -24,10 +28,16 @@ from psycopg.rows import dict_row
 
 from airflow_idempotency import records
 from airflow_idempotency._sql import query
-from airflow_idempotency.locks import release_run_lock, run_lock_key, try_acquire_run_lock
-from airflow_idempotency.operator import ON_LOCKED_ENV
+from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.locks import ON_LOCKED_ENV, hold_run_lock, run_lock_key
 from airflow_idempotency.records import Trigger
-from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, use_schema
+from airflow_idempotency.schema import (
+    DEFAULT_SCHEMA,
+    current_version,
+    ensure_schema,
+    latest_version,
+    validate_schema_name,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 75
 DSN_ENV = "AIRFLOW_IDEMPOTENCY_DSN"
@@ -62,19 +72,52 @@ def _dsn(args: argparse.Namespace) -> str:
         )
 
 
-def _connect(args: argparse.Namespace) -> psycopg.Connection:
-    conn = psycopg.connect(_dsn(args), autocommit=True)
+class CommandError(Exception):
+    """A command cannot go on: its message is printed, the process exits with ``code``."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _open(args: argparse.Namespace) -> psycopg.Connection:
+    """A connection to the job database (no server-side prepared statements: see locks.py)."""
+    return psycopg.connect(_dsn(args), autocommit=True, prepare_threshold=None)
+
+
+def _connect_read(args: argparse.Namespace) -> psycopg.Connection:
+    """A connection for reading the bookkeeping tables, which must exist: no DDL, ever."""
+    conn = _open(args)
+    version = current_version(conn, args.schema)
+    if version < latest_version():
+        conn.close()
+        if version == 0:
+            raise CommandError(
+                f"database {conn.info.dbname!r} has no bookkeeping tables in schema "
+                f"{args.schema!r}: no idempotent task has run against it yet, or --dsn / "
+                "--conn-id / --schema point elsewhere."
+            )
+        raise CommandError(
+            f"schema {args.schema!r} is at version {version}, older than this CLI "
+            f"(version {latest_version()}): run `airflow-idempotency migrate`, or let a task "
+            "of this version run first."
+        )
+    return conn
+
+
+def _connect_write(args: argparse.Namespace) -> psycopg.Connection:
+    """A connection for commands that write: creates or migrates the schema when needed."""
+    conn = _open(args)
     ensure_schema(conn, args.schema)
-    use_schema(conn, args.schema)
     return conn
 
 
 def fetch(
-    conn: psycopg.Connection, name: str, params: dict[str, Any] | None = None
+    conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """Rows of the named query as dicts."""
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(query(name), params).fetchall()
+        return cur.execute(query(name, schema), params).fetchall()
 
 
 # -- output -----------------------------------------------------------------------------
@@ -112,9 +155,10 @@ def emit(
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    with _connect(args) as conn:
+    with _connect_read(args) as conn:
         rows = fetch(
             conn,
+            args.schema,
             "cli_list_runs",
             {
                 "job": args.job,
@@ -143,9 +187,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with _connect(args) as conn:
-        run = records.get_run(conn, args.job, args.run_key)
-        attempts = fetch(conn, "cli_attempts", {"job": args.job, "run_key": args.run_key})
+    with _connect_read(args) as conn:
+        run = records.get_run(conn, args.schema, args.job, args.run_key)
+        attempts = fetch(
+            conn, args.schema, "cli_attempts", {"job": args.job, "run_key": args.run_key}
+        )
     if run is None and not attempts:
         print(f"no run recorded for job {args.job!r} run_key {args.run_key!r}", file=sys.stderr)
         return EXIT_FAILED
@@ -195,8 +241,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_locks(args: argparse.Namespace) -> int:
-    with _connect(args) as conn:
-        rows = fetch(conn, "cli_locks")
+    with _connect_read(args) as conn:
+        rows = fetch(conn, args.schema, "cli_locks")
     emit(
         args,
         "held run locks",
@@ -218,9 +264,9 @@ def cmd_locks(args: argparse.Namespace) -> int:
 
 def cmd_ledger(args: argparse.Namespace) -> int:
     params = {"job": args.job, "run_key": args.run_key, "all": args.all, "limit": args.limit}
-    with _connect(args) as conn:
-        summary = fetch(conn, "cli_ledger_summary", params)
-        problems = fetch(conn, "cli_ledger_problems", params)
+    with _connect_read(args) as conn:
+        summary = fetch(conn, args.schema, "cli_ledger_summary", params)
+        problems = fetch(conn, args.schema, "cli_ledger_problems", params)
     if args.json:
         print(json.dumps({"summary": summary, "not_confirmed": problems}, default=str, indent=2))
         return EXIT_OK
@@ -243,47 +289,59 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 def cmd_reset(args: argparse.Namespace) -> int:
     """Mark a failed or stuck run failed with a reason, so the next run takes it over cleanly."""
     lock_key = run_lock_key(args.job, args.run_key)
-    with _connect(args) as conn:
-        lock = try_acquire_run_lock(conn, lock_key)
+    with (
+        _connect_write(args) as conn,
+        hold_run_lock(
+            conn, lock_key, schema=args.schema, application_name="airflow-idempotency reset"
+        ) as lock,
+    ):
         if lock is None:
-            print(
+            raise CommandError(
                 f"run key {args.run_key!r} of {args.job!r} is locked: a worker is running it now "
                 "(see `airflow-idempotency locks`). Not resetting.",
-                file=sys.stderr,
+                EXIT_LOCKED,
             )
-            return EXIT_LOCKED
-        try:
-            trigger = Trigger(triggered_by="cli", triggering_user=os.environ.get("USER"))
-            attempt_id = records.insert_attempt(
-                conn,
-                job_name=args.job,
-                run_key=args.run_key,
-                lock_key=lock_key,
-                outcome="reset",
-                trigger=trigger,
-                lock=lock,
-                error=args.reason,
+        run = records.get_run(conn, args.schema, args.job, args.run_key)
+        if run is None or run.status not in ("failed", "started"):
+            status = run.status if run else "never run"
+            raise CommandError(
+                f"nothing reset: job {args.job!r} run_key {args.run_key!r} is {status}, not "
+                "failed or started (a completed run is recomputed with force=true instead)."
             )
-            reset = fetch(
-                conn,
-                "reset_run",
-                {
-                    "job": args.job,
-                    "run_key": args.run_key,
-                    "reason": args.reason,
-                    "attempt_id": attempt_id,
-                },
-            )
-        finally:
-            release_run_lock(conn, lock)
-    if not reset:
-        print(
-            f"nothing reset: job {args.job!r} run_key {args.run_key!r} is not failed or started "
-            "(a completed run is recomputed with force=true instead).",
-            file=sys.stderr,
+        # In the lock transaction: the reset attempt and the reset itself commit together.
+        trigger = Trigger(triggered_by="cli", triggering_user=os.environ.get("USER"))
+        attempt_id = records.insert_attempt(
+            conn,
+            args.schema,
+            job_name=args.job,
+            run_key=args.run_key,
+            lock_key=lock_key,
+            outcome="reset",
+            trigger=trigger,
+            lock=lock,
+            error=args.reason,
         )
-        return EXIT_FAILED
+        fetch(
+            conn,
+            args.schema,
+            "reset_run",
+            {
+                "job": args.job,
+                "run_key": args.run_key,
+                "reason": args.reason,
+                "attempt_id": attempt_id,
+            },
+        )
     print(f"reset {args.job} {args.run_key} to failed (reason recorded, attempt {attempt_id})")
+    return EXIT_OK
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """Create or migrate the bookkeeping schema (what the first task of a version does)."""
+    with _open(args) as conn:
+        before = current_version(conn, args.schema)
+        after = ensure_schema(conn, args.schema)
+    print(f"schema {args.schema!r}: version {before} -> {after}")
     return EXIT_OK
 
 
@@ -292,7 +350,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     conf: dict[str, Any] = {"run_key": args.date, "force": args.force, "dry_run": args.dry_run}
     if args.force_reconcile:
         conf["force_reconcile"] = True
-    with _connect(args) as conn:
+    with _open(args) as conn:
         since = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
     env = {**os.environ, ON_LOCKED_ENV: "fail"}
     with tempfile.NamedTemporaryFile(
@@ -311,11 +369,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = subprocess.run(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False
         ).returncode
-    with _connect(args) as conn:
-        attempts = fetch(
-            conn,
-            "cli_attempts_since",
-            {"run_key": args.date, "dag_id": args.dag_id, "since": since},
+    with _open(args) as conn:
+        attempts = (
+            fetch(
+                conn,
+                args.schema,
+                "cli_attempts_since",
+                {"run_key": args.date, "dag_id": args.dag_id, "since": since},
+            )
+            if current_version(conn, args.schema)
+            else []
         )
     outcomes = {a["outcome"] for a in attempts}
     if "lock_held" in outcomes:
@@ -401,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reset.set_defaults(func=cmd_reset)
 
+    sub.add_parser(
+        "migrate", parents=[common], help="create or migrate the bookkeeping schema"
+    ).set_defaults(func=cmd_migrate)
+
     run = sub.add_parser(
         "run", parents=[common], help="run one business date of a DAG through Airflow"
     )
@@ -418,7 +485,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        validate_schema_name(args.schema)
         return int(args.func(args))
+    except InvalidInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CommandError as exc:
+        print(f"error: {exc}" if exc.code != EXIT_OK else str(exc), file=sys.stderr)
+        return exc.code
     except psycopg.OperationalError as exc:
         print(f"error: cannot reach the job database: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -1,6 +1,6 @@
 """``@task.idempotent_run``: the TaskFlow form of :class:`IdempotentRunOperator`.
 
-The decorated function takes the :class:`~airflow_idempotency.runner.RunContext` as its
+The decorated function takes the :class:`~airflow_idempotency.run_context.RunContext` as its
 first argument; any further arguments are passed in the DAG as with ``@task``::
 
     @task.idempotent_run(postgres_conn_id="jobs_db")

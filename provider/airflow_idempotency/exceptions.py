@@ -1,4 +1,17 @@
-"""The exceptions this provider raises: one base class, a shallow hierarchy."""
+"""The exceptions this provider raises: one base class, a shallow hierarchy.
+
+What each means for a task (mapped to Airflow's failures in one place,
+:func:`airflow_idempotency.operator.airflow_failure`):
+
+- :class:`InvalidInputError` and :class:`ConfigurationError`: nothing was done and a
+  retry cannot help, so the task fails without retrying;
+- :class:`RunLockedError`: another execution holds the key; the operator's ``on_locked``
+  policy decides (reschedule, fail or skip);
+- :class:`LockLostError` and :class:`RemoteCallError`: this try could not finish; a retry
+  (or a rerun) converges, so Airflow's retries apply;
+- :class:`TransientRemoteError` and :class:`PermanentRemoteError`: raised by a ledger
+  sender to classify one external call; the ledger handles them.
+"""
 
 from __future__ import annotations
 
@@ -29,8 +42,12 @@ class IdempotencyKeyConflictError(InvalidInputError):
     """An idempotency key was reused with a different request."""
 
 
-class SchemaError(IdempotencyError):
-    """The bookkeeping schema is missing, newer than this code, or could not be migrated."""
+class ConfigurationError(IdempotencyError):
+    """The deployment cannot give the guarantees as configured: fix it, a retry will not."""
+
+
+class SchemaError(ConfigurationError):
+    """The bookkeeping schema is newer than this code: upgrade the provider on this worker."""
 
 
 class RunLockedError(IdempotencyError):
@@ -46,4 +63,16 @@ class LockLostError(IdempotencyError):
 
 
 class RemoteCallError(IdempotencyError):
-    """One or more external side effects failed permanently (see the outbound ledger)."""
+    """One or more external side effects failed or stayed pending (see the outbound ledger)."""
+
+
+class RemoteError(IdempotencyError):
+    """Base class of the errors a ledger sender raises to classify one external call."""
+
+
+class TransientRemoteError(RemoteError):
+    """The call may have failed for a passing reason: retry it with the same key."""
+
+
+class PermanentRemoteError(RemoteError):
+    """The remote refused the request: retrying the same request will not help."""

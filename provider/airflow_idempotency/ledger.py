@@ -49,12 +49,14 @@ from airflow_idempotency.exceptions import (
     IdempotencyKeyConflictError,
     InvalidInputError,
     LockLostError,
+    PermanentRemoteError,
     RemoteCallError,
+    TransientRemoteError,
 )
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
 
 if TYPE_CHECKING:
-    from airflow_idempotency.runner import RunContext
+    from airflow_idempotency.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +86,6 @@ class Confirmation:
 
     reference: str
     response: Mapping[str, Any] | None = None
-
-
-class TransientRemoteError(Exception):
-    """The call may have failed for a passing reason: retry it with the same key."""
-
-
-class PermanentRemoteError(Exception):
-    """The remote refused the request: retrying the same request will not help."""
 
 
 Sender = Callable[[httpx.AsyncClient, Effect], Awaitable[Confirmation]]
@@ -361,7 +355,7 @@ class OutboundLedger:
             "remote_system": self.remote_system,
         }
         with self.run.bookkeeping_connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-            return list(cur.execute(query("ledger_rows_for_run"), params))
+            return list(cur.execute(query("ledger_rows_for_run", self.run.schema), params))
 
     # -- internals ------------------------------------------------------------------------
 
@@ -440,12 +434,12 @@ class OutboundLedger:
         pipeline = conn.pipeline() if _PIPELINE else contextlib.nullcontext()
         if self.run.dry_run:
             with pipeline:
-                cursor = conn.execute(query("ledger_classify_batch"), params)
+                cursor = conn.execute(query("ledger_classify_batch", self.run.schema), params)
                 upcoming = _attempt(meanwhile)
                 return cursor.fetchall(), upcoming
         with pipeline:
             with conn.transaction():
-                cursor = conn.execute(query("ledger_claim_batch"), params)
+                cursor = conn.execute(query("ledger_claim_batch", self.run.schema), params)
                 upcoming = _attempt(meanwhile)
                 self.run.assert_lock_held(conn)  # fencing: no claim commits once the lock is gone
             rows = cursor.fetchall()
@@ -546,7 +540,7 @@ class OutboundLedger:
         self, conn: psycopg.Connection, outcomes: list[_Outcome], summary: LedgerSummary
     ) -> None:
         conn.execute(
-            query("ledger_record_outcomes"),
+            query("ledger_record_outcomes", self.run.schema),
             {
                 "keys": [o.key for o in outcomes],
                 "statuses": [o.status for o in outcomes],

@@ -1,40 +1,69 @@
-"""Session-scoped advisory locks, one per (job name, run key).
+"""Postgres advisory locks: the run lock of each (job name, run key), and every other key.
 
-The lock key is a stable, documented function of the job name and run key::
+Lock-key families (all 64-bit keys, taken with the ``bigint`` forms of the advisory-lock
+functions; Postgres shows such a key in ``pg_locks`` as ``classid`` = high 32 bits,
+``objid`` = low 32 bits, ``objsubid`` = 1):
 
-    sha256(job_name.encode() + b"\\x1f" + run_key.encode()) -> first 8 bytes -> signed int64
+- **run locks**, :func:`run_lock_key`: ``sha256(job_name + 0x1f + run_key)``, first 8
+  bytes, big-endian, signed. Held for a whole run by a transaction on a connection
+  dedicated to it (:func:`hold_run_lock`). The derivation is part of the contract
+  (documented in the README, stored in ``job_runs.lock_key``): two versions of the
+  provider running side by side must compute the same key for the same run, so it never
+  changes;
+- **the migration lock**, :func:`migration_lock_key`: ``sha256(b"airflow_idempotency.
+  schema_migration" + 0x00 + schema)``, taken with ``pg_advisory_xact_lock`` while the
+  bookkeeping schema is created or migrated (schema.py);
+- **named locks**, :func:`named_lock_key`: ``sha256(b"airflow_idempotency.named" + 0x00 +
+  name)``, for anything else that must be serialised, e.g. the example DAGs' schema DDL.
 
-taken with ``pg_try_advisory_lock(bigint)``. Postgres shows it in ``pg_locks`` as
-``classid`` = high 32 bits, ``objid`` = low 32 bits, ``objsubid`` = 1. Two different keys
-sharing a hash would only make them wait for each other, never run twice at once.
+The families hash different prefixes, so a key of one family colliding with another's is
+as unlikely as any two SHA-256 values sharing 64 bits; even then two holders would only
+wait for each other, never run at once.
 
-The lock lives on a connection dedicated to it and held for the whole run. Postgres
-releases it when that session ends, including when the worker is killed.
+Which sessions hold a key is answered in one place, the SQL function ``held_run_locks()``
+of the bookkeeping schema (migration 0004): every statement that asks goes through it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psycopg
 
 from airflow_idempotency._sql import query
+from airflow_idempotency.exceptions import ConfigurationError
 
 log = logging.getLogger(__name__)
+
+ON_LOCKED_ENV = "AIRFLOW_IDEMPOTENCY_ON_LOCKED"
+"""Overrides the operator's ``on_locked`` policy in one process (the CLI's ``run`` sets
+``fail``, so that a locked key exits 75 at once instead of rescheduling)."""
+
+_MIGRATION_PREFIX = b"airflow_idempotency.schema_migration\x00"
+_NAMED_PREFIX = b"airflow_idempotency.named\x00"
+
+
+def _key(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big", signed=True)
 
 
 def run_lock_key(job_name: str, run_key: str) -> int:
     """The advisory lock key of (job_name, run_key)."""
-    digest = hashlib.sha256(job_name.encode() + b"\x1f" + run_key.encode()).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
+    return _key(job_name.encode() + b"\x1f" + run_key.encode())
 
 
-def split_lock_key(lock_key: int) -> tuple[int, int]:
-    """The (classid, objid) pair under which ``pg_locks`` shows a bigint advisory lock."""
-    unsigned = lock_key & 0xFFFFFFFFFFFFFFFF
-    return unsigned >> 32, unsigned & 0xFFFFFFFF
+def migration_lock_key(schema: str) -> int:
+    """The key that serialises creating and migrating the bookkeeping ``schema``."""
+    return _key(_MIGRATION_PREFIX + schema.encode())
+
+
+def named_lock_key(name: str) -> int:
+    """A key for anything else that must be serialised across workers, by a stable name."""
+    return _key(_NAMED_PREFIX + name.encode())
 
 
 @dataclass(frozen=True)
@@ -46,83 +75,100 @@ class RunLock:
 
     @property
     def params(self) -> dict[str, int]:
-        """Query parameters naming this lock, for the fencing checks in queries.sql."""
-        hi, lo = split_lock_key(self.lock_key)
-        return {"lock_hi": hi, "lock_lo": lo, "lock_backend_pid": self.backend_pid}
+        """Query parameters naming this lock and its holder, for the fencing checks."""
+        return {"lock_key": self.lock_key, "lock_backend_pid": self.backend_pid}
 
 
-@dataclass(frozen=True)
-class SessionSettings:
-    """A session's ``search_path`` and ``application_name``, as a run found them."""
-
-    search_path: str
-    application_name: str
+class SharedSessionError(ConfigurationError):
+    """The lock connection's server session is shared with other clients."""
 
 
-def open_lock_session(
+# What PgBouncer answers a transaction block in pool_mode=statement.
+_STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
+
+
+@contextlib.contextmanager
+def hold_run_lock(
     conn: psycopg.Connection, lock_key: int, *, schema: str, application_name: str
-) -> tuple[RunLock | None, SessionSettings]:
-    """Try the lock on ``conn`` and point the session at ``schema``, in one round trip.
+) -> Iterator[RunLock | None]:
+    """Hold the run lock in a transaction kept open on ``conn``; yield it, or ``None``.
 
-    Returns the lock (``None`` when another session holds it) and the settings it replaced,
-    for :func:`close_lock_session`. ``schema`` must already be validated.
+    ``pg_try_advisory_xact_lock`` never waits: ``None`` means another session holds the
+    key. The lock belongs to the transaction, not to the session, so it holds behind any
+    connection pooler: a pooler in transaction mode keeps a client on one server
+    connection while its transaction is open, and releases nothing to other clients.
+    Nothing else about the session is changed beyond this transaction (``SET LOCAL``):
+    ``pg_stat_activity`` shows ``application_name`` (Postgres keeps 63 bytes) while it lasts.
+
+    Statements the block runs on ``conn`` are part of the lock transaction. Leaving the
+    block normally commits them and releases the lock at the same instant; an exception
+    rolls them back (and releases the lock). The block may also end the transaction itself
+    (``COMMIT``), e.g. to learn whether its last write committed. The transaction reads no
+    table, so it holds no lock but the advisory one, and it takes no snapshot between
+    statements: it does not hold back vacuum however long the run is (BENCHMARKS.md).
+
+    ``conn`` must be in autocommit mode, idle, and dedicated to the lock while the block
+    runs. Raises :class:`SharedSessionError` when the session already held the key before
+    trying it (a session-level lock left on a pooled server connection by another client)
+    and a :class:`ConfigurationError` when the connection cannot hold a transaction (a
+    pooler in statement mode).
     """
-    row = conn.execute(
-        query("open_lock_session"),
-        {"lock_key": lock_key, "schema": schema, "application_name": application_name},
-    ).fetchone()
+    if not conn.autocommit or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise ValueError("hold_run_lock needs an idle connection in autocommit mode")
+    params = {"lock_key": lock_key, "application_name": application_name}
+    try:
+        with conn.pipeline():  # BEGIN and the lock statement in one round trip
+            conn.execute("BEGIN")
+            cursor = conn.execute(query("acquire_run_lock", schema), params)
+        row = cursor.fetchone()
+    except psycopg.Error as exc:
+        _end(conn, "ROLLBACK")
+        if _STATEMENT_POOLING in str(exc):
+            raise ConfigurationError(
+                "the job database connection goes through a pooler in statement mode "
+                f"(PgBouncer said: {exc}). A run lock needs a transaction: connect directly, "
+                "or use pool_mode = session or transaction for this database."
+            ) from exc
+        raise
     assert row is not None
-    acquired, backend_pid, search_path, previous_name = row[:4]
+    already_held, acquired, backend_pid = row[:3]
+    if already_held:
+        _end(conn, "ROLLBACK")
+        raise SharedSessionError(
+            f"server session {backend_pid} already held run lock {lock_key} before this run "
+            "tried it: the connection to the job database is shared with another client that "
+            "took the lock at session level (e.g. an older version of this provider behind a "
+            "pooler in transaction mode). Taking it again would exclude no one. Point that "
+            "client at a direct connection or pool_mode = session, or upgrade it."
+        )
     lock = RunLock(lock_key, backend_pid) if acquired else None
-    return lock, SessionSettings(search_path, previous_name)
+    try:
+        yield lock
+    except BaseException:
+        _end(conn, "ROLLBACK")
+        raise
+    _end(conn, "COMMIT")
 
 
-def close_lock_session(
-    conn: psycopg.Connection, lock_key: int, lock: RunLock | None, previous: SessionSettings
-) -> None:
-    """Release ``lock`` (if held) and restore the session's settings, in one round trip.
+def _end(conn: psycopg.Connection, statement: str) -> None:
+    """End the lock transaction, unless the block ended it or the session is gone.
 
-    Logs, never raises: a session that is gone released its lock with it.
+    A failed ROLLBACK is logged (the session is gone, and Postgres released the lock with
+    it); a failed COMMIT raises, since the block's writes did not commit.
     """
     if conn.closed or conn.broken:
         return
-    params = {
-        "acquired": lock is not None,
-        "lock_key": lock_key,
-        "search_path": previous.search_path,
-        "application_name": previous.application_name,
-    }
-    try:
-        row = conn.execute(query("close_lock_session"), params).fetchone()
-    except psycopg.Error as exc:
-        log.warning("could not release run lock %s: %s", lock_key, exc)
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
         return
-    if lock is not None and not (row and row[0]):
-        log.warning("run lock %s was not held by this session when releasing it", lock_key)
-
-
-def try_acquire_run_lock(conn: psycopg.Connection, lock_key: int) -> RunLock | None:
-    """Take the lock on ``conn`` without waiting; ``None`` when another session holds it."""
-    row = conn.execute(query("try_lock"), {"lock_key": lock_key}).fetchone()
-    assert row is not None
-    acquired, backend_pid = row
-    return RunLock(lock_key, backend_pid) if acquired else None
-
-
-def release_run_lock(conn: psycopg.Connection, lock: RunLock) -> None:
-    """Release ``lock``; log (do not raise) when the session no longer held it."""
-    if conn.closed or conn.broken:
-        return  # the session is gone, and Postgres released the lock with it
     try:
-        row = conn.execute(query("unlock"), {"lock_key": lock.lock_key}).fetchone()
+        conn.execute(statement)
     except psycopg.Error as exc:
-        log.warning("could not release run lock %s: %s", lock.lock_key, exc)
-        return
-    if not row or not row[0]:
-        log.warning("run lock %s was not held by this session when releasing it", lock.lock_key)
+        if statement == "COMMIT":
+            raise
+        log.warning("could not roll back the lock transaction (%s): its session is gone", exc)
 
 
-def lock_is_held(conn: psycopg.Connection, lock: RunLock) -> bool:
+def lock_is_held(conn: psycopg.Connection, schema: str, lock: RunLock) -> bool:
     """Whether ``lock`` is still held by the session that took it (checked from any session)."""
-    row = conn.execute(query("lock_is_held_by"), lock.params).fetchone()
+    row = conn.execute(query("lock_is_held_by", schema), lock.params).fetchone()
     return bool(row and row[0])

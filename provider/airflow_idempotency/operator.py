@@ -17,15 +17,21 @@ from airflow.sdk.exceptions import (
     AirflowSkipException,
 )
 
-from airflow_idempotency.exceptions import InvalidInputError, LockLostError, RunLockedError
+from airflow_idempotency.exceptions import (
+    ConfigurationError,
+    IdempotencyError,
+    InvalidInputError,
+    RunLockedError,
+)
 from airflow_idempotency.hook import IdempotencyHook
+from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.records import Trigger
+from airflow_idempotency.run_context import RunContext
 from airflow_idempotency.run_key import ResolvedRunKey, RunKeyRule, check_text, resolve_run_key
-from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunOptions, RunOutcome, run_idempotently
 from airflow_idempotency.schema import DEFAULT_SCHEMA
 
 OnLocked = Literal["reschedule", "fail", "skip"]
-ON_LOCKED_ENV = "AIRFLOW_IDEMPOTENCY_ON_LOCKED"
 OnCompleted = Literal["succeed", "skip"]
 
 _TRIGGERED_BY = {
@@ -164,44 +170,22 @@ class IdempotentRunOperator(BaseOperator):
     # -- mapping Airflow's run to the contract ---------------------------------------------
 
     def resolve_run_key(self, context: Context) -> ResolvedRunKey:
-        """The run key of this task execution (see :func:`resolve_run_key`)."""
+        """The run key of this task execution (decided by :func:`resolve_run_key`)."""
         dag_run = context["dag_run"]
-        conf = dict(dag_run.conf or {})
+        conf = dag_run.conf or {}
         params = context.get("params") or {}
-        run_type = getattr(dag_run.run_type, "value", str(dag_run.run_type))
-        if not isinstance(self.run_key_rule, RunKeyRule):
-            return self._resolve_with_callable(
-                context, run_type, conf.get("run_key") or params.get("run_key")
-            )
         dag = self._dag_or_none()
         return resolve_run_key(
             rule=self.run_key_rule,
             timezone=self._timezone_name(),
             timetable_name=type(dag.timetable).__name__ if dag else None,
-            run_type=run_type,
+            run_type=getattr(dag_run.run_type, "value", str(dag_run.run_type)),
             logical_date=context.get("logical_date") or dag_run.logical_date,
             conf_run_key=conf.get("run_key"),
             params_run_key=params.get("run_key"),
             now=pendulum.now("UTC"),
+            context=context,
         )
-
-    def _resolve_with_callable(
-        self, context: Context, run_type: str, explicit: object
-    ) -> ResolvedRunKey:
-        """A callable rule names the key; a manual run's explicit run_key (free text) wins."""
-        if explicit not in (None, ""):
-            if run_type not in ("manual", "operator_triggered"):
-                raise InvalidInputError(
-                    f"run_key {explicit!r} was given to a {run_type} run; only manual runs take "
-                    "an explicit run_key"
-                )
-            key = check_text(explicit, "run_key")
-            return ResolvedRunKey(
-                key, "conf", f"run_key {key!r} given explicitly in the run's conf"
-            )
-        assert callable(self.run_key_rule)
-        key = check_text(self.run_key_rule(context), "run key from run_key_rule")
-        return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
 
     def run_options(self, context: Context) -> RunOptions:
         """``force`` and ``dry_run`` of this run, from its conf or params (booleans)."""
@@ -231,11 +215,14 @@ class IdempotentRunOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         try:
-            job_name = check_text(self.job_name or f"{self.dag_id}.{self.task_id}", "job name")
-            resolved = self.resolve_run_key(context)
-            options = self.run_options(context)
-        except InvalidInputError as exc:
-            raise AirflowFailException(str(exc)) from exc
+            return self._execute(context)
+        except IdempotencyError as exc:
+            raise self.airflow_failure(context, exc) from exc
+
+    def _execute(self, context: Context) -> dict[str, Any]:
+        job_name = check_text(self.job_name or f"{self.dag_id}.{self.task_id}", "job name")
+        resolved = self.resolve_run_key(context)
+        options = self.run_options(context)
         self.log.info(
             "job=%s run_key=%s %s (force=%s, dry_run=%s)",
             job_name,
@@ -245,30 +232,35 @@ class IdempotentRunOperator(BaseOperator):
             options.dry_run,
         )
         self._check_connection()
-        try:
-            result = run_idempotently(
-                connect=self.hook.new_connection,
-                job_name=job_name,
-                run_key=resolved.run_key,
-                work=self.run,
-                options=options,
-                trigger=self._trigger(context),
-                schema=self.schema,
-                airflow_context=context,
-                logger=self.log,  # type: ignore[arg-type]
-            )
-        except RunLockedError as exc:
-            self._on_locked(context, exc)
-            raise  # _on_locked always raises; keeps type checkers happy
-        except InvalidInputError as exc:
-            raise AirflowFailException(str(exc)) from exc
-        except LockLostError as exc:
-            raise AirflowException(str(exc)) from exc
+        result = run_idempotently(
+            connect=self.hook.new_connection,
+            job_name=job_name,
+            run_key=resolved.run_key,
+            work=self.run,
+            options=options,
+            trigger=self._trigger(context),
+            schema=self.schema,
+            airflow_context=context,
+            logger=self.log,  # type: ignore[arg-type]
+        )
         if result.outcome is RunOutcome.NOOP and self.on_completed == "skip":
             raise AirflowSkipException(
                 f"job={job_name} run_key={resolved.run_key}: already completed, skipping"
             )
         return result.as_dict()
+
+    def airflow_failure(self, context: Context, exc: IdempotencyError) -> BaseException:
+        """The Airflow exception that ends this try for ``exc``: the one place that maps them.
+
+        Bad input and configuration: fail without retrying (a retry would meet the same
+        refusal). A locked key: the ``on_locked`` policy. A lost lock or unfinished
+        effects: an ordinary failure, so Airflow's retries apply and a retry converges.
+        """
+        if isinstance(exc, RunLockedError):
+            return self._on_locked(context, exc)
+        if isinstance(exc, InvalidInputError | ConfigurationError):
+            return AirflowFailException(str(exc))
+        return AirflowException(str(exc))
 
     def _check_connection(self) -> None:
         try:
@@ -282,21 +274,21 @@ class IdempotentRunOperator(BaseOperator):
                 "host:5432/db') or pass postgres_conn_id= to the operator."
             ) from exc
 
-    def _on_locked(self, context: Context, exc: RunLockedError) -> None:
+    def _on_locked(self, context: Context, exc: RunLockedError) -> BaseException:
         # The CLI's `run` sets this so that a locked key fails at once (exit code 75).
         policy = os.environ.get(ON_LOCKED_ENV) or self.on_locked
         if policy not in ("reschedule", "fail", "skip"):
-            raise AirflowFailException(f"{ON_LOCKED_ENV}={policy!r}: use reschedule, fail or skip")
+            return AirflowFailException(f"{ON_LOCKED_ENV}={policy!r}: use reschedule, fail or skip")
         if policy == "skip":
-            raise AirflowSkipException(f"{exc}; skipping (on_locked='skip')") from exc
+            return AirflowSkipException(f"{exc}; skipping (on_locked='skip')")
         if policy == "fail":
-            raise AirflowFailException(f"{exc}; failing (on_locked='fail')") from exc
+            return AirflowFailException(f"{exc}; failing (on_locked='fail')")
         waited = self.reschedule_interval * int(context.get("task_reschedule_count") or 0)
         if waited >= self.lock_timeout:
-            raise AirflowException(
+            return AirflowException(
                 f"{exc}; still locked after about {waited} of rescheduling "
                 f"(lock_timeout={self.lock_timeout}): giving up this try"
-            ) from exc
+            )
         when = pendulum.now("UTC") + self.reschedule_interval
         self.log.info("lock held elsewhere: rescheduling to %s (waited ~%s so far)", when, waited)
-        raise AirflowRescheduleException(when) from exc  # type: ignore[no-untyped-call]
+        return AirflowRescheduleException(when)  # type: ignore[no-untyped-call]

@@ -1,8 +1,8 @@
 """The durable run records: ``job_runs`` (one row per job and run key) and
 ``job_run_attempts`` (one row per execution, whatever it did).
 
-All functions take a connection whose search_path points at the bookkeeping schema
-(see :func:`airflow_idempotency.schema.use_schema`).
+All functions take the bookkeeping ``schema`` (validated by the caller); every statement
+names its tables with it, so no connection's search_path matters.
 """
 
 from __future__ import annotations
@@ -61,10 +61,15 @@ class RunRecord:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def get_run(conn: psycopg.Connection, job_name: str, run_key: str) -> RunRecord | None:
+def get_run(conn: psycopg.Connection, schema: str, job_name: str, run_key: str) -> RunRecord | None:
     """The ``job_runs`` row of (job_name, run_key), if any."""
     with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(query("get_run"), {"job_name": job_name, "run_key": run_key}).fetchone()
+        params = {"job_name": job_name, "run_key": run_key}
+        return run_record(cur.execute(query("get_run", schema), params).fetchone())
+
+
+def run_record(row: dict[str, Any] | None) -> RunRecord | None:
+    """A row of the ``get_run`` query (a dict row) as a :class:`RunRecord`."""
     return RunRecord(**row) if row else None
 
 
@@ -92,6 +97,7 @@ def _attempt_params(
 
 def insert_attempt(
     conn: psycopg.Connection,
+    schema: str,
     *,
     job_name: str,
     run_key: str,
@@ -103,17 +109,35 @@ def insert_attempt(
     dry_run: bool = False,
     error: str | None = None,
     details: dict[str, Any] | None = None,
+    and_commit: bool = False,
 ) -> int:
-    """Record one execution; an outcome other than ``running`` is recorded as finished."""
+    """Record one execution; an outcome other than ``running`` is recorded as finished.
+
+    ``and_commit`` sends ``COMMIT`` in the same round trip (ending the caller's
+    transaction: the lock transaction of a no-op or a refused run).
+    """
     params = _attempt_params(job_name, run_key, lock_key, trigger, lock, force)
     params.update(outcome=outcome, dry_run=dry_run, error=error, details=Jsonb(details or {}))
-    row = conn.execute(query("insert_attempt"), params).fetchone()
+    row = _execute(conn, query("insert_attempt", schema), params, and_commit).fetchone()
     assert row is not None
     return int(row[0])
 
 
+def _execute(
+    conn: psycopg.Connection, statement: str, params: dict[str, Any], and_commit: bool
+) -> psycopg.Cursor[Any]:
+    """Run ``statement``, and with ``and_commit`` a COMMIT after it, in one round trip."""
+    if not and_commit:
+        return conn.execute(statement, params)
+    with conn.pipeline():
+        cursor = conn.execute(statement, params)
+        conn.execute("COMMIT")
+    return cursor
+
+
 def start_attempt(
     conn: psycopg.Connection,
+    schema: str,
     *,
     job_name: str,
     run_key: str,
@@ -128,13 +152,14 @@ def start_attempt(
     holds the lock, so its worker died). Returns (attempt id, attempt count of the key).
     """
     params = _attempt_params(job_name, run_key, lock_key, trigger, lock, force)
-    row = conn.execute(query("start_attempt"), params).fetchone()
+    row = conn.execute(query("start_attempt", schema), params).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
 
 
 def finish_attempt(
     conn: psycopg.Connection,
+    schema: str,
     attempt_id: int,
     outcome: AttemptOutcome,
     *,
@@ -143,7 +168,7 @@ def finish_attempt(
 ) -> None:
     """Record how an execution ended."""
     conn.execute(
-        query("finish_attempt"),
+        query("finish_attempt", schema),
         {
             "attempt_id": attempt_id,
             "outcome": outcome,
@@ -155,18 +180,21 @@ def finish_attempt(
 
 def complete_attempt(
     conn: psycopg.Connection,
+    schema: str,
     *,
     job_name: str,
     run_key: str,
     attempt_id: int,
     lock: RunLock,
     counts: dict[str, Any],
+    and_commit: bool = False,
 ) -> bool:
     """Mark the run and the attempt completed; ``False`` (nothing written) when this attempt
     no longer owns the run or its lock.
 
-    Must run on the lock connection: the statement checks that this very session still
-    holds the advisory lock (fencing).
+    Must run in the lock transaction, on the lock connection: the statement checks that
+    this very session still holds the advisory lock (fencing). Its COMMIT (``and_commit``:
+    in the same round trip) records the completion and releases the lock at one instant.
     """
     params = {
         "job_name": job_name,
@@ -175,12 +203,19 @@ def complete_attempt(
         "details": Jsonb(counts),
         **lock.params,
     }
-    return conn.execute(query("complete_attempt"), params).fetchone() is not None
+    cursor = _execute(conn, query("complete_attempt", schema), params, and_commit)
+    return cursor.fetchone() is not None
 
 
 def mark_failed(
-    conn: psycopg.Connection, *, job_name: str, run_key: str, attempt_id: int, error: str
+    conn: psycopg.Connection,
+    schema: str,
+    *,
+    job_name: str,
+    run_key: str,
+    attempt_id: int,
+    error: str,
 ) -> bool:
     """Mark the run failed, if ``attempt_id`` still owns it."""
     params = {"job_name": job_name, "run_key": run_key, "attempt_id": attempt_id, "error": error}
-    return conn.execute(query("mark_failed"), params).fetchone() is not None
+    return conn.execute(query("mark_failed", schema), params).fetchone() is not None

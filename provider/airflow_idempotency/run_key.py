@@ -173,6 +173,9 @@ class RunKeyRule:
 
 
 RunKeyCallable = Callable[[Any], str]
+"""A custom rule: takes the Airflow task context, returns the run key (free text)."""
+
+_MANUAL_RUN_TYPES = frozenset({"manual", "operator_triggered"})
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,7 @@ class ResolvedRunKey:
 
 def resolve_run_key(
     *,
-    rule: RunKeyRule,
+    rule: RunKeyRule | RunKeyCallable,
     timezone: str,
     timetable_name: str | None,
     run_type: str,
@@ -194,16 +197,21 @@ def resolve_run_key(
     conf_run_key: object = None,
     params_run_key: object = None,
     now: dt.datetime,
+    context: Any = None,
 ) -> ResolvedRunKey:
     """Decide the run key of one task execution, or raise :class:`InvalidRunKeyError`.
 
-    An explicit ``run_key`` (conf first, then params) wins for manual runs. Scheduled,
-    backfill and asset-triggered runs always derive it from the logical date: a run_key in
-    their conf would map a whole backfill onto one key, so it is refused.
+    The one place that decides: the operator only reads these facts from Airflow's context.
+    An explicit ``run_key`` (the run's conf first, then its params; ``None`` and ``""``
+    mean "not given") wins for manual runs. Scheduled, backfill and asset-triggered runs
+    always derive it from the logical date: a run_key in their conf would map a whole
+    backfill onto one key, so it is refused. A callable ``rule`` is called with
+    ``context`` (the Airflow task context) when no explicit key applies; an explicit key
+    is then free text, checked like any key but not parsed as a period.
     """
     source: Literal["conf", "params"] = "conf" if conf_run_key not in (None, "") else "params"
     explicit = conf_run_key if source == "conf" else params_run_key
-    manual = run_type in ("manual", "operator_triggered")
+    manual = run_type in _MANUAL_RUN_TYPES
     if explicit not in (None, ""):
         if not manual:
             raise InvalidRunKeyError(
@@ -211,16 +219,16 @@ def resolve_run_key(
                 "explicit run_key. Remove it from the conf: backfill and scheduled runs derive "
                 "the run key from each run's logical date."
             )
-        key = str(explicit) if isinstance(explicit, dt.date) else explicit
-        if not isinstance(key, str):
-            raise InvalidRunKeyError(
-                f"run_key must be text in the format {rule.format_hint}, got {explicit!r}"
-            )
-        rule.period_bounds(key, timezone)
-        rule.check_ended(key, timezone, now)
+        if not isinstance(rule, RunKeyRule):
+            key = check_text(explicit, "run_key")
+        else:
+            key = _explicit_period_key(rule, explicit, timezone, now)
         return ResolvedRunKey(
             key, source, f"run_key {key!r} given explicitly in the run's {source}"
         )
+    if not isinstance(rule, RunKeyRule):
+        key = check_text(rule(context), "run key from run_key_rule")
+        return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
     if logical_date is None:
         raise RunKeyMissingError(
             f"this {run_type} run has no logical date and no run_key, so it does not say which "
@@ -242,3 +250,17 @@ def resolve_run_key(
             f"the business period you meant, trigger again with run_key set."
         )
     return ResolvedRunKey(key, "logical_date", explanation)
+
+
+def _explicit_period_key(
+    rule: RunKeyRule, explicit: object, timezone: str, now: dt.datetime
+) -> str:
+    """An explicit key for a period rule: a well-formed period that has ended."""
+    key = str(explicit) if isinstance(explicit, dt.date) else explicit
+    if not isinstance(key, str):
+        raise InvalidRunKeyError(
+            f"run_key must be text in the format {rule.format_hint}, got {explicit!r}"
+        )
+    rule.period_bounds(key, timezone)
+    rule.check_ended(key, timezone, now)
+    return key

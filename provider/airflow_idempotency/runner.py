@@ -1,17 +1,22 @@
 """The idempotent-run contract, independent of Airflow.
 
-:func:`run_idempotently` executes ``work`` for one (job name, run key):
+:func:`run_idempotently` executes ``work`` for one (job name, run key), in the steps of
+:class:`_Run`:
 
-1. validate the job name and run key (nothing is written when they are refused);
-2. take the advisory lock on a dedicated connection, held until the end;
-   if another session holds it, record a ``lock_held`` attempt and raise
+1. **lock**: validate the job name and run key (nothing is written when they are
+   refused), then take the run lock in a transaction held open on a dedicated connection
+   (:func:`~airflow_idempotency.locks.hold_run_lock`) for the whole run. If another session
+   holds it, record a ``lock_held`` attempt naming the holder and raise
    :class:`~airflow_idempotency.exceptions.RunLockedError`;
-3. read ``job_runs``: a completed key (and no ``force``) records a ``noop`` attempt and
+2. **read** ``job_runs``: a completed key (and no ``force``) records a ``noop`` attempt and
    returns without calling ``work``;
-4. record the attempt, upsert ``job_runs`` to ``started``, call ``work``;
-5. after ``work`` returned, mark ``completed`` (fenced: only this attempt, only while its
-   lock session is alive); on an exception mark ``failed`` and re-raise;
-6. release the lock.
+3. **start**: on a new work connection, record the attempt and upsert ``job_runs`` to
+   ``started`` (committed at once, so everyone sees the run in progress);
+4. **work**: call ``work`` with a :class:`~airflow_idempotency.run_context.RunContext`;
+5. **fenced completion**: mark ``completed`` in the lock transaction (only this attempt,
+   only while its session holds the lock), whose commit also releases the lock;
+6. **failure**: on an exception, mark the attempt and the run ``failed`` (in the lock
+   transaction when it is alive, else from a fresh connection) and re-raise.
 
 ``dry_run`` runs ``work`` inside one transaction that is rolled back, leaves ``job_runs``
 alone and records a ``dry_run`` attempt.
@@ -26,10 +31,9 @@ import logging
 import os
 import socket
 import traceback
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
@@ -38,29 +42,20 @@ from airflow_idempotency import records
 from airflow_idempotency._sql import query
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
-from airflow_idempotency.locks import (
-    RunLock,
-    close_lock_session,
-    lock_is_held,
-    open_lock_session,
-    run_lock_key,
-    split_lock_key,
-)
+from airflow_idempotency.locks import RunLock, hold_run_lock, run_lock_key
 from airflow_idempotency.records import AttemptOutcome, RunRecord, Trigger
-from airflow_idempotency.run_key import check_text
-from airflow_idempotency.schema import (
-    DEFAULT_SCHEMA,
-    ensure_schema,
-    use_schema,
+from airflow_idempotency.run_context import (
+    ConnectionFactory,
+    RunContext,
+    RunLogger,
+    autocommit_connection,
 )
-
-if TYPE_CHECKING:
-    from airflow_idempotency.ledger import OutboundLedger
+from airflow_idempotency.run_key import check_text
+from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, validate_schema_name
 
 log = logging.getLogger("airflow_idempotency")
 
-ConnectionFactory = Callable[[], AbstractContextManager[psycopg.Connection]]
-"""Opens a new connection: ``lambda: psycopg.connect(dsn)``, or a pool's ``connection``."""
+Work = Callable[[RunContext], Mapping[str, Any] | None]
 
 
 class RunOutcome(str, enum.Enum):
@@ -100,138 +95,9 @@ class RunResult:
         }
 
 
-class RunLogger:
-    """Logs ``job=... run_key=... attempt=... message`` lines through ``logger``.
-
-    The prefix travels as a format argument, never inside the format string, so a job name
-    or run key containing ``%`` is logged verbatim. Works with stdlib loggers and with
-    Airflow's structlog task logger alike.
-    """
-
-    def __init__(self, logger: Any, job_name: str, run_key: str) -> None:
-        self._logger = logger
-        self._job_name = job_name
-        self._run_key = run_key
-        self.attempt: int | None = None
-
-    def _emit(self, level: int, msg: str, args: tuple[Any, ...]) -> None:
-        text = msg % args if args else msg
-        prefix = f"job={self._job_name} run_key={self._run_key} attempt={self.attempt or '-'}"
-        self._logger.log(level, "%s %s", prefix, text)
-
-    def info(self, msg: str, *args: Any) -> None:
-        self._emit(logging.INFO, msg, args)
-
-    def warning(self, msg: str, *args: Any) -> None:
-        self._emit(logging.WARNING, msg, args)
-
-    def error(self, msg: str, *args: Any) -> None:
-        self._emit(logging.ERROR, msg, args)
-
-
-class RunContext:
-    """What ``work`` receives: the identity of the run and access to Postgres.
-
-    :ivar job_name: the job's name (``<dag_id>.<task_id>`` by default in Airflow).
-    :ivar run_key: the business period, e.g. ``2026-10-01``.
-    :ivar attempt_id: this execution's row in ``job_run_attempts``.
-    :ivar dry_run: writes are rolled back and external calls must not be made.
-    :ivar force: the key had completed and is being recomputed on purpose.
-    :ivar airflow_context: the Airflow task context, when run by an operator.
-    """
-
-    def __init__(
-        self,
-        *,
-        job_name: str,
-        run_key: str,
-        attempt_id: int,
-        options: RunOptions,
-        trigger: Trigger,
-        schema: str,
-        lock: RunLock,
-        connect: ConnectionFactory,
-        stack: contextlib.ExitStack,
-        logger: RunLogger,
-        airflow_context: Any = None,
-    ) -> None:
-        self.job_name = job_name
-        self.run_key = run_key
-        self.attempt_id = attempt_id
-        self.dry_run = options.dry_run
-        self.force = options.force
-        self.trigger = trigger
-        self.schema = schema
-        self.log = logger
-        self.airflow_context = airflow_context
-        self._lock = lock
-        self._connect = connect
-        self._stack = stack
-        self._conn: psycopg.Connection | None = None
-
-    @property
-    def connection(self) -> psycopg.Connection:
-        """The work connection (autocommit; use :meth:`transaction` to group writes)."""
-        if self._conn is None:
-            conn = self._stack.enter_context(self._connect())
-            conn.autocommit = True
-            if self.dry_run:
-                # One outer transaction, rolled back at the end: every transaction() below
-                # becomes a savepoint inside it, so later steps still see earlier writes.
-                self._stack.enter_context(conn.transaction(force_rollback=True))
-            self._conn = conn
-        return self._conn
-
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[psycopg.Cursor[Any]]:
-        """A transaction on the work connection, committed only if the lock is still held.
-
-        The fencing check runs inside the transaction just before the commit, so an
-        attempt that lost its lock cannot commit more writes.
-        """
-        conn = self.connection
-        with conn.transaction(), conn.cursor() as cur:
-            yield cur
-            self.assert_lock_held(conn)
-
-    def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
-        """Whether this run's lock session still holds the lock (checked from ``conn``)."""
-        return lock_is_held(conn or self.connection, self._lock)
-
-    def assert_lock_held(self, conn: psycopg.Connection | None = None) -> None:
-        """Raise :class:`LockLostError` if this run's lock session has ended."""
-        if not self.lock_is_held(conn):
-            raise LockLostError(
-                f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
-                f"this attempt (its session, backend pid {self._lock.backend_pid}, ended): "
-                "stopping before writing more. A rerun will pick the key up again."
-            )
-
-    def ledger(self, remote_system: str, **options: Any) -> OutboundLedger:
-        """An :class:`~airflow_idempotency.ledger.OutboundLedger` for this run."""
-        from airflow_idempotency.ledger import OutboundLedger
-
-        return OutboundLedger(self, remote_system, **options)
-
-    def bookkeeping_connection(self) -> AbstractContextManager[psycopg.Connection]:
-        """A new connection with search_path on the bookkeeping schema (for the ledger)."""
-        return _schema_connection(self._connect, self.schema)
-
-
-@contextlib.contextmanager
-def _schema_connection(connect: ConnectionFactory, schema: str) -> Iterator[psycopg.Connection]:
-    with connect() as conn:
-        conn.autocommit = True
-        use_schema(conn, schema)
-        yield conn
-
-
-def _describe_holder(conn: psycopg.Connection, lock_key: int) -> dict[str, Any]:
-    hi, lo = split_lock_key(lock_key)
+def _describe_holder(conn: psycopg.Connection, schema: str, lock_key: int) -> dict[str, Any]:
     with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            query("run_lock_holder"), {"lock_key": lock_key, "lock_hi": hi, "lock_lo": lo}
-        ).fetchone()
+        row = cur.execute(query("run_lock_holder", schema), {"lock_key": lock_key}).fetchone()
     if not row:
         return {}
     holder = {k: v for k, v in row.items() if not k.startswith("attempt_")}
@@ -288,7 +154,7 @@ def run_idempotently(
     connect: ConnectionFactory,
     job_name: str,
     run_key: str,
-    work: Callable[[RunContext], Mapping[str, Any] | None],
+    work: Work,
     options: RunOptions = _DEFAULT_OPTIONS,
     trigger: Trigger = _UNKNOWN_TRIGGER,
     schema: str = DEFAULT_SCHEMA,
@@ -296,215 +162,309 @@ def run_idempotently(
     logger: logging.Logger | None = None,
 ) -> RunResult:
     """Execute ``work`` at most once to completion for (job_name, run_key). See the module doc."""
-    check_text(job_name, "job name")
-    check_text(run_key, "run key")
-    lock_key = run_lock_key(job_name, run_key)
-    run_log = RunLogger(logger or log, job_name, run_key)
-    with contextlib.ExitStack() as stack:
-        lock_conn = stack.enter_context(connect())
-        lock_conn.autocommit = True
-        ensure_schema(lock_conn, schema)
-        lock, previous = open_lock_session(
-            lock_conn, lock_key, schema=schema, application_name=_application_name()
-        )
-        # Releases the lock and hands the session back with the settings it came with
-        # (a pooled connection must not keep search_path on the bookkeeping schema).
-        stack.callback(close_lock_session, lock_conn, lock_key, lock, previous)
-        if lock is None:
-            holder = _describe_holder(lock_conn, lock_key)
-            attempt_id = records.insert_attempt(
-                lock_conn,
-                job_name=job_name,
-                run_key=run_key,
-                lock_key=lock_key,
-                outcome="lock_held",
-                trigger=trigger,
-                lock=None,
-                force=options.force,
-                dry_run=options.dry_run,
-                details={"holder": json.loads(json.dumps(holder, default=str))},
-            )
-            message = (
-                f"job {job_name!r} run_key {run_key!r} is locked by another execution: "
-                f"{_format_holder(holder)}"
-            )
-            run_log.attempt = attempt_id
-            run_log.warning("%s", message)
-            raise RunLockedError(message, holder=holder)
-        crash_point("runner.after_lock")
-        return _run_locked(
-            lock_conn=lock_conn,
-            lock=lock,
-            connect=connect,
-            job_name=job_name,
-            run_key=run_key,
-            work=work,
-            options=options,
-            trigger=trigger,
-            schema=schema,
-            airflow_context=airflow_context,
-            run_log=run_log,
-        )
-    raise AssertionError("unreachable")  # pragma: no cover
+    return _Run(
+        connect=connect,
+        job_name=job_name,
+        run_key=run_key,
+        work=work,
+        options=options,
+        trigger=trigger,
+        schema=schema,
+        airflow_context=airflow_context,
+        logger=logger,
+    ).execute()
 
 
-def _run_locked(
-    *,
-    lock_conn: psycopg.Connection,
-    lock: RunLock,
-    connect: ConnectionFactory,
-    job_name: str,
-    run_key: str,
-    work: Callable[[RunContext], Mapping[str, Any] | None],
-    options: RunOptions,
-    trigger: Trigger,
-    schema: str,
-    airflow_context: Any,
-    run_log: RunLogger,
-) -> RunResult:
-    ids: dict[str, Any] = {"job_name": job_name, "run_key": run_key, "lock_key": lock.lock_key}
-    existing: RunRecord | None = records.get_run(lock_conn, job_name, run_key)
-    if existing is not None and existing.status == "completed" and not options.force:
-        attempt_id = records.insert_attempt(
-            lock_conn,
-            **ids,
+class _Run:
+    """One call of :func:`run_idempotently`; its methods are the steps of the module doc."""
+
+    def __init__(
+        self,
+        *,
+        connect: ConnectionFactory,
+        job_name: str,
+        run_key: str,
+        work: Work,
+        options: RunOptions,
+        trigger: Trigger,
+        schema: str,
+        airflow_context: Any,
+        logger: logging.Logger | None,
+    ) -> None:
+        self.job_name = check_text(job_name, "job name")
+        self.run_key = check_text(run_key, "run key")
+        self.schema = validate_schema_name(schema)
+        self.connect = connect
+        self.work = work
+        self.options = options
+        self.trigger = trigger
+        self.airflow_context = airflow_context
+        self.lock_key = run_lock_key(job_name, run_key)
+        self.log = RunLogger(logger or log, job_name, run_key)
+        self.attempt_id: int | None = None
+
+    @property
+    def _ids(self) -> dict[str, Any]:
+        return {"job_name": self.job_name, "run_key": self.run_key, "lock_key": self.lock_key}
+
+    def execute(self) -> RunResult:
+        with autocommit_connection(self.connect) as lock_conn:
+            ensure_schema(lock_conn, self.schema)
+            with hold_run_lock(
+                lock_conn, self.lock_key, schema=self.schema, application_name=_application_name()
+            ) as lock:
+                if lock is None:
+                    refusal = self._record_lock_held(lock_conn)
+                else:
+                    crash_point("runner.after_lock")
+                    existing = self._read(lock_conn)
+                    if existing and existing.status == "completed" and not self.options.force:
+                        return self._noop(lock_conn, lock, existing)
+                    return self._run(lock_conn, lock, existing)
+            raise refusal  # after the lock transaction committed the lock_held attempt
+
+    # -- 1. lock (when another session holds it) ------------------------------------------
+
+    def _record_lock_held(self, conn: psycopg.Connection) -> RunLockedError:
+        holder = _describe_holder(conn, self.schema, self.lock_key)
+        message = (
+            f"job {self.job_name!r} run_key {self.run_key!r} is locked by another execution: "
+            f"{_format_holder(holder)}"
+        )
+        self.log.attempt = records.insert_attempt(
+            conn,
+            self.schema,
+            **self._ids,
+            outcome="lock_held",
+            trigger=self.trigger,
+            lock=None,
+            force=self.options.force,
+            dry_run=self.options.dry_run,
+            error=message,
+            details={"holder": json.loads(json.dumps(holder, default=str))},
+            and_commit=True,
+        )
+        self.log.warning("%s", message)
+        return RunLockedError(message, holder=holder)
+
+    # -- 2. read ----------------------------------------------------------------------------
+
+    def _read(self, conn: psycopg.Connection) -> RunRecord | None:
+        """The key's ``job_runs`` row, read in a savepoint that is rolled back at once.
+
+        Rolling back the savepoint drops the table lock (AccessShareLock) the read took,
+        which would otherwise last as long as the lock transaction: a migration's ALTER
+        TABLE would wait behind every running job, and every query behind that migration.
+        One round trip for the three statements.
+        """
+        params = {"job_name": self.job_name, "run_key": self.run_key}
+        with conn.pipeline():
+            conn.execute("SAVEPOINT read_run")
+            cursor = conn.cursor(row_factory=dict_row).execute(
+                query("get_run", self.schema), params
+            )
+            conn.execute("ROLLBACK TO SAVEPOINT read_run")
+        return records.run_record(cursor.fetchone())
+
+    def _noop(self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord) -> RunResult:
+        completed_at = existing.completed_at.isoformat() if existing.completed_at else None
+        self.attempt_id = records.insert_attempt(
+            conn,
+            self.schema,
+            **self._ids,
             outcome="noop",
-            trigger=trigger,
+            trigger=self.trigger,
             lock=lock,
-            dry_run=options.dry_run,
-            details={
-                "completed_at": existing.completed_at.isoformat() if existing.completed_at else None
-            },
+            dry_run=self.options.dry_run,
+            details={"completed_at": completed_at},
+            and_commit=True,
         )
-        run_log.attempt = attempt_id
-        run_log.info(
+        self.log.attempt = self.attempt_id
+        self.log.info(
             "found existing completed run (completed %s by %s, %s attempt(s)): no-op. "
             "Set force=true in the run's conf to recompute it.",
             existing.completed_at,
             existing.triggered_by,
             existing.attempt_count,
         )
-        return RunResult(RunOutcome.NOOP, job_name, run_key, attempt_id, dict(existing.details))
+        return RunResult(
+            RunOutcome.NOOP, self.job_name, self.run_key, self.attempt_id, dict(existing.details)
+        )
 
-    if options.dry_run:
-        attempt_id = records.insert_attempt(
-            lock_conn,
-            **ids,
-            outcome="running",
-            trigger=trigger,
+    def _run(
+        self, lock_conn: psycopg.Connection, lock: RunLock, existing: RunRecord | None
+    ) -> RunResult:
+        try:
+            counts = self._start_and_work(lock_conn, lock, existing)
+        except BaseException as exc:
+            self._fail(lock_conn, exc)
+            raise
+        if self.options.dry_run:
+            assert self.attempt_id is not None
+            records.finish_attempt(
+                lock_conn, self.schema, self.attempt_id, "dry_run", details={"counts": counts}
+            )
+            self.log.info("dry run finished, rolled back: %s", counts)
+            return RunResult(
+                RunOutcome.DRY_RUN, self.job_name, self.run_key, self.attempt_id, counts
+            )
+        crash_point("runner.before_completion")
+        return self._complete(lock_conn, lock, counts)
+
+    # -- 3. start and 4. work ---------------------------------------------------------------
+
+    def _start_and_work(
+        self, lock_conn: psycopg.Connection, lock: RunLock, existing: RunRecord | None
+    ) -> dict[str, Any]:
+        """Record the attempt on a new work connection, then run the work with it."""
+        with contextlib.ExitStack() as stack:  # closes the connection, rolls back a dry run
+            conn = stack.enter_context(autocommit_connection(self.connect))
+            if conn is lock_conn:
+                raise ValueError(
+                    "connect() returned the lock connection again: it must open (or lend "
+                    "from a pool) a different connection on every call, since the lock "
+                    "transaction stays open on the first one for the whole run"
+                )
+            self._start(conn, lock, existing)
+            if self.options.dry_run:
+                # One outer transaction, rolled back at the end: every transaction() of the
+                # work becomes a savepoint inside it, so later steps still see earlier writes.
+                stack.enter_context(conn.transaction(force_rollback=True))
+            assert self.attempt_id is not None
+            ctx = RunContext(
+                job_name=self.job_name,
+                run_key=self.run_key,
+                attempt_id=self.attempt_id,
+                dry_run=self.options.dry_run,
+                force=self.options.force,
+                trigger=self.trigger,
+                schema=self.schema,
+                lock=lock,
+                connection=conn,
+                connect=self.connect,
+                logger=self.log,
+                airflow_context=self.airflow_context,
+            )
+            return _jsonable_counts(self.work(ctx))
+
+    def _start(self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord | None) -> None:
+        """Record this execution, committed at once (the lock transaction stays open)."""
+        if self.options.dry_run:
+            self.attempt_id = records.insert_attempt(
+                conn,
+                self.schema,
+                **self._ids,
+                outcome="running",
+                trigger=self.trigger,
+                lock=lock,
+                force=self.options.force,
+                dry_run=True,
+            )
+            self.log.attempt = self.attempt_id
+            self.log.info(
+                "dry run: work runs in a transaction that is rolled back; job_runs untouched"
+            )
+            return
+        self.attempt_id, count = records.start_attempt(
+            conn,
+            self.schema,
+            **self._ids,
+            trigger=self.trigger,
             lock=lock,
-            force=options.force,
-            dry_run=True,
+            force=self.options.force,
         )
-        run_log.attempt = attempt_id
-        run_log.info("dry run: work runs in a transaction that is rolled back; job_runs untouched")
-    else:
-        attempt_id, count = records.start_attempt(
-            lock_conn, **ids, trigger=trigger, lock=lock, force=options.force
-        )
-        run_log.attempt = attempt_id
+        self.log.attempt = self.attempt_id
         previous = existing.status if existing else "new"
-        run_log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
+        self.log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
         crash_point("runner.after_started")
 
-    try:
-        with (
-            contextlib.ExitStack() as work_stack
-        ):  # closes the work connection, rolls back a dry run
-            ctx = RunContext(
-                job_name=job_name,
-                run_key=run_key,
-                attempt_id=attempt_id,
-                options=options,
-                trigger=trigger,
-                schema=schema,
+    # -- 5. fenced completion ---------------------------------------------------------------
+
+    def _complete(
+        self, lock_conn: psycopg.Connection, lock: RunLock, counts: dict[str, Any]
+    ) -> RunResult:
+        """Mark the run completed in the lock transaction and commit: one instant for both."""
+        assert self.attempt_id is not None
+        try:
+            done = records.complete_attempt(
+                lock_conn,
+                self.schema,
+                job_name=self.job_name,
+                run_key=self.run_key,
+                attempt_id=self.attempt_id,
                 lock=lock,
-                connect=connect,
-                stack=work_stack,
-                logger=run_log,
-                airflow_context=airflow_context,
+                counts=counts,
+                and_commit=True,  # the completion and the lock's release, at one instant
             )
-            counts = _jsonable_counts(work(ctx))
-    except BaseException as exc:
-        _record_failure(lock_conn, connect, schema, ids, attempt_id, exc, options, run_log)
-        raise
-
-    if options.dry_run:
-        records.finish_attempt(lock_conn, attempt_id, "dry_run", details={"counts": counts})
-        run_log.info("dry run finished, rolled back: %s", counts)
-        return RunResult(RunOutcome.DRY_RUN, job_name, run_key, attempt_id, counts)
-
-    crash_point("runner.before_completion")
-    try:
-        done = records.complete_attempt(
-            lock_conn,
-            job_name=job_name,
-            run_key=run_key,
-            attempt_id=attempt_id,
-            lock=lock,
-            counts=counts,
-        )
-        if not done:
-            raise LockLostError(
-                f"job {job_name!r} run_key {run_key!r}: attempt {attempt_id} finished its work "
-                "but no longer owns the run or its lock, so it may not mark it completed. "
-                "Another attempt took over or the lock session ended; rerun to converge."
+            if not done:
+                raise LockLostError(
+                    f"job {self.job_name!r} run_key {self.run_key!r}: attempt {self.attempt_id} "
+                    "finished its work but no longer owns the run or its lock, so it may not "
+                    "mark it completed. Another attempt took over or the lock session ended; "
+                    "rerun to converge."
+                )
+        except (psycopg.OperationalError, LockLostError) as exc:
+            lost = (
+                exc
+                if isinstance(exc, LockLostError)
+                else LockLostError(
+                    f"job {self.job_name!r} run_key {self.run_key!r}: the lock connection was "
+                    f"lost before the completion could be recorded ({exc}); it is not marked "
+                    "completed and a rerun converges."
+                )
             )
-    except (psycopg.OperationalError, LockLostError) as exc:
-        lost = (
-            exc
-            if isinstance(exc, LockLostError)
-            else LockLostError(
-                f"job {job_name!r} run_key {run_key!r}: the lock connection was lost before the "
-                f"completion could be recorded ({exc}); it is not marked completed and a rerun "
-                "converges."
-            )
-        )
-        _record_failure(lock_conn, connect, schema, ids, attempt_id, lost, options, run_log)
-        raise lost from exc
-    run_log.info("completed: %s", counts)
-    return RunResult(RunOutcome.COMPLETED, job_name, run_key, attempt_id, counts)
+            self._fail(lock_conn, lost)
+            raise lost from exc
+        self.log.info("completed: %s", counts)
+        return RunResult(RunOutcome.COMPLETED, self.job_name, self.run_key, self.attempt_id, counts)
 
+    # -- 6. failure -------------------------------------------------------------------------
 
-def _record_failure(
-    lock_conn: psycopg.Connection,
-    connect: ConnectionFactory,
-    schema: str,
-    ids: Mapping[str, Any],
-    attempt_id: int,
-    exc: BaseException,
-    options: RunOptions,
-    run_log: RunLogger,
-) -> None:
-    """Mark the attempt (and, unless dry run, the run) failed; never mask ``exc``."""
-    outcome: AttemptOutcome = "lock_lost" if isinstance(exc, LockLostError) else "failed"
-    error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:4000]
-    run_log.error("%s: %s", outcome, error)
+    def _fail(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
+        """Mark the attempt (and, unless dry run, the run) failed; never mask ``exc``.
 
-    def write(conn: psycopg.Connection) -> None:
-        with conn.transaction():
-            records.finish_attempt(conn, attempt_id, outcome, error=error)
-            if not options.dry_run:
+        Written in the lock transaction, which then commits: the failure is recorded and
+        the lock released at one instant. When the lock session is gone, it is written from
+        a fresh session instead; mark_failed only touches the run if this attempt still
+        owns it, so a successor is never overwritten.
+        """
+        if self.attempt_id is None:
+            return  # nothing was recorded yet (the start itself failed)
+        attempt_id = self.attempt_id
+        outcome: AttemptOutcome = "lock_lost" if isinstance(exc, LockLostError) else "failed"
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:4000]
+        self.log.error("%s: %s", outcome, error)
+
+        def write(conn: psycopg.Connection) -> None:
+            records.finish_attempt(conn, self.schema, attempt_id, outcome, error=error)
+            if not self.options.dry_run:
                 records.mark_failed(
                     conn,
-                    job_name=ids["job_name"],
-                    run_key=ids["run_key"],
+                    self.schema,
+                    job_name=self.job_name,
+                    run_key=self.run_key,
                     attempt_id=attempt_id,
                     error=error,
                 )
 
-    if not (lock_conn.closed or lock_conn.broken):
+        if not (lock_conn.closed or lock_conn.broken):
+            try:
+                if lock_conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+                    write(lock_conn)
+                    lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
+                else:  # the lock transaction already ended (a completion that found no row)
+                    with lock_conn.transaction():
+                        write(lock_conn)
+                return
+            except psycopg.Error:
+                # Terminated server-side (psycopg only learns it from a failed statement),
+                # or the lock transaction is aborted: give it up, write from a fresh one.
+                with contextlib.suppress(psycopg.Error):
+                    lock_conn.execute("ROLLBACK")
         try:
-            write(lock_conn)
-            return
-        except psycopg.OperationalError:
-            pass  # terminated server-side: psycopg only learns it from a failed statement
-    # The lock session is gone; record the failure from a fresh session. mark_failed only
-    # touches the run if this attempt still owns it, so a successor is never overwritten.
-    try:
-        with _schema_connection(connect, schema) as conn:
-            write(conn)
-    except (psycopg.Error, IdempotencyError) as record_exc:
-        run_log.warning(
-            "could not record the failure (%s); job_runs may still say started", record_exc
-        )
+            with autocommit_connection(self.connect) as conn, conn.transaction():
+                write(conn)
+        except (psycopg.Error, IdempotencyError) as record_exc:
+            self.log.warning(
+                "could not record the failure (%s); job_runs may still say started", record_exc
+            )

@@ -9,7 +9,6 @@ workers queue behind the first one and then find nothing left to do.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import re
 import threading
 
@@ -18,13 +17,10 @@ from psycopg import sql
 
 from airflow_idempotency._sql import latest_migration, migrations
 from airflow_idempotency.exceptions import InvalidInputError, SchemaError
+from airflow_idempotency.locks import migration_lock_key
 
 DEFAULT_SCHEMA = "idempotency"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-
-# Namespace of the migration lock (the key is derived from the schema name, see
-# _migration_lock_key) kept apart from run locks, which hash (job, run key).
-_MIGRATION_LOCK_SALT = b"airflow_idempotency.schema_migration\x00"
 
 _migrated: set[tuple[tuple[bytes | None, ...], str]] = set()
 _migrated_guard = threading.Lock()
@@ -43,25 +39,6 @@ def validate_schema_name(schema: str) -> str:
             "(at most 63 characters, not starting with a digit), for example 'idempotency'"
         )
     return schema
-
-
-def _migration_lock_key(schema: str) -> int:
-    digest = hashlib.sha256(_MIGRATION_LOCK_SALT + schema.encode()).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
-
-
-def use_schema(conn: psycopg.Connection, schema: str, application_name: str | None = None) -> None:
-    """Point the session's search_path at ``schema`` (pg_catalog stays first, implicitly).
-
-    ``application_name``, if given, is set in the same round trip: it is what
-    ``pg_stat_activity`` shows for the session (Postgres keeps 63 bytes of it).
-    """
-    conn.execute(
-        "SELECT set_config('search_path', quote_ident(%(schema)s), false),"
-        " set_config('application_name',"
-        "            coalesce(%(app)s, current_setting('application_name')), false)",
-        {"schema": validate_schema_name(schema), "app": application_name},
-    )
 
 
 def current_version(conn: psycopg.Connection, schema: str) -> int:
@@ -104,7 +81,7 @@ def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int
             _migrated.add(cache_key)
         return target
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%(key)s)", {"key": _migration_lock_key(schema)})
+        conn.execute("SELECT pg_advisory_xact_lock(%(key)s)", {"key": migration_lock_key(schema)})
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
         conn.execute(
             sql.SQL(

@@ -1,39 +1,36 @@
 -- Every statement this provider runs, by name. Loaded once by _sql.py.
--- Named parameters only: nothing here is ever built by string formatting.
+-- Named parameters only: nothing here is ever built by string formatting. {schema} is the
+-- bookkeeping schema, a validated identifier quoted by psycopg.sql when the file is loaded:
+-- every name is qualified, so no statement depends on a session's search_path (a pooled
+-- server connection may carry another client's, see the README's "Deploying").
+-- Times are statement_timestamp(), never now(): some statements run in the lock
+-- transaction, which began when the run did, and now() is the start of the transaction.
 
--- name: try_lock
-SELECT pg_try_advisory_lock(%(lock_key)s) AS acquired, pg_backend_pid() AS backend_pid;
-
--- name: unlock
-SELECT pg_advisory_unlock(%(lock_key)s) AS released;
-
--- name: open_lock_session
--- One round trip at the start of a run: try the run lock, point the session's search_path
--- at the bookkeeping schema and name the session in pg_stat_activity. Returns the settings
--- it replaced (read first: the MATERIALIZED CTE is scanned before the SELECT list runs), so
--- close_lock_session can hand a pooled connection back as it came.
-WITH previous AS MATERIALIZED (
-    SELECT current_setting('search_path') AS search_path,
-           current_setting('application_name') AS application_name
+-- name: acquire_run_lock
+-- The first statement of the lock transaction (locks.hold_run_lock), sent with its BEGIN in
+-- one round trip. It tries the run lock for the length of this transaction, names the
+-- session in pg_stat_activity, and lifts idle_in_transaction_session_timeout for this
+-- transaction only (SET LOCAL: nothing outlives it on a pooled server connection).
+-- already_held is read first (the MATERIALIZED CTE is scanned before the SELECT list runs):
+-- a session that already holds the key before this transaction tried it is shared with
+-- another client (a session-level lock left on a pooled server connection), and taking the
+-- lock "again" there would succeed without excluding anyone.
+WITH before AS MATERIALIZED (
+    SELECT EXISTS (
+        SELECT 1 FROM {schema}.held_run_locks() AS h
+        WHERE h.lock_key = %(lock_key)s AND h.pid = pg_backend_pid()
+    ) AS already_held
 )
-SELECT pg_try_advisory_lock(%(lock_key)s) AS acquired,
+SELECT before.already_held,
+       pg_try_advisory_xact_lock(%(lock_key)s) AS acquired,
        pg_backend_pid() AS backend_pid,
-       previous.search_path,
-       previous.application_name,
-       set_config('search_path', quote_ident(%(schema)s), false) AS run_search_path,
-       set_config('application_name', %(application_name)s, false) AS run_application_name
-FROM previous;
-
--- name: close_lock_session
--- Release the run lock (when this session took it) and restore the session's settings.
-SELECT CASE WHEN %(acquired)s THEN pg_advisory_unlock(%(lock_key)s) END AS released,
-       set_config('search_path', %(search_path)s, false) AS search_path,
-       set_config('application_name', %(application_name)s, false) AS application_name;
+       set_config('application_name', %(application_name)s, true) AS application_name,
+       set_config('idle_in_transaction_session_timeout', '0', true) AS idle_timeout
+FROM before;
 
 -- name: run_lock_holder
 -- Who holds a run lock, in one round trip: the session (from pg_stat_activity) and the
--- attempt it runs, as recorded by that attempt itself (host and pid of the worker). Postgres
--- shows a bigint advisory key as classid (high 32 bits), objid (low 32 bits), objsubid = 1.
+-- attempt it runs, as recorded by that attempt itself (host and pid of the worker).
 SELECT a.pid,
        a.application_name,
        host(a.client_addr) AS client_addr,
@@ -52,44 +49,33 @@ SELECT a.pid,
        att.task_id AS attempt_task_id,
        att.try_number AS attempt_try_number,
        att.triggered_by AS attempt_triggered_by
-FROM pg_locks AS l
-JOIN pg_stat_activity AS a ON a.pid = l.pid
+FROM {schema}.held_run_locks() AS h
+JOIN pg_stat_activity AS a ON a.pid = h.pid
 LEFT JOIN LATERAL (
     SELECT attempt_id, hostname, pid, started_at, dag_id, run_id, task_id, try_number,
            triggered_by
-    FROM job_run_attempts
+    FROM {schema}.job_run_attempts
     WHERE lock_key = %(lock_key)s AND lock_backend_pid = a.pid AND outcome = 'running'
     ORDER BY attempt_id DESC
     LIMIT 1
 ) AS att ON true
-WHERE l.locktype = 'advisory'
-  AND l.granted
-  AND l.objsubid = 1
-  AND l.classid::bigint = %(lock_hi)s
-  AND l.objid::bigint = %(lock_lo)s
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database());
+WHERE h.lock_key = %(lock_key)s;
 
 -- name: lock_is_held_by
--- Fencing check: is the lock still held by the backend that took it for this attempt?
+-- Fencing check, from any session: does the backend that took the lock still hold it?
 SELECT EXISTS (
-    SELECT 1
-    FROM pg_locks
-    WHERE locktype = 'advisory'
-      AND granted
-      AND objsubid = 1
-      AND pid = %(lock_backend_pid)s
-      AND classid::bigint = %(lock_hi)s
-      AND objid::bigint = %(lock_lo)s
+    SELECT 1 FROM {schema}.held_run_locks() AS h
+    WHERE h.lock_key = %(lock_key)s AND h.pid = %(lock_backend_pid)s
 ) AS held;
 
 -- name: get_run
 SELECT job_name, run_key, status, triggered_by, triggering_user, dag_id, run_id, task_id,
        attempt_count, current_attempt_id, started_at, completed_at, updated_at, details
-FROM job_runs
+FROM {schema}.job_runs
 WHERE job_name = %(job_name)s AND run_key = %(run_key)s;
 
 -- name: insert_attempt
-INSERT INTO job_run_attempts (
+INSERT INTO {schema}.job_run_attempts (
     job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
     dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
     force, dry_run, finished_at, error, details
@@ -97,14 +83,14 @@ INSERT INTO job_run_attempts (
     %(job_name)s, %(run_key)s, %(lock_key)s, %(outcome)s, %(triggered_by)s, %(triggering_user)s,
     %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s, %(map_index)s, %(hostname)s, %(pid)s,
     %(lock_backend_pid)s, %(force)s, %(dry_run)s,
-    CASE WHEN %(outcome)s = 'running' THEN NULL ELSE now() END,
+    CASE WHEN %(outcome)s = 'running' THEN NULL ELSE statement_timestamp() END,
     %(error)s, %(details)s
 )
 RETURNING attempt_id;
 
 -- name: finish_attempt
-UPDATE job_run_attempts
-SET outcome = %(outcome)s, finished_at = now(), error = %(error)s, details = details || %(details)s
+UPDATE {schema}.job_run_attempts
+SET outcome = %(outcome)s, finished_at = statement_timestamp(), error = %(error)s, details = details || %(details)s
 WHERE attempt_id = %(attempt_id)s;
 
 -- name: start_attempt
@@ -114,32 +100,32 @@ WHERE attempt_id = %(attempt_id)s;
 -- running died without finishing (a killed worker): close it. (The UPDATE does not see the
 -- row inserted by the same statement.)
 WITH attempt AS (
-    INSERT INTO job_run_attempts (
+    INSERT INTO {schema}.job_run_attempts (
         job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
         dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
         force, dry_run, details
     ) VALUES (
         %(job_name)s, %(run_key)s, %(lock_key)s, 'running', %(triggered_by)s,
         %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s,
-        %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false, '{}'
+        %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false, DEFAULT
     )
     RETURNING attempt_id
 ),
 abandoned AS (
-    UPDATE job_run_attempts
-    SET outcome = 'lock_lost', finished_at = now(),
+    UPDATE {schema}.job_run_attempts
+    SET outcome = 'lock_lost', finished_at = statement_timestamp(),
         error = 'abandoned: the worker ended without finishing; taken over by attempt '
                 || (SELECT attempt_id FROM attempt)::text
     WHERE job_name = %(job_name)s AND run_key = %(run_key)s AND outcome = 'running'
 ),
 run AS (
-    INSERT INTO job_runs (
+    INSERT INTO {schema}.job_runs (
         job_name, run_key, lock_key, status, triggered_by, triggering_user, dag_id, run_id,
         task_id, attempt_count, current_attempt_id, started_at, updated_at
     )
     SELECT %(job_name)s, %(run_key)s, %(lock_key)s, 'started', %(triggered_by)s,
            %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, 1, attempt.attempt_id,
-           now(), now()
+           statement_timestamp(), statement_timestamp()
     FROM attempt
     ON CONFLICT (job_name, run_key) DO UPDATE
     SET status = 'started',
@@ -150,46 +136,47 @@ run AS (
         task_id = EXCLUDED.task_id,
         attempt_count = job_runs.attempt_count + 1,
         current_attempt_id = EXCLUDED.current_attempt_id,
-        started_at = now(),
+        started_at = statement_timestamp(),
         completed_at = NULL,
-        updated_at = now()
+        updated_at = statement_timestamp()
     RETURNING attempt_count
 )
 SELECT attempt.attempt_id, run.attempt_count
 FROM attempt, run;
 
 -- name: complete_attempt
--- Fenced, one statement, one commit: mark the run completed only for the attempt that owns
--- it, and only while this very session still holds the lock (the statement runs on the lock
--- connection, so pg_backend_pid() is the holder); close the attempt in the same statement.
--- No row back means the attempt no longer owns the run or its lock, and nothing changed.
+-- Fenced, one statement: mark the run completed only for the attempt that owns it, and only
+-- while this very session holds the lock; close the attempt in the same statement. It runs
+-- in the lock transaction, whose COMMIT then records the completion and releases the lock
+-- at the same instant. No row back means the attempt no longer owns the run or its lock,
+-- and nothing changed.
 WITH run AS (
-    UPDATE job_runs
-    SET status = 'completed', completed_at = now(), updated_at = now(),
+    UPDATE {schema}.job_runs
+    SET status = 'completed', completed_at = statement_timestamp(), updated_at = statement_timestamp(),
         details = details || %(details)s
     WHERE job_name = %(job_name)s
       AND run_key = %(run_key)s
       AND current_attempt_id = %(attempt_id)s
       AND status = 'started'
+      -- this statement runs on the lock's own backend, and that backend holds the lock
+      AND pg_backend_pid() = %(lock_backend_pid)s
       AND EXISTS (
-          SELECT 1 FROM pg_locks
-          WHERE locktype = 'advisory' AND granted AND objsubid = 1
-            AND pid = pg_backend_pid()
-            AND classid::bigint = %(lock_hi)s AND objid::bigint = %(lock_lo)s
+          SELECT 1 FROM {schema}.held_run_locks() AS h
+          WHERE h.lock_key = %(lock_key)s AND h.pid = %(lock_backend_pid)s
       )
     RETURNING completed_at
 ),
 attempt AS (
-    UPDATE job_run_attempts
-    SET outcome = 'completed', finished_at = now(), error = NULL,
+    UPDATE {schema}.job_run_attempts
+    SET outcome = 'completed', finished_at = statement_timestamp(), error = NULL,
         details = details || jsonb_build_object('counts', %(details)s)
     WHERE attempt_id = %(attempt_id)s AND EXISTS (SELECT 1 FROM run)
 )
 SELECT completed_at FROM run;
 
 -- name: mark_failed
-UPDATE job_runs
-SET status = 'failed', updated_at = now(),
+UPDATE {schema}.job_runs
+SET status = 'failed', updated_at = statement_timestamp(),
     details = details || jsonb_build_object('last_error', %(error)s::text)
 WHERE job_name = %(job_name)s
   AND run_key = %(run_key)s
@@ -218,13 +205,13 @@ WITH known AS (
     FROM unnest(%(keys)b::text[], %(fingerprints)b::text[]) AS i(idempotency_key, request_fingerprint)
     LEFT JOIN LATERAL (
         SELECT o.status, o.request_fingerprint
-        FROM outbound_ledger AS o
+        FROM {schema}.outbound_ledger AS o
         WHERE o.remote_system = %(remote_system)s AND o.idempotency_key = i.idempotency_key
         LIMIT 1
     ) AS l ON true
 ),
 inserted AS (
-    INSERT INTO outbound_ledger (
+    INSERT INTO {schema}.outbound_ledger (
         remote_system, idempotency_key, job_name, run_key, request_fingerprint, last_attempt_id
     )
     SELECT %(remote_system)s, k.idempotency_key, %(job_name)s, %(run_key)s,
@@ -244,7 +231,7 @@ SELECT i.idempotency_key, l.status, l.request_fingerprint
 FROM unnest(%(keys)b::text[], %(fingerprints)b::text[]) AS i(idempotency_key, request_fingerprint)
 LEFT JOIN LATERAL (
     SELECT o.status, o.request_fingerprint
-    FROM outbound_ledger AS o
+    FROM {schema}.outbound_ledger AS o
     WHERE o.remote_system = %(remote_system)s AND o.idempotency_key = i.idempotency_key
     LIMIT 1
 ) AS l ON true
@@ -255,7 +242,7 @@ WHERE l.status IS DISTINCT FROM 'succeeded'
 -- One statement for a whole batch of call outcomes. A confirmation is always recorded
 -- (it is a fact about the remote, whoever holds the lock); a row already succeeded is
 -- never moved back to pending or failed.
-UPDATE outbound_ledger AS l
+UPDATE {schema}.outbound_ledger AS l
 SET status = CASE WHEN l.status = 'succeeded' THEN 'succeeded' ELSE o.status END,
     remote_reference = coalesce(o.remote_reference, l.remote_reference),
     call_count = l.call_count + o.calls,
@@ -265,8 +252,8 @@ SET status = CASE WHEN l.status = 'succeeded' THEN 'succeeded' ELSE o.status END
                       ELSE o.error END,
     last_attempt_id = CASE WHEN l.status = 'succeeded' AND o.status <> 'succeeded'
                            THEN l.last_attempt_id ELSE %(attempt_id)s END,
-    updated_at = now(),
-    confirmed_at = CASE WHEN o.status = 'succeeded' AND l.confirmed_at IS NULL THEN now()
+    updated_at = statement_timestamp(),
+    confirmed_at = CASE WHEN o.status = 'succeeded' AND l.confirmed_at IS NULL THEN statement_timestamp()
                         ELSE l.confirmed_at END
 FROM unnest(
     %(keys)s::text[], %(statuses)s::text[], %(references)s::text[], %(errors)s::text[],
@@ -277,7 +264,7 @@ WHERE l.remote_system = %(remote_system)s AND l.idempotency_key = o.idempotency_
 
 -- name: ledger_rows_for_run
 SELECT idempotency_key, status, request_fingerprint, remote_reference, call_count, last_error
-FROM outbound_ledger
+FROM {schema}.outbound_ledger
 WHERE job_name = %(job_name)s AND run_key = %(run_key)s AND remote_system = %(remote_system)s
 ORDER BY idempotency_key;
 
@@ -285,7 +272,7 @@ ORDER BY idempotency_key;
 -- Filters are optional: a NULL parameter matches everything.
 SELECT job_name, run_key, status, triggered_by, triggering_user, dag_id, run_id,
        attempt_count, started_at, completed_at, updated_at, details
-FROM job_runs
+FROM {schema}.job_runs
 WHERE (%(job)s::text IS NULL OR job_name = %(job)s)
   AND (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(from_key)s::text IS NULL OR run_key >= %(from_key)s)
@@ -296,7 +283,7 @@ LIMIT %(limit)s;
 -- name: cli_attempts
 SELECT attempt_id, outcome, triggered_by, triggering_user, dag_id, run_id, task_id, try_number,
        hostname, pid, force, dry_run, started_at, finished_at, error, details
-FROM job_run_attempts
+FROM {schema}.job_run_attempts
 WHERE job_name = %(job)s AND run_key = %(run_key)s
 ORDER BY attempt_id;
 
@@ -306,26 +293,22 @@ SELECT r.job_name, r.run_key, r.status, a.pid AS backend_pid, a.application_name
        coalesce(a.client_hostname, host(a.client_addr), 'local socket') AS client,
        a.backend_start, att.hostname AS worker_host, att.pid AS worker_pid,
        att.started_at AS attempt_started_at, att.dag_id, att.run_id
-FROM pg_locks AS l
-JOIN pg_stat_activity AS a ON a.pid = l.pid
-LEFT JOIN job_runs AS r
-    ON ((r.lock_key >> 32) & 4294967295) = l.classid::bigint
-   AND (r.lock_key & 4294967295) = l.objid::bigint
+FROM {schema}.held_run_locks() AS h
+JOIN pg_stat_activity AS a ON a.pid = h.pid
+LEFT JOIN {schema}.job_runs AS r ON r.lock_key = h.lock_key
 LEFT JOIN LATERAL (
     SELECT hostname, pid, started_at, dag_id, run_id
-    FROM job_run_attempts
-    WHERE lock_backend_pid = a.pid AND outcome = 'running' AND lock_key = r.lock_key
+    FROM {schema}.job_run_attempts
+    WHERE lock_backend_pid = a.pid AND outcome = 'running' AND lock_key = h.lock_key
     ORDER BY attempt_id DESC
     LIMIT 1
 ) AS att ON true
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ORDER BY a.backend_start;
 
 -- name: cli_ledger_summary
 SELECT job_name, run_key, remote_system, status, count(*) AS effects,
        max(updated_at) AS last_update
-FROM outbound_ledger
+FROM {schema}.outbound_ledger
 WHERE (%(job)s::text IS NULL OR job_name = %(job)s)
   AND (%(run_key)s::text IS NULL OR run_key = %(run_key)s)
   AND (%(all)s OR status <> 'succeeded')
@@ -334,7 +317,7 @@ ORDER BY run_key DESC, job_name, status;
 
 -- name: cli_ledger_problems
 SELECT job_name, run_key, remote_system, idempotency_key, status, call_count, last_error, updated_at
-FROM outbound_ledger
+FROM {schema}.outbound_ledger
 WHERE status <> 'succeeded'
   AND (%(job)s::text IS NULL OR job_name = %(job)s)
   AND (%(run_key)s::text IS NULL OR run_key = %(run_key)s)
@@ -343,15 +326,15 @@ LIMIT %(limit)s;
 
 -- name: reset_run
 -- Only failed or started (stuck) runs: a completed run is recomputed with force instead.
-UPDATE job_runs
-SET status = 'failed', updated_at = now(), current_attempt_id = %(attempt_id)s,
+UPDATE {schema}.job_runs
+SET status = 'failed', updated_at = statement_timestamp(), current_attempt_id = %(attempt_id)s,
     details = details || jsonb_build_object('reset_reason', %(reason)s::text,
-                                            'reset_at', now(), 'reset_from', status)
+                                            'reset_at', statement_timestamp(), 'reset_from', status)
 WHERE job_name = %(job)s AND run_key = %(run_key)s AND status IN ('failed', 'started')
 RETURNING status;
 
 -- name: cli_attempts_since
 SELECT job_name, outcome, error
-FROM job_run_attempts
+FROM {schema}.job_run_attempts
 WHERE run_key = %(run_key)s AND dag_id = %(dag_id)s AND started_at >= %(since)s
 ORDER BY attempt_id;
