@@ -43,6 +43,23 @@ ON_LOCKED_ENV = "AIRFLOW_IDEMPOTENCY_ON_LOCKED"
 """Overrides the operator's ``on_locked`` policy in one process (the CLI's ``run`` sets
 ``fail``, so that a locked key exits 75 at once instead of rescheduling)."""
 
+DEAD_PEER_DEFAULTS: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 4,
+    "tcp_user_timeout": 30_000,  # milliseconds
+}
+"""libpq's TCP keepalive and user-timeout settings for the job database's connections.
+
+A worker cut off from Postgres by the network would otherwise keep its run lock until the
+server notices the dead peer, over two hours with Linux's defaults. With these, both ends
+give up on a silent peer after about ``keepalives_idle + keepalives_interval *
+keepalives_count`` = 30 s (an idle link) or ``tcp_user_timeout`` = 30 s (data sent and not
+acknowledged). The hook sets them unless the Airflow connection's extra does; the lock
+transaction sets the same values on the server's side of its session (SET LOCAL).
+"""
+
 _MIGRATION_PREFIX = b"airflow_idempotency.schema_migration\x00"
 _NAMED_PREFIX = b"airflow_idempotency.named\x00"
 
@@ -115,7 +132,11 @@ def hold_run_lock(
     """
     if not conn.autocommit or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         raise ValueError("hold_run_lock needs an idle connection in autocommit mode")
-    params = {"lock_key": lock_key, "application_name": application_name}
+    params = {
+        "lock_key": lock_key,
+        "application_name": application_name,
+        **server_keepalive_settings(conn),
+    }
     try:
         with conn.pipeline():  # BEGIN and the lock statement in one round trip
             conn.execute("BEGIN")
@@ -148,6 +169,22 @@ def hold_run_lock(
         _end(conn, "ROLLBACK")
         raise
     _end(conn, "COMMIT")
+
+
+def server_keepalive_settings(conn: psycopg.Connection) -> dict[str, str]:
+    """The server-side TCP settings of the lock transaction: the client's own libpq values
+    (from the Airflow connection), else :data:`DEAD_PEER_DEFAULTS`; seconds, and ms for
+    ``tcp_user_timeout``."""
+    given = conn.info.get_parameters()
+    return {
+        name: str(given.get(name) or DEAD_PEER_DEFAULTS[name])
+        for name in (
+            "keepalives_idle",
+            "keepalives_interval",
+            "keepalives_count",
+            "tcp_user_timeout",
+        )
+    }
 
 
 def _end(conn: psycopg.Connection, statement: str) -> None:

@@ -9,8 +9,11 @@
 -- name: acquire_run_lock
 -- The first statement of the lock transaction (locks.hold_run_lock), sent with its BEGIN in
 -- one round trip. It tries the run lock for the length of this transaction, names the
--- session in pg_stat_activity, and lifts idle_in_transaction_session_timeout for this
--- transaction only (SET LOCAL: nothing outlives it on a pooled server connection).
+-- session in pg_stat_activity, lifts idle_in_transaction_session_timeout, and sets the
+-- server side's TCP keepalives and user timeout so that the server drops a worker cut off
+-- by the network (and so its lock) within a bounded time, not Linux's two hours. Every
+-- setting is transaction-local (SET LOCAL): nothing outlives it on a pooled server
+-- connection. (On a unix socket the TCP settings do nothing.)
 -- already_held is read first (the MATERIALIZED CTE is scanned before the SELECT list runs):
 -- a session that already holds the key before this transaction tried it is shared with
 -- another client (a session-level lock left on a pooled server connection), and taking the
@@ -25,7 +28,11 @@ SELECT before.already_held,
        pg_try_advisory_xact_lock(%(lock_key)s) AS acquired,
        pg_backend_pid() AS backend_pid,
        set_config('application_name', %(application_name)s, true) AS application_name,
-       set_config('idle_in_transaction_session_timeout', '0', true) AS idle_timeout
+       set_config('idle_in_transaction_session_timeout', '0', true) AS idle_timeout,
+       set_config('tcp_keepalives_idle', %(keepalives_idle)s, true) AS keepalives_idle,
+       set_config('tcp_keepalives_interval', %(keepalives_interval)s, true) AS keepalives_interval,
+       set_config('tcp_keepalives_count', %(keepalives_count)s, true) AS keepalives_count,
+       set_config('tcp_user_timeout', %(tcp_user_timeout)s, true) AS tcp_user_timeout
 FROM before;
 
 -- name: run_lock_holder
