@@ -2,8 +2,8 @@
 """One entry point for a fresh clone: `python3 dev.py demo` and `python3 dev.py test`.
 
 Needs only Python 3.10-3.12 (3.11 recommended) and git. Each command first makes sure the
-project's virtual environment exists and matches requirements/lock.txt (creating .venv,
-installing uv into it, syncing the locked packages, installing this checkout), then runs:
+project's virtual environment exists and matches its lock (creating it, installing uv
+into it, syncing the locked packages, installing this checkout), then runs:
 
     python3 dev.py setup            only the set-up
     python3 dev.py test [ARGS]      the whole test suite (pytest ARGS)
@@ -12,6 +12,10 @@ installing uv into it, syncing the locked packages, installing this checkout), t
     python3 dev.py cli ARGS         the airflow-idempotency CLI
     python3 dev.py bench [ARGS]     the benchmarks (figures and ratios, BENCHMARKS.md)
     python3 dev.py faults [ARGS]    the fault scenarios and their report (FAULTS.md)
+
+Airflow: 3.x by default (.venv/, requirements/lock.txt). `--airflow 2` right after the
+command uses Airflow 2.11 instead (.venv-airflow2/, requirements/lock-airflow2.txt), e.g.
+`python3 dev.py test --airflow 2` or `python3 dev.py setup --airflow 2`.
 
 PostgreSQL: IDEMPOTENCY_PG_DSN if set, else a server on 127.0.0.1:5432, else an embedded
 server started from the `pgserver` wheel (data in .pgdata/). IDEMPOTENCY_PG=embedded
@@ -28,13 +32,26 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-VENV = ROOT / ".venv"
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-PYTHON = BIN / "python"
-LOCK = ROOT / "requirements" / "lock.txt"
-STAMP = VENV / ".installed-lock-sha256"
-# Bumped when the way packages are installed changes, so that existing .venv/s are redone.
+# Bumped when the way packages are installed changes, so that existing venvs are redone.
 SETUP_REVISION = b"3: the accounting service is its own distribution"
+
+
+class Line:
+    """One Airflow line: its virtual environment and its lock file."""
+
+    def __init__(self, name: str, venv_dir: str, lock: str) -> None:
+        self.name = name
+        self.venv = ROOT / venv_dir
+        self.bin = self.venv / ("Scripts" if os.name == "nt" else "bin")
+        self.python = self.bin / "python"
+        self.lock = ROOT / "requirements" / lock
+        self.stamp = self.venv / ".installed-lock-sha256"
+
+
+LINES = {
+    "3": Line("Airflow 3", ".venv", "lock.txt"),
+    "2": Line("Airflow 2.11", ".venv-airflow2", "lock-airflow2.txt"),
+}
 
 
 def say(message: str) -> None:
@@ -53,8 +70,8 @@ def run(cmd: list[str], what: str, fix: str) -> None:
         fail(f"{what} ({' '.join(cmd[:4])} ... exited {result.returncode}):\n{tail}", fix)
 
 
-def setup() -> None:
-    """Create or refresh .venv so that it holds exactly the locked packages."""
+def setup(line: Line) -> None:
+    """Create or refresh the line's venv so that it holds exactly its locked packages."""
     if not (3, 10) <= sys.version_info[:2] <= (3, 12):
         fail(
             f"Python {sys.version.split()[0]} is not supported (Airflow 3 and the embedded "
@@ -63,59 +80,71 @@ def setup() -> None:
         )
     digest = hashlib.sha256(
         SETUP_REVISION
-        + LOCK.read_bytes()
+        + line.lock.read_bytes()
         + (ROOT / "pyproject.toml").read_bytes()
         + (ROOT / "accounting" / "pyproject.toml").read_bytes()
     ).hexdigest()
-    if PYTHON.exists() and STAMP.exists() and STAMP.read_text().strip() == digest:
+    if line.python.exists() and line.stamp.exists() and line.stamp.read_text().strip() == digest:
         return
-    if not PYTHON.exists():
-        say(f"creating the virtual environment {VENV.relative_to(ROOT)}/ ...")
+    if not line.python.exists():
+        say(f"creating the virtual environment {line.venv.relative_to(ROOT)}/ ({line.name}) ...")
         try:
-            venv.EnvBuilder(with_pip=True, clear=VENV.exists()).create(VENV)
+            venv.EnvBuilder(with_pip=True, clear=line.venv.exists()).create(line.venv)
         except Exception as exc:
             fail(
-                f"could not create {VENV}: {exc}",
+                f"could not create {line.venv}: {exc}",
                 "install your Python's venv module (Debian: apt-get install python3-venv)",
             )
     say("installing uv (the package installer) ...")
     run(
-        [str(PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "uv>=0.4"],
+        [
+            str(line.python),
+            *("-m", "pip", "install", "--quiet", "--disable-pip-version-check", "uv>=0.4"),
+        ],
         "pip could not install uv",
         "check that PyPI is reachable (proxy settings, PIP_INDEX_URL)",
     )
     packages = sum(
-        1 for line in LOCK.read_text().splitlines() if "==" in line and not line.startswith("#")
+        1
+        for text in line.lock.read_text().splitlines()
+        if "==" in text and not text.startswith("#")
     )
-    say(f"installing {packages} locked packages from {LOCK.relative_to(ROOT)} (a minute or so) ...")
-    uv = [str(BIN / "uv"), "pip"]
-    env_python = ["--python", str(PYTHON)]
+    lock_name = line.lock.relative_to(ROOT)
+    say(f"installing {packages} locked packages from {lock_name} (a minute or so) ...")
+    uv = [str(line.bin / "uv"), "pip"]
+    env_python = ["--python", str(line.python)]
     # --compile-bytecode: uv does not write .pyc files by default, and where
     # PYTHONDONTWRITEBYTECODE is set (as on our CI machines) no process ever would, so every
     # Airflow process would compile thousands of modules again (psycopg: 260 ms -> 70 ms).
     run(
-        [*uv, "sync", *env_python, "--compile-bytecode", str(LOCK)],
+        [*uv, "sync", *env_python, "--compile-bytecode", str(line.lock)],
         "installing the locked packages failed",
         "check network access to PyPI; delete .venv/ and try again",
     )
-    say("installing this checkout (editable: the provider and the example's accounting service) ...")
+    say(
+        "installing this checkout (editable: the provider and the example's accounting service) ..."
+    )
     run(
         [*uv, "install", *env_python, "--no-deps", "-e", ".", "-e", "accounting"],
         "installing the project failed",
         "delete .venv/ and try again",
     )
-    STAMP.write_text(digest)
-    say("environment ready")
+    line.stamp.write_text(digest)
+    say(f"environment ready ({line.name})")
 
 
-def exec_in_venv(args: list[str]) -> None:
+def exec_in_venv(line: Line, args: list[str]) -> None:
     env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{line.bin}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), str(ROOT / "dags"), env.get("PYTHONPATH")) if p
     )
+    # Tests that need the other line's environment (a worker of each, side by side) find it
+    # here; it exists once `python3 dev.py setup --airflow 2` has run.
+    env.setdefault("IDEMPOTENCY_AIRFLOW2_PYTHON", str(LINES["2"].python))
+    env.setdefault("IDEMPOTENCY_AIRFLOW3_PYTHON", str(LINES["3"].python))
     os.chdir(ROOT)
-    os.execve(str(PYTHON), [str(PYTHON), *args], env)
+    os.execve(str(line.python), [str(line.python), *args], env)
 
 
 def main(argv: list[str]) -> None:
@@ -126,19 +155,25 @@ def main(argv: list[str]) -> None:
     if command not in ("setup", "test", "demo", "lint", "cli", "bench", "faults"):
         print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
         raise SystemExit(2)
-    setup()
+    line = LINES["3"]
+    if rest[:1] == ["--airflow"]:
+        if rest[1:2] not in (["2"], ["3"]):
+            print("--airflow takes 2 (Airflow 2.11) or 3 (Airflow 3.x)", file=sys.stderr)
+            raise SystemExit(2)
+        line, rest = LINES[rest[1]], rest[2:]
+    setup(line)
     if command == "test":
-        exec_in_venv(["-m", "pytest", *rest])
+        exec_in_venv(line, ["-m", "pytest", *rest])
     elif command == "demo":
-        exec_in_venv(["-m", "devtools.demo", *rest])
+        exec_in_venv(line, ["-m", "devtools.demo", *rest])
     elif command == "lint":
-        exec_in_venv(["-m", "devtools.lint", *rest])
+        exec_in_venv(line, ["-m", "devtools.lint", *rest])
     elif command == "cli":
-        exec_in_venv(["-m", "airflow_idempotency.cli", *rest])
+        exec_in_venv(line, ["-m", "airflow_idempotency.cli", *rest])
     elif command == "bench":
-        exec_in_venv(["-m", "bench", *rest])
+        exec_in_venv(line, ["-m", "bench", *rest])
     elif command == "faults":
-        exec_in_venv(["-m", "devtools.fault_report", *rest])
+        exec_in_venv(line, ["-m", "devtools.fault_report", *rest])
 
 
 if __name__ == "__main__":

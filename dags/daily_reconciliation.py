@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pendulum
-from airflow.sdk import DAG
+from airflow.providers.common.compat.sdk import DAG
 
 from airflow_idempotency import IdempotentRunOperator, idempotency_params
 from invoicing import tasks

@@ -1,8 +1,10 @@
 """finalize_invoices: invoice yesterday's shipped orders and export them, safely rerunnable.
 
-Runs daily at 01:00 UTC. Airflow 3 builds a CronTriggerTimetable for a cron schedule, so
-the run fired at D+1 01:00 has logical date D+1 and processes business date D: that is
-the run key (the default RunKeyRule, offset -1 for trigger timetables).
+Runs daily at 01:00 UTC and processes the day before: the run fired at D+1 01:00 has
+business date D, the run key. Airflow 3 builds a CronTriggerTimetable for a cron schedule
+(logical date D+1 01:00: the default RunKeyRule takes offset -1), Airflow 2 a
+CronDataIntervalTimetable (logical date D 01:00, the interval's start: offset 0). Both map
+the same run to the same key.
 
 To rerun a date by hand, trigger with ``{"run_key": "2026-10-01"}`` (the trigger form's
 "Run key" field). ``force`` recomputes the internal writes but never resends a confirmed
@@ -15,8 +17,7 @@ import datetime as dt
 from typing import Any
 
 import pendulum
-from airflow.sdk import DAG, Context, Param, task
-from airflow.sdk.exceptions import AirflowSkipException
+from airflow.providers.common.compat.sdk import DAG, AirflowSkipException, Context, Param, task
 
 from airflow_idempotency import (
     IdempotentRunOperator,

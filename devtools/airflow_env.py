@@ -6,6 +6,7 @@ Everything here is environment variables: call :func:`configure` before anything
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 DAGS_FOLDER = ROOT / "dags"
+AIRFLOW_VERSION = importlib.metadata.version("apache-airflow")
+AIRFLOW_2 = AIRFLOW_VERSION.startswith("2.")
 
 
 def airflow_connection_json(dsn: str) -> str:
@@ -34,8 +37,13 @@ def airflow_connection_json(dsn: str) -> str:
     return json.dumps(conn)
 
 
-def configure(home: Path, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Point Airflow at ``home`` (created if missing) and return the variables set."""
+def configure(
+    home: Path, environ: dict[str, str] | None = None, *, airflow2: bool = AIRFLOW_2
+) -> dict[str, str]:
+    """Point Airflow at ``home`` (created if missing) and return the variables set.
+
+    ``airflow2``: the settings for an Airflow 2.11 process (default: this environment's line).
+    """
     home.mkdir(parents=True, exist_ok=True)
     env = os.environ if environ is None else environ
     values = {
@@ -43,21 +51,27 @@ def configure(home: Path, environ: dict[str, str] | None = None) -> dict[str, st
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
         "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        # Airflow 2's LocalExecutor refuses SQLite; its SequentialExecutor is what `airflow
+        # dags backfill` then uses.
+        "AIRFLOW__CORE__EXECUTOR": "SequentialExecutor" if airflow2 else "LocalExecutor",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
         "AIRFLOW__API_AUTH__JWT_SECRET": "idempotency-local-secret-not-for-production",
         "AIRFLOW__API__SECRET_KEY": "idempotency-local-secret-not-for-production",
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
     }
+    if airflow2:
+        # Quiet Airflow 2's start-up warnings about settings that Airflow 3 made the default.
+        values["AIRFLOW__METRICS__TIMER_UNIT_CONSISTENCY"] = "True"
+        values["AIRFLOW__CORE__FERNET_KEY"] = "m7oL6Ad0LySvaTnMyAz4FkkBRGtfgvi5w7k4UhhlhLA="
     env.update(values)
     return values
 
 
-def migrate(env: dict[str, str] | None = None) -> None:
+def migrate(env: dict[str, str] | None = None, python: str = sys.executable) -> None:
     """Create or upgrade the Airflow metadata database (``airflow db migrate``)."""
     subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"],
+        [python, "-m", "airflow", "db", "migrate"],
         check=True,
         env=dict(os.environ if env is None else env),
         stdout=subprocess.DEVNULL,

@@ -61,9 +61,25 @@ def airflow_pg_conn(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def pytest_report_header() -> list[str]:
     return [
-        f"airflow home: {_AIRFLOW_HOME}",
+        f"airflow {airflow_env.AIRFLOW_VERSION} home: {_AIRFLOW_HOME}",
         f"IDEMPOTENCY_PG={os.environ.get('IDEMPOTENCY_PG', 'auto')}",
     ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the tests of this Airflow line: on 2.11 the suites marked both_airflow_lines and
+    airflow2_only (the Airflow-free suites run once, on 3.x); on 3.x all but airflow2_only."""
+    on_airflow2 = airflow_env.AIRFLOW_VERSION.startswith("2.")
+
+    def kept(item: pytest.Item) -> bool:
+        if on_airflow2:
+            return any(item.iter_markers(m) for m in ("both_airflow_lines", "airflow2_only"))
+        return not any(item.iter_markers("airflow2_only"))
+
+    selected = [item for item in items if kept(item)]
+    if len(selected) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if not kept(item)])
+        items[:] = selected
 
 
 class InvoicingEnv:

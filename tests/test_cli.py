@@ -17,6 +17,8 @@ from airflow_idempotency import RunContext, run_idempotently
 from airflow_idempotency.cli import main
 from workers import kill_group, private_airflow_env, start_worker, wait_until
 
+pytestmark = pytest.mark.both_airflow_lines
+
 
 def complete(dsn: str, job: str, key: str, fail: bool = False) -> None:
     def work(run: RunContext) -> dict[str, int]:
@@ -189,9 +191,15 @@ def test_run_exit_codes_through_airflow(airflow_home: Path, pg_dsn: str, tmp_pat
         locked = cli_process(
             airflow_home, pg_dsn, "run", "core_slow_job", "--date", "2026-10-02", "--json"
         )
+        # Read through the Airflow connection (no --dsn): Airflow is imported and logs, and
+        # stdout must still hold the JSON only.
+        listed = cli_process(airflow_home, pg_dsn, "runs", "--json")
     finally:
         release.touch()
         holder.communicate(timeout=120)
         kill_group(holder)
     assert locked.returncode == 75, locked.stdout + locked.stderr
     assert json.loads(locked.stdout)["verdict"] == "locked elsewhere"
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    keys = {(r["run_key"], r["status"]) for r in json.loads(listed.stdout)}
+    assert {("2026-10-01", "completed"), ("2026-10-02", "started")} <= keys  # holder runs

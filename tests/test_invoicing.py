@@ -4,32 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import pendulum
 import psycopg
 import pytest
-from airflow.dag_processing.dagbag import BundleDagBag
 
-from airflow_helpers import SUCCESS, task_states
+from airflow_helpers import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date, task_states
 from devtools.airflow_env import DAGS_FOLDER
 from workers import kill_group, start_worker, wait_until
 
-pytestmark = pytest.mark.usefixtures("airflow_home")
+pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
 
 D = "2026-10-01"
-FIRE = "2026-10-02T01:00:00+00:00"  # the scheduled run that processes business date D
+FIRE = scheduled_logical_date(D)  # the scheduled run that processes business date D
 
 
-def load_dags() -> BundleDagBag:
-    return BundleDagBag(
-        dag_folder=str(DAGS_FOLDER), bundle_path=DAGS_FOLDER, bundle_name="dags-folder"
-    )
+def load_dags() -> Any:
+    return load_dag_bag(DAGS_FOLDER)
 
 
 def run_finalize(conf: dict[str, Any] | None = None, logical_date: Any = FIRE) -> Any:
-    import pendulum
-
     dag = load_dags().dags["finalize_invoices"]
     when = pendulum.parse(logical_date) if isinstance(logical_date, str) else logical_date
-    return dag.test(logical_date=when, run_conf=conf)
+    return run_dag(dag, logical_date=when, conf=conf)
 
 
 def job_details(dsn: str, job: str, run_key: str = D) -> dict[str, Any]:
@@ -229,7 +225,7 @@ def test_force_reconcile_mends_pending_keys_with_the_same_key(invoicing) -> None
 def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Two DAGs with the same job name run the same date at once: one works, the other waits on the lock, then no-ops."""
     invoicing.seed(D, orders=30)
-    fire = "2026-10-02T01:30:00+00:00"
+    fire = scheduled_logical_date(D, at="01:30")
     release = tmp_path / "release"
     held = {
         **invoicing.connection_env(),

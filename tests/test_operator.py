@@ -10,12 +10,13 @@ from typing import Any
 import pendulum
 import psycopg
 import pytest
-from airflow.sdk import DAG, task
+from airflow.providers.common.compat.sdk import DAG, task
+from airflow.timetables.trigger import CronTriggerTimetable
 
-from airflow_helpers import FAILED, SUCCESS, run_dag, task_states, utc
+from airflow_helpers import FAILED, SUCCESS, airflow3_only, daily_trigger, run_dag, task_states, utc
 from airflow_idempotency import IdempotentRunOperator, RunContext, RunKeyRule, idempotency_params
 
-pytestmark = pytest.mark.usefixtures("airflow_home")
+pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
 
 
 def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
@@ -27,7 +28,7 @@ def make_dag(dag_id: str, work, *, form: bool = True, **op_kwargs: Any) -> DAG: 
     """A daily DAG of one idempotent task; ``form`` adds the trigger-form params."""
     with DAG(
         dag_id,
-        schedule="@daily",
+        schedule=daily_trigger(),
         start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
         catchup=False,
         params=idempotency_params() if form else None,
@@ -111,6 +112,7 @@ def test_force_and_dry_run_from_conf(airflow_pg_conn: str) -> None:
     ) == [("completed", False, False), ("dry_run", True, True), ("completed", True, False)]
 
 
+@airflow3_only
 def test_manual_run_without_date_or_key_fails_and_writes_nothing(airflow_pg_conn: str) -> None:
     """No logical date and no run_key: the task fails without retry, naming run_key; nothing is written."""
     calls: list[int] = []
@@ -140,7 +142,7 @@ def test_malformed_conf_run_key_fails_and_writes_nothing(
 
 def test_trigger_form_params_refuse_bad_input_up_front(airflow_pg_conn: str) -> None:
     """With idempotency_params(), Airflow itself refuses a malformed run_key or flag at trigger time."""
-    from airflow.sdk.exceptions import ParamValidationError
+    from airflow.exceptions import ParamValidationError
 
     dag = make_dag("op_form", lambda run: None)
     with pytest.raises(ParamValidationError, match="run_key"):
@@ -186,7 +188,7 @@ def test_amsterdam_dag_keys_by_local_date_across_dst(airflow_pg_conn: str) -> No
     seen: list[str] = []
     with DAG(
         "op_amsterdam",
-        schedule="30 0 * * *",
+        schedule=CronTriggerTimetable("30 0 * * *", timezone="Europe/Amsterdam"),
         catchup=False,
         start_date=pendulum.datetime(2026, 1, 1, tz="Europe/Amsterdam"),
     ) as dag:
@@ -208,7 +210,7 @@ def test_subclass_overriding_run(airflow_pg_conn: str) -> None:
 
     with DAG(
         "op_subclass",
-        schedule="@daily",
+        schedule=daily_trigger(),
         start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
         catchup=False,
     ) as dag:
@@ -223,7 +225,7 @@ def test_taskflow_decorator(airflow_pg_conn: str) -> None:
     calls: list[tuple[str, int]] = []
     with DAG(
         "op_decorator",
-        schedule="@daily",
+        schedule=daily_trigger(),
         start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
         catchup=False,
     ) as dag:

@@ -15,6 +15,8 @@ import pytest
 
 from workers import kill_group, start_worker, wait_until
 
+pytestmark = pytest.mark.both_airflow_lines
+
 
 def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
     with psycopg.connect(dsn) as conn:
@@ -86,6 +88,39 @@ def test_same_key_in_two_processes_runs_once(
         assert outcomes[-1] == "noop"
         assert rows(pg_dsn, "SELECT max(try_number) FROM idempotency.job_run_attempts") == [(1,)]
     assert advisory_locks(pg_dsn) == 0
+
+
+def test_lock_timeout_gives_up_rescheduling(
+    airflow_home: Path, pg_dsn: str, tmp_path: Path
+) -> None:
+    """A key held longer than lock_timeout: the waiting task reschedules (waiting each
+    interval, without using a retry) and then fails its try, naming lock_timeout."""
+    release = tmp_path / "release"
+    env = {"IDEM_TEST_HOLD_FILE": str(release)}
+    holder = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, env)
+    try:
+        wait_until(lambda: work_log_count(pg_dsn) == 1, timeout=90, what="the holder to work")
+        waiter_env = {**env, "IDEM_TEST_ON_LOCKED": "reschedule", "IDEM_TEST_LOCK_TIMEOUT": "4"}
+        waiter = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, waiter_env)
+        code, out = finish(waiter)
+        release.touch()
+        holder_code, holder_out = finish(holder)
+    finally:
+        kill_group(holder)
+    assert code == 1, out[-3000:]
+    assert "lock_timeout=0:00:04" in out and "giving up this try" in out, out[-3000:]
+    assert holder_code == 0, holder_out[-3000:]
+    refused = rows(
+        pg_dsn,
+        "SELECT started_at FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'"
+        " ORDER BY attempt_id",
+    )
+    # Rescheduled every second (reschedule_interval) until ~4 s had passed: not a tight loop
+    # of immediate retries, and not forever.
+    assert 4 <= len(refused) <= 8, refused
+    spread = (refused[-1][0] - refused[0][0]).total_seconds()
+    assert spread >= 3.5, refused
+    assert work_log_count(pg_dsn) == 1
 
 
 def test_different_keys_run_in_parallel(airflow_home: Path, pg_dsn: str, tmp_path: Path) -> None:

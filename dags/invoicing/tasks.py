@@ -28,7 +28,7 @@ def accounting_endpoint(conn_id: str = "accounting_api") -> tuple[str, dict[str,
     The connection is of type http, e.g. ``AIRFLOW_CONN_ACCOUNTING_API='http://host:8099'``;
     its extra may tune the export: ``{"timeout": 5, "concurrency": 16, "max_attempts": 5}``.
     """
-    from airflow.sdk import BaseHook
+    from airflow.providers.common.compat.sdk import BaseHook
 
     conn = BaseHook.get_connection(conn_id)
     scheme = conn.schema or "http"

@@ -56,8 +56,10 @@ def business_date(value: str) -> str:
 def _dsn(args: argparse.Namespace) -> str:
     if args.dsn or os.environ.get(DSN_ENV):
         return str(args.dsn or os.environ[DSN_ENV])
+    from airflow_idempotency.compat import logs_to_stderr
     from airflow_idempotency.hook import IdempotencyHook
 
+    logs_to_stderr()  # Airflow 2 logs to stdout, where --json output goes
     try:
         hook = IdempotencyHook(postgres_conn_id=args.conn_id)
         conn = hook.new_connection()

@@ -14,8 +14,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
-
+from airflow_idempotency.compat import DecoratedOperator, TaskDecorator, task_decorator_factory
 from airflow_idempotency.operator import IdempotentRunOperator
 
 

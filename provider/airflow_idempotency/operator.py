@@ -9,14 +9,20 @@ from functools import cached_property
 from typing import Any, Literal
 
 import pendulum
-from airflow.sdk import BaseOperator, Context, Param
-from airflow.sdk.exceptions import (
+
+from airflow_idempotency.compat import (
+    TRIGGERED_BY,
     AirflowException,
     AirflowFailException,
     AirflowRescheduleException,
     AirflowSkipException,
+    Context,
+    Param,
+    ReschedulingOperator,
+    reschedule_count,
+    run_type,
+    triggering_user,
 )
-
 from airflow_idempotency.exceptions import (
     ConfigurationError,
     IdempotencyError,
@@ -33,15 +39,6 @@ from airflow_idempotency.schema import DEFAULT_SCHEMA
 
 OnLocked = Literal["reschedule", "fail", "skip"]
 OnCompleted = Literal["succeed", "skip"]
-
-_TRIGGERED_BY = {
-    "scheduled": "scheduled",
-    "manual": "manual",
-    "backfill": "backfill",
-    "asset_triggered": "asset-triggered",
-    "asset_materialization": "asset-triggered",
-    "operator_triggered": "operator-triggered",
-}
 
 
 def idempotency_params(period: str = "day") -> dict[str, Param]:
@@ -90,7 +87,7 @@ def conf_flag(context: Context, name: str) -> bool:
     raise InvalidInputError(f"{name} must be true or false, got {value!r} in the run's conf/params")
 
 
-class IdempotentRunOperator(BaseOperator):
+class IdempotentRunOperator(ReschedulingOperator):
     """Run ``python_callable`` (or :meth:`run`) at most once to completion per run key.
 
     The run key names the business period (see :mod:`airflow_idempotency.run_key`); a
@@ -179,7 +176,7 @@ class IdempotentRunOperator(BaseOperator):
             rule=self.run_key_rule,
             timezone=self._timezone_name(),
             timetable_name=type(dag.timetable).__name__ if dag else None,
-            run_type=getattr(dag_run.run_type, "value", str(dag_run.run_type)),
+            run_type=run_type(dag_run),
             logical_date=context.get("logical_date") or dag_run.logical_date,
             conf_run_key=conf.get("run_key"),
             params_run_key=params.get("run_key"),
@@ -202,10 +199,10 @@ class IdempotentRunOperator(BaseOperator):
     def _trigger(self, context: Context) -> Trigger:
         dag_run = context["dag_run"]
         ti = context["ti"]
-        run_type = getattr(dag_run.run_type, "value", str(dag_run.run_type))
+        kind = run_type(dag_run)
         return Trigger(
-            triggered_by=_TRIGGERED_BY.get(run_type, run_type),
-            triggering_user=getattr(dag_run, "triggering_user_name", None),
+            triggered_by=TRIGGERED_BY.get(kind, kind),
+            triggering_user=triggering_user(dag_run),
             dag_id=ti.dag_id,
             run_id=ti.run_id,
             task_id=ti.task_id,
@@ -283,7 +280,7 @@ class IdempotentRunOperator(BaseOperator):
             return AirflowSkipException(f"{exc}; skipping (on_locked='skip')")
         if policy == "fail":
             return AirflowFailException(f"{exc}; failing (on_locked='fail')")
-        waited = self.reschedule_interval * int(context.get("task_reschedule_count") or 0)
+        waited = self.reschedule_interval * reschedule_count(context)
         if waited >= self.lock_timeout:
             return AirflowException(
                 f"{exc}; still locked after about {waited} of rescheduling "

@@ -11,7 +11,8 @@ import os
 import time
 
 import pendulum
-from airflow.sdk import DAG
+from airflow.providers.common.compat.sdk import DAG
+from airflow.timetables.trigger import CronTriggerTimetable
 
 from airflow_idempotency import IdempotentRunOperator, RunContext, idempotency_params
 
@@ -38,7 +39,8 @@ def slow_work(run: RunContext) -> dict[str, int]:
 
 with DAG(
     dag_id="core_slow_job",
-    schedule="@daily",
+    # Airflow 3's @daily on both lines: `dags test core_slow_job D` processes D - 1.
+    schedule=CronTriggerTimetable("0 0 * * *", timezone="UTC"),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     params=idempotency_params(),
@@ -49,4 +51,5 @@ with DAG(
         job_name=os.environ.get("IDEM_TEST_JOB_NAME", "core_slow_job"),
         on_locked=os.environ.get("IDEM_TEST_ON_LOCKED", "reschedule"),  # type: ignore[arg-type]
         reschedule_interval=dt.timedelta(seconds=1),
+        lock_timeout=dt.timedelta(seconds=float(os.environ.get("IDEM_TEST_LOCK_TIMEOUT", "3600"))),
     )

@@ -1,0 +1,154 @@
+"""Every difference between the Airflow lines this provider supports (2.11 and 3.x).
+
+The official providers' ``version_compat.py`` habit: names come from
+``airflow.providers.common.compat.sdk`` where it maps them, and the few things it does not
+map are explicit branches here. No other module checks the Airflow version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.providers.common.compat.sdk import (
+    AirflowException,
+    AirflowFailException,
+    AirflowSkipException,
+    BaseHook,
+    BaseOperator,
+    BaseOperatorLink,
+    Context,
+    DecoratedOperator,
+    Param,
+    Stats,
+    TaskDecorator,
+    task_decorator_factory,
+)
+
+
+def _airflow_version() -> tuple[int, int, int]:
+    from airflow import __version__
+    from packaging.version import Version
+
+    version = Version(__version__)
+    return version.major, version.minor, version.micro
+
+
+AIRFLOW_VERSION = _airflow_version()
+AIRFLOW_V_3_0_PLUS = AIRFLOW_VERSION >= (3, 0, 0)
+
+if AIRFLOW_V_3_0_PLUS:
+    from airflow.sdk.exceptions import AirflowRescheduleException
+else:  # common-compat does not map it
+    from airflow.exceptions import AirflowRescheduleException
+
+# dag_run.run_type -> job_runs.triggered_by. Asset-triggered runs are "dataset_triggered"
+# on 2.x.
+TRIGGERED_BY = {
+    "scheduled": "scheduled",
+    "manual": "manual",
+    "backfill": "backfill",
+    "asset_triggered": "asset-triggered",
+    "asset_materialization": "asset-triggered",
+    "dataset_triggered": "asset-triggered",
+    "operator_triggered": "operator-triggered",
+}
+
+
+def run_type(dag_run: Any) -> str:
+    """The run's type as text (an enum on 3.x, a string on 2.x)."""
+    value = dag_run.run_type
+    return str(getattr(value, "value", value))
+
+
+def triggering_user(dag_run: Any) -> str | None:
+    """Who triggered the run: 3.x records the user's name; 2.x records no user at all."""
+    return getattr(dag_run, "triggering_user_name", None) if AIRFLOW_V_3_0_PLUS else None
+
+
+def reschedule_count(context: Context) -> int:
+    """How many times this try of the task was rescheduled so far.
+
+    3.x puts it in the context. 2.x does not (``lock_timeout`` would never fire), so the
+    task's own TaskReschedule rows of this try are counted, in one query.
+    """
+    if AIRFLOW_V_3_0_PLUS:
+        return int(context.get("task_reschedule_count") or 0)
+    from airflow.models.taskreschedule import TaskReschedule
+    from airflow.utils.session import create_session
+    from sqlalchemy import func, select
+
+    ti = context["ti"]
+    with create_session() as session:
+        count = session.scalar(
+            select(func.count())
+            .select_from(TaskReschedule)
+            .where(
+                TaskReschedule.dag_id == ti.dag_id,
+                TaskReschedule.task_id == ti.task_id,
+                TaskReschedule.run_id == ti.run_id,
+                TaskReschedule.map_index == ti.map_index,
+                TaskReschedule.try_number == ti.try_number,
+            )
+        )
+    return int(count or 0)
+
+
+class ReschedulingOperator(BaseOperator):
+    """A BaseOperator whose AirflowRescheduleException waits until the date it names.
+
+    On 3.x every operator can reschedule. On 2.x only a task with ``reschedule = True``
+    and the ReadyToRescheduleDep (what sensors in reschedule mode have) waits; any other
+    is queued again at once, so a locked key would be retried in a tight loop.
+    """
+
+    if not AIRFLOW_V_3_0_PLUS:
+        from airflow.ti_deps.deps.ready_to_reschedule import ReadyToRescheduleDep
+
+        reschedule = True
+        deps = BaseOperator.deps | {ReadyToRescheduleDep()}
+        del ReadyToRescheduleDep
+
+        @classmethod
+        def get_serialized_fields(cls) -> frozenset[str]:
+            return super().get_serialized_fields() | {"reschedule"}  # type: ignore[no-untyped-call]
+
+
+def logs_to_stderr() -> None:
+    """Move Airflow's console log handlers from stdout to stderr (2.x logs to stdout).
+
+    For the CLI: its ``--json`` output on stdout must hold the JSON only.
+    """
+    import logging
+    import sys
+
+    loggers = [logging.getLogger()]
+    loggers += [
+        logger
+        for logger in logging.Logger.manager.loggerDict.values()
+        if isinstance(logger, logging.Logger)
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if hasattr(handler, "_use_stderr"):  # Airflow's RedirectStdHandler
+                handler._use_stderr = True
+            elif isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
+
+
+__all__ = [
+    "AIRFLOW_V_3_0_PLUS",
+    "AirflowException",
+    "AirflowFailException",
+    "AirflowRescheduleException",
+    "AirflowSkipException",
+    "BaseHook",
+    "BaseOperator",
+    "BaseOperatorLink",
+    "Context",
+    "DecoratedOperator",
+    "Param",
+    "ReschedulingOperator",
+    "Stats",
+    "TaskDecorator",
+    "task_decorator_factory",
+]
