@@ -32,5 +32,8 @@ def test_quoted_code_matches_the_dag_files(name: str, source: str) -> None:
 
 def test_ci_runs_the_readme_test_command() -> None:
     """.ci/run calls the test command written at the top of README.md."""
+    ci = (ROOT / ".ci" / "run").read_text()
     assert "python3 dev.py test     # the whole test suite" in README
-    assert re.search(r"^python3 dev\.py test$", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert re.search(r"^python3 dev\.py test$", ci, re.M)
+    assert "`python3 dev.py test --airflow 2`" in README
+    assert re.search(r"^python3 dev\.py test --airflow 2$", ci, re.M)

@@ -4,15 +4,16 @@ A run key is explicit text such as ``2026-10-01``. For scheduled and backfill ru
 derived from Airflow's logical date by a :class:`RunKeyRule`; a manual run may name it
 directly (``run_key`` in the run's conf or params). Nothing here ever falls back to "now".
 
-How a rule maps a run (``offset=None`` picks the offset from the DAG's timetable):
+How a rule maps a run (``offset=None`` picks the offset from the DAG's timetable, so one
+DAG file keys one run the same way on Airflow 2.11 and 3.x):
 
 =================================================  ===============  ===========================
-timetable (how Airflow 3 builds it)                logical date     run key (period="day")
+timetable                                          logical date     run key (period="day")
 =================================================  ===============  ===========================
-``schedule="@daily"`` / a cron string              the fire time    day BEFORE, offset -1
-(CronTriggerTimetable, the Airflow 3 default)      D+1 01:00        -> D
-``CronDataIntervalTimetable`` (or                  interval start   the interval's day, offset 0
-``create_cron_data_intervals=True``)               D 01:00          -> D
+``CronTriggerTimetable``: a cron string on         the fire time    day BEFORE, offset -1
+Airflow 3 (its default), or given explicitly       D+1 01:00        -> D
+``CronDataIntervalTimetable``: a cron string on    interval start   the interval's day, offset 0
+Airflow 2 (its default), or given explicitly       D 01:00          -> D
 ``schedule=timedelta(days=1)``                     interval start   the interval's day, offset 0
 (DeltaDataIntervalTimetable)
 ``schedule=None`` / assets (manual logical date)   as given         that day, offset 0
