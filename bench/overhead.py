@@ -42,11 +42,11 @@ from devtools.postgres import PostgresServer
 TITLE = "Wrapper overhead (in-process, no-op work)"
 JOB = "bench.overhead"
 # Round trips of each path, counted from runner.py and locks.py (pipelined statements count
-# once): BEGIN + acquire_run_lock; SAVEPOINT + get_run + ROLLBACK TO; then for a new key
+# once): BEGIN; acquire_run_lock; SAVEPOINT + get_run + ROLLBACK TO; then for a new key
 # start_attempt (on the work connection, autocommit) and complete_attempt + COMMIT, for a
 # completed key insert_attempt(noop) + COMMIT.
-ROUND_TRIPS_NEW_KEY = 4
-ROUND_TRIPS_NOOP = 3
+ROUND_TRIPS_NEW_KEY = 5
+ROUND_TRIPS_NOOP = 4
 COMMITS_NEW_KEY = 2  # start_attempt, the lock transaction (completion)
 COMMITS_NOOP = 1  # the lock transaction (the noop attempt row)
 IDLE_S = 0.005

@@ -73,8 +73,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def kept(item: pytest.Item) -> bool:
         if on_airflow2:
-            return any(item.iter_markers(m) for m in ("both_airflow_lines", "airflow2_only"))
-        return not any(item.iter_markers("airflow2_only"))
+            return any(item.get_closest_marker(m) for m in ("both_airflow_lines", "airflow2_only"))
+        return item.get_closest_marker("airflow2_only") is None
 
     selected = [item for item in items if kept(item)]
     if len(selected) != len(items):

@@ -138,19 +138,16 @@ def hold_run_lock(
         **server_keepalive_settings(conn),
     }
     try:
-        with conn.pipeline():  # BEGIN and the lock statement in one round trip
-            conn.execute("BEGIN")
-            cursor = conn.execute(query("acquire_run_lock", schema), params)
-        row = cursor.fetchone()
+        # BEGIN on its own round trip: pipelined with the lock statement, a pooler's refusal
+        # of the transaction (statement mode) would reach psycopg only as a closed connection.
+        conn.execute("BEGIN")
+        row = conn.execute(query("acquire_run_lock", schema), params).fetchone()
     except psycopg.Error as exc:
         _end(conn, "ROLLBACK")
-        if _STATEMENT_POOLING in str(exc):
-            raise ConfigurationError(
-                "the job database connection goes through a pooler in statement mode "
-                f"(PgBouncer said: {exc}). A run lock needs a transaction: connect directly, "
-                "or use pool_mode = session or transaction for this database."
-            ) from exc
-        raise
+        refusal = refusal_of_statement_pooling(exc)
+        if refusal is None:
+            raise
+        raise refusal from exc
     assert row is not None
     already_held, acquired, backend_pid = row[:3]
     if already_held:
@@ -169,6 +166,17 @@ def hold_run_lock(
         _end(conn, "ROLLBACK")
         raise
     _end(conn, "COMMIT")
+
+
+def refusal_of_statement_pooling(exc: psycopg.Error) -> ConfigurationError | None:
+    """The error to raise when ``exc`` is a pooler refusing a transaction, else ``None``."""
+    if _STATEMENT_POOLING not in str(exc):
+        return None
+    return ConfigurationError(
+        "the job database connection goes through a pooler in statement mode (PgBouncer "
+        f"said: {str(exc).strip()}). The run lock and the run records need transactions: "
+        "connect directly, or use pool_mode = transaction or session for this database."
+    )
 
 
 def server_keepalive_settings(conn: psycopg.Connection) -> dict[str, str]:

@@ -17,7 +17,7 @@ from psycopg import sql
 
 from airflow_idempotency._sql import latest_migration, migrations
 from airflow_idempotency.exceptions import InvalidInputError, SchemaError
-from airflow_idempotency.locks import migration_lock_key
+from airflow_idempotency.locks import migration_lock_key, refusal_of_statement_pooling
 
 DEFAULT_SCHEMA = "idempotency"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -80,6 +80,19 @@ def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int
         with _migrated_guard:
             _migrated.add(cache_key)
         return target
+    try:
+        _migrate(conn, schema, target)
+    except psycopg.Error as exc:
+        refusal = refusal_of_statement_pooling(exc)
+        if refusal is None:
+            raise
+        raise refusal from exc
+    with _migrated_guard:
+        _migrated.add(cache_key)
+    return target
+
+
+def _migrate(conn: psycopg.Connection, schema: str, target: int) -> None:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%(key)s)", {"key": migration_lock_key(schema)})
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
@@ -108,6 +121,3 @@ def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int
                 "INSERT INTO schema_version (version, name) VALUES (%(version)s, %(name)s)",
                 {"version": version, "name": name},
             )
-    with _migrated_guard:
-        _migrated.add(cache_key)
-    return target

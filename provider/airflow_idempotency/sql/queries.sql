@@ -7,8 +7,7 @@
 -- transaction, which began when the run did, and now() is the start of the transaction.
 
 -- name: acquire_run_lock
--- The first statement of the lock transaction (locks.hold_run_lock), sent with its BEGIN in
--- one round trip. It tries the run lock for the length of this transaction, names the
+-- The first statement of the lock transaction (locks.hold_run_lock). It tries the run lock for the length of this transaction, names the
 -- session in pg_stat_activity, lifts idle_in_transaction_session_timeout, and sets the
 -- server side's TCP keepalives and user timeout so that the server drops a worker cut off
 -- by the network (and so its lock) within a bounded time, not Linux's two hours. Every
