@@ -396,3 +396,72 @@ def test_schema_is_created_through_a_connection_without_autocommit(pg_dsn: str) 
     assert rows(pg_dsn, "SELECT max(version) FROM manual_tx.schema_version") == [
         (schema_mod.latest_version(),)
     ]
+
+
+def test_the_lock_transaction_holds_no_snapshot_and_no_table_lock(pg_dsn: str) -> None:
+    """While the work runs, the lock session is idle in a transaction that holds the advisory
+    lock and nothing else: no table lock (a migration never waits behind a running job), no
+    transaction id and no snapshot (vacuum is not held back), its name in pg_stat_activity."""
+    seen: dict[str, Any] = {}
+
+    def work(ctx: RunContext) -> None:
+        with psycopg.connect(pg_dsn) as observer:
+            (pid,) = observer.execute(
+                "SELECT pid FROM idempotency.held_run_locks() WHERE lock_key = %s",
+                (run_lock_key("j", "k"),),
+            ).fetchone()  # type: ignore[misc]
+            seen["activity"] = observer.execute(
+                "SELECT state, backend_xid, backend_xmin, application_name FROM pg_stat_activity"
+                " WHERE pid = %s",
+                (pid,),
+            ).fetchone()
+            seen["locks"] = observer.execute(
+                "SELECT locktype, mode FROM pg_locks WHERE pid = %s ORDER BY 1", (pid,)
+            ).fetchall()
+
+    run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=work)
+    state, xid, xmin, name = seen["activity"]
+    assert (state, xid, xmin) == ("idle in transaction", None, None)
+    assert name.startswith("airflow-idempotency ")
+    assert seen["locks"] == [("advisory", "ExclusiveLock"), ("virtualxid", "ExclusiveLock")]
+
+
+def test_an_idle_in_transaction_timeout_does_not_end_the_run(pg_dsn: str) -> None:
+    """A database whose idle_in_transaction_session_timeout (1 s) is shorter than the work
+    (2.5 s): the lock transaction lifts it for itself, and the run completes."""
+    from psycopg import sql
+
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(
+            sql.SQL("ALTER DATABASE {} SET idle_in_transaction_session_timeout = '1s'").format(
+                sql.Identifier(admin.info.dbname)
+            )
+        )
+
+    def work(ctx: RunContext) -> None:
+        import time
+
+        time.sleep(2.5)
+
+    result = run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=work)
+    assert result.outcome is RunOutcome.COMPLETED
+    with psycopg.connect(pg_dsn) as conn:  # the setting itself is untouched
+        assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone() == ("1s",)
+
+
+def test_recorded_times_follow_the_run(pg_dsn: str) -> None:
+    """Times written in the lock transaction are the statements' times, not the
+    transaction's start: an attempt finishes after it started, the run completes after it."""
+    import time
+
+    run_idempotently(
+        connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: time.sleep(0.3)
+    )
+    ((started, finished),) = rows(
+        pg_dsn, "SELECT started_at, finished_at FROM idempotency.job_run_attempts"
+    )
+    ((run_started, completed),) = rows(
+        pg_dsn, "SELECT started_at, completed_at FROM idempotency.job_runs"
+    )
+    assert (finished - started).total_seconds() >= 0.3
+    assert (completed - run_started).total_seconds() >= 0.3
