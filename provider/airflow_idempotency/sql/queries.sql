@@ -417,17 +417,28 @@ ORDER BY att.started_at;
 
 -- name: ui_unconfirmed
 -- Run keys with external effects not confirmed by the remote (pending or failed), most
--- recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
-SELECT l.job_name, l.run_key, r.dag_id,
-       count(*) FILTER (WHERE l.status = 'pending') AS pending,
-       count(*) FILTER (WHERE l.status = 'failed') AS failed,
-       max(l.updated_at) AS last_update
-FROM {schema}.outbound_ledger AS l
-LEFT JOIN {schema}.job_runs AS r ON r.job_name = l.job_name AND r.run_key = l.run_key
-WHERE l.status <> 'succeeded'
-  AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
-GROUP BY l.job_name, l.run_key, r.dag_id
-ORDER BY last_update DESC
+-- recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read),
+-- each with its job_runs row looked up by primary key.
+WITH unconfirmed AS (
+    SELECT l.job_name, l.run_key,
+           count(*) FILTER (WHERE l.status = 'pending') AS pending,
+           count(*) FILTER (WHERE l.status = 'failed') AS failed,
+           max(l.updated_at) AS last_update
+    FROM {schema}.outbound_ledger AS l
+    WHERE l.status <> 'succeeded'
+    GROUP BY l.job_name, l.run_key
+)
+SELECT u.job_name, u.run_key, r.dag_id, u.pending, u.failed, u.last_update
+FROM unconfirmed AS u
+LEFT JOIN LATERAL (
+    -- LIMIT (the key is unique anyway) keeps this a lookup per row: a plain join is
+    -- planned as a hash join over all of job_runs.
+    SELECT jr.dag_id FROM {schema}.job_runs AS jr
+    WHERE jr.job_name = u.job_name AND jr.run_key = u.run_key
+    LIMIT 1
+) AS r ON true
+WHERE %(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[])
+ORDER BY u.last_update DESC
 LIMIT %(limit)s;
 
 -- name: ui_dag_jobs
@@ -469,7 +480,12 @@ SELECT r.run_key, r.job_name, r.status, r.triggered_by, r.triggering_user, r.dag
        r.run_id, r.task_id, r.attempt_count, r.started_at, r.completed_at, r.updated_at,
        r.details, r.lock_key IN (SELECT held.lock_key FROM held) AS locked
 FROM keys
-JOIN {schema}.job_runs AS r ON r.run_key = keys.run_key AND r.job_name = ANY(%(jobs)s::text[])
+CROSS JOIN unnest(%(jobs)s::text[]) AS j (job_name)
+JOIN LATERAL (
+    SELECT * FROM {schema}.job_runs AS jr
+    WHERE jr.job_name = j.job_name AND jr.run_key = keys.run_key
+    LIMIT 1  -- a primary-key lookup per cell, never a hash join over job_runs
+) AS r ON true
 WHERE %(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[])
 ORDER BY r.run_key DESC, r.job_name;
 
