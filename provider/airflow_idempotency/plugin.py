@@ -21,12 +21,7 @@ from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
 
-MOUNT = "/idempotency"
-"""Where the app is mounted on the api-server (``url_prefix``)."""
-
-NAV_ROUTE = "run-keys"
-"""The UI route of the nav entry: ``/plugin/run-keys/<app path>`` opens any page of the app
-inside Airflow's own page (its iframe follows the path), e.g. in the operator's extra link."""
+from airflow_idempotency.ui import MOUNT, NAV_ROUTE
 
 _Scope = MutableMapping[str, Any]
 _Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
