@@ -7,10 +7,10 @@ the templates are loaded by the api-server on the first request to ``/idempotenc
 (:class:`_LazyApp`). ``python3 dev.py bench --only ui`` measures what it adds to a task
 process (BENCHMARKS.md).
 
-``airflow.plugins_manager.AirflowPlugin`` is the base on both Airflow lines: on 3.x the
-core and SDK plugin managers both accept it (they recognise the base by name), it is
-already loaded or cheap to load in a task process, and it spares a version check here (the
-compat module, where those live, imports too much for this module). Airflow 2.11 ignores
+The base class comes from common-compat, as official providers take it: the Task SDK's on
+Airflow 3 (already loaded in a task process; the core plugin manager accepts it too, it
+recognises the base by name), ``airflow.plugins_manager``'s on 2.11. Not through this
+provider's compat module, which imports far more than a plugin may. Airflow 2.11 ignores
 ``fastapi_apps`` and ``external_views``: the plugin loads there and adds nothing.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from airflow.plugins_manager import AirflowPlugin
+from airflow.providers.common.compat.sdk import AirflowPlugin
 
 from airflow_idempotency.ui import MOUNT, NAV_ROUTE
 
