@@ -265,6 +265,11 @@ def test_in_the_browser_operator_reads_and_reruns_a_key(
     rerun_id = result.locator("a").inner_text()
     rerun = stack.wait_for_runs("ui_demo", [rerun_id], timeout=180)[0]
     assert rerun.state == "success" and rerun.conf == {"run_key": "2026-10-01"}
+    recorded = stack.api(
+        "GET", f"/api/v2/dags/ui_demo/dagRuns/{urllib.request.quote(rerun_id, safe='')}"
+    )
+    assert recorded["triggering_user_name"] == "operator"
+    assert recorded["note"] == "Rerun of run key 2026-10-01 from the Run keys view"
     with psycopg.connect(job_dsn) as conn:
         outcomes = conn.execute(
             "SELECT outcome FROM idempotency.job_run_attempts WHERE run_id = %s", (rerun_id,)

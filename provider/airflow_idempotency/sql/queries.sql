@@ -374,26 +374,37 @@ LIMIT %(limit)s;
 
 -- name: ui_attention
 -- Runs that are not completed (failed, running now, or interrupted: started and no longer
--- locked, i.e. the worker died), last changed first, with the counts of each over all of
--- them (job_runs_status_idx; such rows are few).
+-- locked, i.e. the worker died), last changed first: the newest of each status through
+-- job_runs_status_idx, never all of them.
 WITH held AS MATERIALIZED (
     SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
-),
-open_runs AS (
-    SELECT r.job_name, r.run_key, r.status, r.triggered_by, r.triggering_user, r.dag_id,
-           r.run_id, r.task_id, r.attempt_count, r.started_at, r.completed_at, r.updated_at,
-           r.details, r.lock_key IN (SELECT held.lock_key FROM held) AS locked
-    FROM {schema}.job_runs AS r
-    WHERE r.status IN ('started', 'failed')
-      AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
 )
-SELECT o.*,
-       count(*) FILTER (WHERE o.status = 'failed') OVER () AS failed_total,
-       count(*) FILTER (WHERE o.status = 'started' AND o.locked) OVER () AS running_total,
-       count(*) FILTER (WHERE o.status = 'started' AND NOT o.locked) OVER () AS interrupted_total
-FROM open_runs AS o
+SELECT o.*, o.lock_key IN (SELECT held.lock_key FROM held) AS locked
+FROM (
+    (SELECT r.* FROM {schema}.job_runs AS r
+     WHERE r.status = 'failed' AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+     ORDER BY r.updated_at DESC LIMIT %(limit)s)
+    UNION ALL
+    (SELECT r.* FROM {schema}.job_runs AS r
+     WHERE r.status = 'started' AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+     ORDER BY r.updated_at DESC LIMIT %(limit)s)
+) AS o
 ORDER BY o.updated_at DESC
 LIMIT %(limit)s;
+
+-- name: ui_open_counts
+-- How many runs are failed, running now and interrupted (job_runs_status_idx).
+WITH held AS MATERIALIZED (
+    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+)
+SELECT count(*) FILTER (WHERE r.status = 'failed') AS failed,
+       count(*) FILTER (WHERE r.status = 'started'
+                        AND r.lock_key IN (SELECT held.lock_key FROM held)) AS running,
+       count(*) FILTER (WHERE r.status = 'started'
+                        AND r.lock_key NOT IN (SELECT held.lock_key FROM held)) AS interrupted
+FROM {schema}.job_runs AS r
+WHERE r.status IN ('started', 'failed')
+  AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]));
 
 -- name: ui_locks
 -- Run locks held right now, by the attempt that holds each (job_run_attempts_running_idx).
@@ -417,9 +428,11 @@ ORDER BY att.started_at;
 
 -- name: ui_unconfirmed
 -- Run keys with external effects not confirmed by the remote (pending or failed), most
--- recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read),
--- each with its job_runs row looked up by primary key.
-WITH unconfirmed AS (
+-- recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
+-- The keys come sorted out of the subquery, so each one's job_runs row is looked up (by
+-- primary key) only until the page is full.
+SELECT u.job_name, u.run_key, r.dag_id, u.pending, u.failed, u.last_update
+FROM (
     SELECT l.job_name, l.run_key,
            count(*) FILTER (WHERE l.status = 'pending') AS pending,
            count(*) FILTER (WHERE l.status = 'failed') AS failed,
@@ -427,9 +440,8 @@ WITH unconfirmed AS (
     FROM {schema}.outbound_ledger AS l
     WHERE l.status <> 'succeeded'
     GROUP BY l.job_name, l.run_key
-)
-SELECT u.job_name, u.run_key, r.dag_id, u.pending, u.failed, u.last_update
-FROM unconfirmed AS u
+    ORDER BY last_update DESC
+) AS u
 LEFT JOIN LATERAL (
     -- LIMIT (the key is unique anyway) keeps this a lookup per row: a plain join is
     -- planned as a hash join over all of job_runs.

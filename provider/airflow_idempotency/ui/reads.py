@@ -180,17 +180,13 @@ class RecordsReader:
         """The overview: open runs (with counts), held locks, unconfirmed effects, run keys."""
         with self.snapshot():
             attention = _with_state(self._rows("ui_attention", limit=ATTENTION_LIMIT))
+            (counted,) = self._rows("ui_open_counts")
             locks = self._rows("ui_locks")
             unconfirmed = self._rows("ui_unconfirmed", limit=UNCONFIRMED_LIMIT)
             runs = self._runs(filters, before, limit)
-        first = attention[0] if attention else {}
-        counts = {
-            name: int(first.get(f"{name}_total") or 0)
-            for name in ("failed", "running", "interrupted")
-        }
+        counts = {name: int(value) for name, value in counted.items()}
         for row in attention:
-            for name in ("failed", "running", "interrupted"):
-                row.pop(f"{name}_total", None)
+            del row["lock_key"]
         return Overview(attention, counts, locks, unconfirmed, *runs)
 
     def runs(
