@@ -64,12 +64,20 @@ def token(manager: Any, name: str, role: str) -> str:
 class Client:
     """The app's TestClient, signed in as one user (the UI's ``_token`` cookie)."""
 
-    def __init__(self, manager: Any, name: str | None, role: str = "viewer", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        name: str | None,
+        role: str = "viewer",
+        settings: Any = None,
+        **kwargs: Any,
+    ) -> None:
         from fastapi.testclient import TestClient
 
         from airflow_idempotency.ui.app import Settings, create_app
 
-        self.http = TestClient(create_app(Settings()), follow_redirects=False, **kwargs)
+        app = create_app(settings or Settings())
+        self.http = TestClient(app, follow_redirects=False, **kwargs)
         if name is not None:
             self.http.cookies.set("_token", token(manager, name, role))
 
@@ -414,3 +422,23 @@ def test_a_role_that_may_only_select_is_enough(
         with psycopg.connect(seeded, autocommit=True) as conn:
             conn.execute(f"DROP OWNED BY {role}")
             conn.execute(f"DROP ROLE {role}")
+
+
+def test_the_job_database_is_named_in_airflow_config(
+    auth_manager: Any, seeded: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[idempotency] ui_conn_id and ui_schema (here from the environment) choose the job
+    database and the schema the view reads."""
+    from airflow_idempotency.ui.app import Settings
+
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__UI_CONN_ID", "jobs_db")
+    monkeypatch.setenv("AIRFLOW_CONN_JOBS_DB", airflow_env.airflow_connection_json(seeded))
+    monkeypatch.delenv("AIRFLOW_CONN_IDEMPOTENCY_DEFAULT")
+    settings = Settings.from_airflow_config()
+    assert settings == Settings(conn_id="jobs_db", schema="idempotency")
+    client = Client(auth_manager, "viewer", settings=settings)
+    assert client.json("/api/overview")["overview"]["counts"]["failed"] == 1
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__UI_SCHEMA", "elsewhere")
+    other = Client(auth_manager, "viewer", settings=Settings.from_airflow_config())
+    page = other.get("/")
+    assert page.status_code == 503 and "schema &#39;elsewhere&#39;" in page.text

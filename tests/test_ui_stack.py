@@ -242,7 +242,11 @@ def test_in_the_browser_operator_reads_and_reruns_a_key(
     tab shows its keys and reruns one (a new run, a no-op), the key's page shows its
     attempts, and a link to the DAG run opens Airflow's own page, not a page in the frame."""
     page = signed_in(browser, stack, "operator")
-    page.goto(f"{stack.base_url}/plugin/run-keys")
+    page.get_by_role("button", name="Browse").click()
+    page.get_by_role("menuitem", name="Run keys").or_(
+        page.get_by_role("link", name="Run keys")
+    ).first.click()
+    page.wait_for_url("**/plugin/run-keys")
     frame = view(page)
     frame.locator("table.runs").wait_for()
     assert frame.locator("table.runs tbody tr").count() == 5
