@@ -394,7 +394,8 @@ def test_unreadable_database_is_explained_and_never_changed(
 def test_a_role_that_may_only_select_is_enough(
     auth_manager: Any, seeded: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every page works through a database role that may only read the bookkeeping tables."""
+    """Every page works through a database role that may only read the bookkeeping tables;
+    a read the database refuses is a page that says so (503), not a bare error."""
     role = "idem_ui_reader"
     with psycopg.connect(seeded, autocommit=True) as conn:
         conn.execute(f"DROP ROLE IF EXISTS {role}")
@@ -418,6 +419,11 @@ def test_a_role_that_may_only_select_is_enough(
         ):
             response = client.get(path, **params_)
             assert response.status_code == 200, (path, response.text[:1000])
+        with psycopg.connect(seeded, autocommit=True) as conn:
+            conn.execute(f"REVOKE SELECT ON idempotency.job_runs FROM {role}")
+        refused = client.get("/")
+        assert refused.status_code == 503
+        assert "InsufficientPrivilege" in refused.text and "job_runs" in refused.text
     finally:
         with psycopg.connect(seeded, autocommit=True) as conn:
             conn.execute(f"DROP OWNED BY {role}")

@@ -295,6 +295,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse({"detail": str(exc)}, status_code=503)
         return render(request, "error.html", 503, title=exc.title, detail=exc.detail)
 
+    @app.exception_handler(psycopg.Error)
+    def database_error(request: Request, exc: psycopg.Error) -> Response:
+        # A statement refused or cut short (permissions, the statement timeout, a lost
+        # server): said as it is, never a bare 500.
+        detail = f"connection {settings.conn_id!r}: {type(exc).__name__}: {str(exc).strip()}"
+        if wants_json(request):
+            return JSONResponse({"detail": detail}, status_code=503)
+        return render(
+            request, "error.html", 503, title="The job database refused a read", detail=detail
+        )
+
     @app.exception_handler(StarletteHTTPException)
     def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if wants_json(request):
