@@ -57,7 +57,11 @@ def test_airflow_lists_the_plugin_without_import_errors() -> None:
 def test_the_plugin_module_imports_nothing_heavy() -> None:
     """Importing and instantiating the plugin, as every task process does, loads neither the
     app nor FastAPI, psycopg, Jinja or the compat module (bench/ui.py measures the time)."""
-    loaded = "airflow.sdk.execution_time.task_runner" if AIRFLOW_V_3_0_PLUS else "airflow.models.taskinstance"
+    loaded = (
+        "airflow.sdk.execution_time.task_runner"
+        if AIRFLOW_V_3_0_PLUS
+        else "airflow.models.taskinstance"
+    )
     code = (
         "import sys\n"
         f"import {loaded}  # what a task process has loaded when it integrates plugins\n"

@@ -3,7 +3,6 @@ statement (migration 5), against a real PostgreSQL server."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import psycopg

@@ -33,15 +33,14 @@ def run_key_url(
     if target is not None:
         page = f"{MOUNT}/keys?" + urlencode({"job": target[0], "run_key": target[1]})
     else:
-        page = (
-            f"{MOUNT}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}?"
-            + urlencode({"task_id": task_id})
+        page = f"{MOUNT}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}?" + urlencode(
+            {"task_id": task_id}
         )
     return f"{base}/plugin/{NAV_ROUTE}{page}"
 
 
 class RunKeyLink(BaseOperatorLink):
-    """"Run key": this task's run key in the Run keys view."""
+    """ "Run key": this task's run key in the Run keys view."""
 
     name = "Run key"
 

@@ -7,7 +7,6 @@ from airflow.providers.common.compat.sdk import DAG
 
 from airflow_idempotency import IdempotentRunOperator, RunContext, idempotency_params
 
-
 FAILING_KEY = "2026-10-02"
 
 

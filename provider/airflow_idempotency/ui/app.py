@@ -47,8 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow_idempotency.exceptions import SchemaNotReadyError
 from airflow_idempotency.hook import IdempotencyHook
-from airflow_idempotency.ui import MOUNT, NAV_ROUTE
 from airflow_idempotency.schema import DEFAULT_SCHEMA, require_readable, validate_schema_name
+from airflow_idempotency.ui import MOUNT, NAV_ROUTE
 from airflow_idempotency.ui.reads import RecordsReader, RunFilters, Visibility
 
 CONFIG_SECTION = "idempotency"

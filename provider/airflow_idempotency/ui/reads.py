@@ -12,7 +12,6 @@ authorizes. It is applied in SQL, so rows of other DAGs never leave the database
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -287,8 +286,3 @@ class RecordsReader:
             effects=effects,
             unconfirmed=unconfirmed,
         )
-
-
-def duration(start: dt.datetime | None, end: dt.datetime | None) -> dt.timedelta | None:
-    """``end - start``, or None when either is unknown."""
-    return end - start if start and end else None
