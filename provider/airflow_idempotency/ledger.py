@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import json
 import logging
@@ -51,6 +52,7 @@ from airflow_idempotency.exceptions import (
     LockLostError,
     PermanentRemoteError,
     RemoteCallError,
+    RemoteUnreachableError,
     TransientRemoteError,
 )
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
@@ -105,7 +107,7 @@ def post_json(path: str, *, reference_field: str = "reference") -> Sender:
                 path, json=effect.request, headers={"Idempotency-Key": effect.idempotency_key}
             )
         except httpx.TransportError as exc:  # timeouts, resets, refused connections
-            raise TransientRemoteError(f"{type(exc).__name__}: {exc}") from exc
+            raise TransientRemoteError(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
         status = response.status_code
         if 200 <= status < 300:
             body = response.json()
@@ -264,6 +266,36 @@ def _batches(effects: Iterable[Effect], size: int) -> Iterator[list[Effect]]:
 
 
 _NOT_SENT = "not sent: this run lost its lock (another attempt may own the key now)"
+_UNREACHABLE = "not sent: the remote stopped answering; a rerun sends it with the same key"
+
+
+class _Reachability:
+    """Whether the remote still answers at all, from the outcomes of the calls in flight.
+
+    Any answer (a confirmation, a refusal, even a 503) proves it reachable. It is down once
+    no call has had an answer for ``window`` seconds while calls kept failing without one
+    (connection refused or reset, timeouts), and it stays down for the rest of the export.
+    """
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.silent_since: float | None = None  # monotonic
+        self.silent_since_wall: dt.datetime | None = None
+        self.last_error = ""
+        self.down = False
+
+    def answered(self) -> None:
+        if not self.down:
+            self.silent_since = self.silent_since_wall = None
+
+    def no_answer(self, error: str) -> None:
+        now = time.monotonic()
+        self.last_error = error
+        if self.silent_since is None:
+            self.silent_since = now
+            self.silent_since_wall = dt.datetime.now(dt.timezone.utc)
+        elif now - self.silent_since >= self.window:
+            self.down = True
 
 
 class OutboundLedger:
@@ -277,6 +309,11 @@ class OutboundLedger:
     :param timeout: seconds per HTTP request.
     :param lock_check_interval: before a call, re-check (at most this often) that the run
         still holds its lock; once it is lost no further call is made.
+    :param unreachable_after: stop the export early when no call has had any answer for
+        this many seconds (connection refused or reset, timeouts on every call in flight):
+        the rest stays pending with the same keys and the try fails at once with
+        :class:`~airflow_idempotency.exceptions.RemoteUnreachableError`, instead of every
+        pending effect retrying on its own for minutes.
     """
 
     def __init__(
@@ -291,6 +328,7 @@ class OutboundLedger:
         backoff_max: float = 5.0,
         timeout: float = 10.0,
         lock_check_interval: float = 0.5,
+        unreachable_after: float = 10.0,
     ) -> None:
         check_text(remote_system, "remote system name")
         if concurrency < 1 or batch_size < 1 or max_attempts < 1:
@@ -304,6 +342,8 @@ class OutboundLedger:
         self.backoff_max = backoff_max
         self.timeout = timeout
         self.lock_check_interval = lock_check_interval
+        self.unreachable_after = unreachable_after
+        self._reach = _Reachability(unreachable_after)
         self._conn: psycopg.Connection | None = None
         self._lock_checked_at = 0.0
         self._lock_lost = False
@@ -328,6 +368,7 @@ class OutboundLedger:
         when a key was reused for a different request.
         """
         summary = LedgerSummary()
+        self._reach = _Reachability(self.unreachable_after)
         with self.run.bookkeeping_connection() as conn:
             self._conn = conn
             summary = asyncio.run(self._send_all(conn, effects, sender, base_url, total, summary))
@@ -389,6 +430,9 @@ class OutboundLedger:
                             f"during the export to {self.remote_system!r}: stopped sending; "
                             "confirmations received so far are recorded."
                         )
+                    if self._reach.down:
+                        self._log_progress(summary, total)
+                        raise self._unreachable(base_url, summary, total)
                 elif to_send:
                     summary.sent += len(to_send)  # would be sent
                 self._log_progress(summary, total)
@@ -464,15 +508,48 @@ class OutboundLedger:
                 to_send.append(batch.effects[i])
         return to_send
 
+    def _unreachable(
+        self, base_url: str, summary: LedgerSummary, total: int | None
+    ) -> RemoteUnreachableError:
+        since = self._reach.silent_since_wall
+        unclaimed = f" and {total - summary.total} not yet claimed" if total is not None else ""
+        return RemoteUnreachableError(
+            f"{self.remote_system} unreachable at {base_url} since "
+            f"{since.isoformat(timespec='seconds') if since else 'now'} (no answer for "
+            f"{self.unreachable_after:g} s; last error: {self._reach.last_error}); "
+            f"{summary.pending} effect(s) left pending{unclaimed}, {summary.sent} sent: a rerun "
+            "resends them with the same keys."
+        )
+
+    async def _send(
+        self, client: httpx.AsyncClient, sender: Sender, effect: Effect
+    ) -> Confirmation:
+        """One try of one call, noting whether the remote answered at all."""
+        try:
+            confirmation = await sender(client, effect)
+        except TransientRemoteError as exc:
+            if exc.unreachable:
+                self._reach.no_answer(str(exc))
+            else:
+                self._reach.answered()
+            raise
+        except PermanentRemoteError:
+            self._reach.answered()
+            raise
+        self._reach.answered()
+        return confirmation
+
     async def _call(self, clients: _ClientPool, sender: Sender, effect: Effect) -> _Outcome:
         key = effect.idempotency_key
         async with clients.client() as client:
             crash_point("ledger.before_remote_call")
             if not self._lock_still_held():
                 return _Outcome(key, "pending", None, _NOT_SENT, 0)
+            if self._reach.down:
+                return _Outcome(key, "pending", None, _UNREACHABLE, 0)
             try:
                 # Most calls succeed at once: only a transient error pays for the retry loop.
-                confirmation = await sender(client, effect)
+                confirmation = await self._send(client, sender, effect)
             except TransientRemoteError as exc:
                 return await self._retry(client, sender, effect, exc)
             except PermanentRemoteError as exc:
@@ -506,8 +583,12 @@ class OutboundLedger:
                         raise first_error
                     if not self._lock_still_held():
                         return _Outcome(effect.idempotency_key, "pending", None, _NOT_SENT, calls)
+                    if self._reach.down:
+                        return _Outcome(
+                            effect.idempotency_key, "pending", None, _UNREACHABLE, calls
+                        )
                     calls += 1
-                    confirmation = await sender(client, effect)
+                    confirmation = await self._send(client, sender, effect)
         except TransientRemoteError as exc:
             return _Outcome(
                 effect.idempotency_key,
