@@ -107,9 +107,18 @@ class RunContext:
         attempt that lost its lock cannot commit more writes.
         """
         conn = self._conn
-        with conn.transaction(), conn.cursor() as cur:
-            yield cur
-            self.assert_lock_held(conn)
+        try:
+            with conn.transaction(), conn.cursor() as cur:
+                yield cur
+                self.assert_lock_held(conn)
+        except psycopg.OperationalError as exc:
+            if not (conn.closed or conn.broken):
+                raise  # e.g. a deadlock or a cancelled statement: the session is fine
+            raise LockLostError(
+                f"job {self.job_name!r} run_key {self.run_key!r} lost its connection to the job "
+                f"database ({str(exc).strip()}): this transaction did not commit, and this "
+                "attempt cannot know whether it still holds its lock. A rerun converges."
+            ) from exc
 
     def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
         """Whether this run's lock session still holds the lock (checked from ``conn``)."""

@@ -95,8 +95,17 @@ INSERT INTO {schema}.job_run_attempts (
 RETURNING attempt_id;
 
 -- name: finish_attempt
+-- An attempt that is no longer running was closed by someone else meanwhile (a successor
+-- that took the key over closes it as abandoned, lock_lost): that record stays, and what
+-- this attempt learnt late about itself is added to its details.
 UPDATE {schema}.job_run_attempts
-SET outcome = %(outcome)s, finished_at = statement_timestamp(), error = %(error)s, details = details || %(details)s
+SET outcome = CASE WHEN outcome = 'running' THEN %(outcome)s ELSE outcome END,
+    finished_at = CASE WHEN outcome = 'running' THEN statement_timestamp() ELSE finished_at END,
+    error = CASE WHEN outcome = 'running' THEN %(error)s ELSE error END,
+    details = details || %(details)s || CASE
+        WHEN outcome = 'running' THEN jsonb_build_object()
+        ELSE jsonb_build_object('late_outcome', %(outcome)s::text, 'late_error', %(error)s::text)
+    END
 WHERE attempt_id = %(attempt_id)s;
 
 -- name: start_attempt
