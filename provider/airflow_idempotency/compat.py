@@ -7,6 +7,8 @@ map are explicit branches here. No other module checks the Airflow version.
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Mapping
 from typing import Any
 
 from airflow.providers.common.compat.sdk import (
@@ -113,6 +115,22 @@ class ReschedulingOperator(BaseOperator):
             return super().get_serialized_fields() | {"reschedule"}  # type: ignore[no-untyped-call]
 
 
+class AirflowMetrics:
+    """:class:`airflow_idempotency.metrics.Metrics` through Airflow's own ``Stats`` (StatsD
+    or OpenTelemetry, whatever ``[metrics]`` configures; nothing when it is off)."""
+
+    def incr(self, stat: str, count: int = 1, *, tags: Mapping[str, str] | None = None) -> None:
+        Stats.incr(stat, count, tags=dict(tags or {}))
+
+    def timing(
+        self, stat: str, dt: datetime.timedelta, *, tags: Mapping[str, str] | None = None
+    ) -> None:
+        Stats.timing(stat, dt, tags=dict(tags or {}))
+
+
+AIRFLOW_METRICS = AirflowMetrics()
+
+
 def logs_to_stderr() -> None:
     """Move Airflow's console log handlers from stdout to stderr (2.x logs to stdout).
 
@@ -136,6 +154,7 @@ def logs_to_stderr() -> None:
 
 
 __all__ = [
+    "AIRFLOW_METRICS",
     "AIRFLOW_V_3_0_PLUS",
     "AirflowException",
     "AirflowFailException",

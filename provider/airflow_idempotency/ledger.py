@@ -44,6 +44,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from airflow_idempotency import metrics
 from airflow_idempotency._sql import query
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
@@ -88,6 +89,7 @@ class Confirmation:
 
     reference: str
     response: Mapping[str, Any] | None = None
+    replayed: bool = False  # the remote answered with the result it had stored for the key
 
 
 Sender = Callable[[httpx.AsyncClient, Effect], Awaitable[Confirmation]]
@@ -96,7 +98,9 @@ Sender = Callable[[httpx.AsyncClient, Effect], Awaitable[Confirmation]]
 def post_json(path: str, *, reference_field: str = "reference") -> Sender:
     """A sender that POSTs the request as JSON with an ``Idempotency-Key`` header.
 
-    2xx confirms (``reference_field`` of the JSON answer is the remote reference);
+    2xx confirms (``reference_field`` of the JSON answer is the remote reference; an
+    ``Idempotent-Replayed: true`` header, as Stripe and the example service send, marks
+    a replay of an earlier answer);
     408, 409 (the same key is in flight), 425, 429 and 5xx are transient; any other 4xx
     is permanent. Timeouts and connection errors are transient.
     """
@@ -111,7 +115,8 @@ def post_json(path: str, *, reference_field: str = "reference") -> Sender:
         status = response.status_code
         if 200 <= status < 300:
             body = response.json()
-            return Confirmation(str(body[reference_field]), body)
+            replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
+            return Confirmation(str(body[reference_field]), body, replayed)
         detail = f"HTTP {status}: {response.text[:300]}"
         if status in (408, 409, 425, 429) or status >= 500:
             raise TransientRemoteError(detail)
@@ -131,6 +136,7 @@ class LedgerSummary:
     pending: int = 0
     conflicts: int = 0
     calls: int = 0
+    replayed: int = 0  # of ``sent``: the remote replayed its answer (it had the key)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -174,6 +180,7 @@ class _Outcome:
     reference: str | None
     error: str | None
     calls: int
+    replayed: bool = False
 
 
 class _ClientPool:
@@ -369,9 +376,13 @@ class OutboundLedger:
         """
         summary = LedgerSummary()
         self._reach = _Reachability(self.unreachable_after)
-        with self.run.bookkeeping_connection() as conn:
-            self._conn = conn
-            summary = asyncio.run(self._send_all(conn, effects, sender, base_url, total, summary))
+        try:
+            with self.run.bookkeeping_connection() as conn:
+                self._conn = conn
+                asyncio.run(self._send_all(conn, effects, sender, base_url, total, summary))
+        finally:
+            if not self.run.dry_run:
+                self._count(summary)
         self._log_progress(summary, total, final=True)
         if summary.conflicts:
             raise IdempotencyKeyConflictError(
@@ -387,6 +398,16 @@ class OutboundLedger:
                 "They are in the outbound ledger; a rerun retries them with the same keys."
             )
         return summary
+
+    def _count(self, summary: LedgerSummary) -> None:
+        counts = {
+            "sent": summary.sent,
+            "skipped": summary.skipped_existing,
+            "replayed": summary.replayed,
+            "failed": summary.failed,
+            "pending": summary.pending,
+        }
+        metrics.ledger_counts(self.run.metrics, counts, self.run.job_name, self.remote_system)
 
     def rows(self, job_name: str | None = None, run_key: str | None = None) -> list[dict[str, Any]]:
         """The ledger rows of a job's run key (default: this run's), ordered by key."""
@@ -555,7 +576,9 @@ class OutboundLedger:
             except PermanentRemoteError as exc:
                 return _Outcome(key, "failed", None, str(exc), 1)
             crash_point("ledger.after_remote_commit")
-            return _Outcome(key, "succeeded", confirmation.reference, None, 1)
+            return _Outcome(
+                key, "succeeded", confirmation.reference, None, 1, confirmation.replayed
+            )
 
     async def _retry(
         self,
@@ -600,7 +623,14 @@ class OutboundLedger:
         except PermanentRemoteError as exc:
             return _Outcome(effect.idempotency_key, "failed", None, str(exc), calls)
         crash_point("ledger.after_remote_commit")
-        return _Outcome(effect.idempotency_key, "succeeded", confirmation.reference, None, calls)
+        return _Outcome(
+            effect.idempotency_key,
+            "succeeded",
+            confirmation.reference,
+            None,
+            calls,
+            confirmation.replayed,
+        )
 
     def _lock_still_held(self) -> bool:
         """Re-check the lock at most every ``lock_check_interval`` seconds (~0.2 ms a check).
@@ -636,6 +666,7 @@ class OutboundLedger:
             summary.calls += outcome.calls
             if outcome.status == "succeeded":
                 summary.sent += 1
+                summary.replayed += outcome.replayed
             elif outcome.status == "failed":
                 summary.failed += 1
                 summary.errors.append(f"{outcome.key}: {outcome.error}")

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import pendulum
 
 from airflow_idempotency.compat import (
+    AIRFLOW_METRICS,
     TRIGGERED_BY,
     AirflowException,
     AirflowFailException,
@@ -239,6 +240,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             schema=self.schema,
             airflow_context=context,
             logger=self.log,  # type: ignore[arg-type]
+            metrics=AIRFLOW_METRICS,
         )
         if result.outcome is RunOutcome.NOOP and self.on_completed == "skip":
             raise AirflowSkipException(

@@ -132,6 +132,7 @@ abandoned AS (
         error = 'abandoned: the worker ended without finishing; taken over by attempt '
                 || (SELECT attempt_id FROM attempt)::text
     WHERE job_name = %(job_name)s AND run_key = %(run_key)s AND outcome = 'running'
+    RETURNING attempt_id
 ),
 run AS (
     INSERT INTO {schema}.job_runs (
@@ -156,7 +157,7 @@ run AS (
         updated_at = statement_timestamp()
     RETURNING attempt_count
 )
-SELECT attempt.attempt_id, run.attempt_count
+SELECT attempt.attempt_id, run.attempt_count, (SELECT count(*) FROM abandoned) AS abandoned
 FROM attempt, run;
 
 -- name: complete_attempt
