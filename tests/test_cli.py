@@ -170,7 +170,8 @@ def test_run_exit_codes_through_airflow(airflow_home: Path, pg_dsn: str, tmp_pat
     again = cli_process(airflow_home, pg_dsn, "run", "core_slow_job", "--date", "2026-10-01")
     assert again.returncode == 0 and "no-op: already completed" in again.stdout
     future = cli_process(airflow_home, pg_dsn, "run", "core_slow_job", "--date", "2099-01-01")
-    assert future.returncode == 1 and "has not ended yet" in future.stderr
+    assert future.returncode == 2 and "has not ended yet" in future.stderr  # refused input
+    assert "nothing ran" in future.stderr
 
     release = tmp_path / "release"
     holder = start_worker(

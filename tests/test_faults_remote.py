@@ -135,3 +135,136 @@ def test_a_failed_export_fails_the_dag_run(invoicing: Any, monkeypatch: pytest.M
     dag_run = run_finalize()
     assert task_states(dag_run)["export_invoices"] == "failed"
     assert dag_run.state != SUCCESS
+
+
+def _export_until(dsn: str, url: str, items: Any, **options: Any) -> tuple[Any, float]:
+    """One forced run exporting ``items``: (its exception or summary, seconds it took)."""
+    import time
+
+    import psycopg
+
+    from airflow_idempotency import OutboundLedger, RunContext, post_json, run_idempotently
+    from airflow_idempotency.runner import RunOptions
+
+    out: dict[str, Any] = {}
+
+    def work(run: RunContext) -> None:
+        ledger = OutboundLedger(run, "accounting", timeout=2, **options)
+        out["summary"] = ledger.send_all(items, post_json("/api/invoices"), base_url=url, total=400)
+
+    started = time.monotonic()
+    try:
+        run_idempotently(
+            connect=lambda: psycopg.connect(dsn),
+            job_name="export",
+            run_key=D,
+            work=work,
+            options=RunOptions(force=True),
+        )
+    except Exception as exc:
+        return exc, time.monotonic() - started
+    return out["summary"], time.monotonic() - started
+
+
+@pytest.mark.parametrize("killed_at", [0, 120], ids=["down_from_the_start", "killed_mid_export"])
+def test_a_remote_that_is_down_fails_the_try_early_and_loses_nothing(
+    pg_dsn: str, killed_at: int
+) -> None:
+    """The accounting service dies (before the export, or after 120 of 400 effects): the
+    export stops once no call had any answer for unreachable_after (3 s) instead of every
+    pending effect retrying on its own, fails with one message naming the service, the time
+    and what is left pending; the rerun after the service is back sends each effect once."""
+    import time
+
+    from airflow_idempotency import Effect, RemoteUnreachableError
+    from devtools.accounting import run_accounting_service
+
+    def effects(service: Any) -> Any:
+        for i in range(400):
+            if i == killed_at:
+                service.kill()
+                killed["at"] = time.monotonic()
+            yield Effect(f"{D}:order_{i}", {"order_id": i, "amount_cents": 100 + i})
+
+    killed: dict[str, float] = {}
+    with run_accounting_service(pg_dsn) as service:
+        url = service.url
+        error, took = _export_until(
+            pg_dsn, url, effects(service), unreachable_after=3, batch_size=50, max_attempts=8
+        )
+    after_kill = time.monotonic() - killed["at"]  # the export had just returned
+    assert isinstance(error, RemoteUnreachableError), error
+    message = str(error)
+    assert f"accounting unreachable at {url} since " in message
+    assert "left pending" in message and "a rerun resends them with the same keys" in message
+    assert after_kill < 30, after_kill  # 3 s of silence, plus in-flight timeouts and backoff
+    statuses = rows(
+        pg_dsn, "SELECT status, count(*) FROM idempotency.outbound_ledger GROUP BY 1 ORDER BY 1"
+    )
+    confirmed = dict(statuses).get("succeeded", 0)
+    # The next batch is read (and the service killed) while the one before is claimed.
+    assert confirmed <= killed_at and (killed_at == 0) == (confirmed == 0), statuses
+    with run_accounting_service(pg_dsn) as service:
+        again = (
+            Effect(f"{D}:order_{i}", {"order_id": i, "amount_cents": 100 + i}) for i in range(400)
+        )
+        summary, _ = _export_until(pg_dsn, service.url, again)
+        assert summary.ok and (summary.sent, summary.skipped_existing) == (
+            400 - confirmed,
+            confirmed,
+        )
+        remote = service.invoices(key_prefix=f"{D}:order_")
+    assert len(remote) == 400 and len({r["idempotency_key"] for r in remote}) == 400
+    figures(
+        f"service killed after {killed_at} of 400 effects: the export failed {after_kill:.1f} s "
+        f"after the kill ({took:.1f} s in all)"
+        f" (unreachable_after 3 s, max_attempts 8); the rerun sent {400 - confirmed}, skipped "
+        f"{confirmed} confirmed, 0 duplicates"
+    )
+
+
+def test_the_dag_fails_in_seconds_when_the_accounting_service_is_down(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """finalize_invoices with its accounting service dead: each try of the export stops
+    after unreachable_after (the 10 s default) and the DAG run fails after its retries in
+    well under a minute; when the service is back, a rerun exports every invoice once."""
+    import time
+
+    import psycopg
+
+    from devtools.accounting import run_accounting_service
+    from invoicing.seed import seed_orders
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        day = pendulum.parse(D).date()
+        seed_orders(conn, day, day, 300, 7)
+    with run_accounting_service(pg_dsn) as service:
+        dead_url = service.url
+        service.kill()
+    for name, value in connection_env(pg_dsn, dead_url, timeout=5).items():
+        monkeypatch.setenv(name, value)
+    started = time.monotonic()
+    dag_run = run_finalize()
+    took = time.monotonic() - started
+    assert task_states(dag_run)["export_invoices"] == "failed" and dag_run.state != SUCCESS
+    errors = rows(
+        pg_dsn,
+        "SELECT error FROM idempotency.job_run_attempts"
+        " WHERE job_name = 'finalize_invoices.export_invoices' ORDER BY attempt_id",
+    )
+    assert len(errors) == 3  # the export task's three tries (retries=2)
+    assert all("accounting unreachable at" in e for (e,) in errors), errors
+    assert took < 90, took
+    with run_accounting_service(pg_dsn) as service:
+        for name, value in connection_env(pg_dsn, service.url).items():
+            monkeypatch.setenv(name, value)
+        assert run_finalize().state == SUCCESS
+    assert check_consistency(pg_dsn) == NO_PROBLEMS
+    state = final_state(pg_dsn)
+    assert len(state["remote"]) == 300 and {s for _, s in state["ledger"]} == {"succeeded"}
+    figures(
+        f"accounting service down: the DAG run failed after {took:.0f} s (3 tries of the "
+        "export, 5 s retry delay, unreachable_after 10 s); the rerun exported 300 of 300, "
+        "0 duplicates"
+    )

@@ -465,3 +465,70 @@ def test_recorded_times_follow_the_run(pg_dsn: str) -> None:
     )
     assert (finished - started).total_seconds() >= 0.3
     assert (completed - run_started).total_seconds() >= 0.3
+
+
+class RecordingMetrics:
+    """Airflow's Stats stand-in for the core (the real path: tests/test_metrics.py)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.timers: list[str] = []
+
+    def incr(self, stat: str, count: int = 1, *, tags: Any = None) -> None:
+        assert tags and set(tags) <= {"job", "remote_system"}
+        self.counts[stat] = self.counts.get(stat, 0) + count
+
+    def timing(self, stat: str, dt: Any, *, tags: Any = None) -> None:
+        self.timers.append(stat)
+
+
+def test_every_outcome_is_counted(pg_dsn: str) -> None:
+    """Completed, noop, failed, dry_run, lock_held, and a takeover of a killed worker's
+    attempt each add one to their counter; decision and work are timed."""
+    import subprocess
+    import sys
+
+    metrics = RecordingMetrics()
+
+    def run(key: str, work: Any, **kw: Any) -> None:
+        with contextlib.suppress(Exception):
+            run_idempotently(
+                connect=connect_to(pg_dsn),
+                job_name="j",
+                run_key=key,
+                work=work,
+                metrics=metrics,
+                **kw,
+            )
+
+    run("a", lambda ctx: None)
+    run("a", lambda ctx: None)
+    run("b", lambda ctx: 1 / 0)
+    run("c", lambda ctx: None, options=RunOptions(dry_run=True))
+    with psycopg.connect(pg_dsn, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (run_lock_key("j", "d"),))
+        run("d", lambda ctx: None)
+    # A worker killed after its start was recorded, then the rerun takes the key over.
+    code = (
+        "import psycopg; from airflow_idempotency import run_idempotently;"
+        f"run_idempotently(connect=lambda: psycopg.connect({pg_dsn!r}), job_name='j',"
+        " run_key='e', work=lambda ctx: None)"
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**__import__("os").environ, "AIRFLOW_IDEMPOTENCY_CRASH_AT": "runner.after_started"},
+        capture_output=True,
+    )
+    assert killed.returncode == -9, killed.stderr[-500:]
+    run("e", lambda ctx: None)
+    prefix = "idempotency.run."
+    assert metrics.counts == {
+        f"{prefix}completed": 2,
+        f"{prefix}noop": 1,
+        f"{prefix}failed": 1,
+        f"{prefix}dry_run": 1,
+        f"{prefix}lock_held": 1,
+        f"{prefix}takeover": 1,
+    }
+    assert metrics.timers.count(f"{prefix}decision_ms") == 6
+    assert metrics.timers.count(f"{prefix}work_ms") == 4

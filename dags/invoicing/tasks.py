@@ -40,6 +40,7 @@ def accounting_endpoint(conn_id: str = "accounting_api") -> tuple[str, dict[str,
         "max_attempts",
         "backoff_initial",
         "backoff_max",
+        "unreachable_after",
     )
     options = {k: v for k, v in (conn.extra_dejson or {}).items() if k in tuning}
     return f"{scheme}://{conn.host}{port}", options

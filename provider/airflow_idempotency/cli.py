@@ -1,7 +1,10 @@
 """``airflow-idempotency``: the on-call operator's view of runs, locks and the ledger.
 
 Exit codes (the runbook's): 0 success, or an already completed key (a no-op);
-1 failure; 2 bad usage (a missing or malformed date); 75 the run key is locked elsewhere.
+1 failure, or something to look at (``gaps`` found periods without a completed run,
+``runs --stale`` found abandoned work); 2 bad input (a malformed date, an unknown job or
+DAG, a range that ends before it starts, a run key that would be refused), nothing
+written; 75 the run key is locked elsewhere.
 
 Read-only commands (``runs``, ``show``, ``locks``, ``ledger``) never write: they refuse a
 database whose bookkeeping schema is missing or older than this version instead of
@@ -14,13 +17,14 @@ connection ``--conn-id`` (default ``idempotency_default``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -126,11 +130,20 @@ def fetch(
 # -- output -----------------------------------------------------------------------------
 
 
+def _json_value(value: Any) -> Any:
+    """JSON for what json cannot encode: ISO 8601 for dates and times, text otherwise."""
+    if isinstance(value, dt.date | dt.datetime | dt.time):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    return str(value)
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         return value.isoformat(timespec="seconds")
     if isinstance(value, dict | list):
-        return json.dumps(value, default=str)
+        return json.dumps(value, default=_json_value)
     return "" if value is None else value
 
 
@@ -139,7 +152,11 @@ def emit(
 ) -> None:
     """Print rows as a table, or as JSON with --json."""
     if args.json:
-        print(json.dumps([{c: r.get(c) for c in columns} for r in rows], default=str, indent=2))
+        print(
+            json.dumps(
+                [{c: r.get(c) for c in columns} for r in rows], default=_json_value, indent=2
+            )
+        )
         return
     from rich.console import Console
     from rich.table import Table
@@ -158,6 +175,8 @@ def emit(
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    if args.stale:
+        return cmd_stale(args)
     with _connect_read(args) as conn:
         rows = fetch(
             conn,
@@ -201,7 +220,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(
             json.dumps(
-                {"run": run.__dict__ if run else None, "attempts": attempts}, default=str, indent=2
+                {"run": run.__dict__ if run else None, "attempts": attempts},
+                default=_json_value,
+                indent=2,
             )
         )
         return EXIT_OK
@@ -271,7 +292,11 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         summary = fetch(conn, args.schema, "cli_ledger_summary", params)
         problems = fetch(conn, args.schema, "cli_ledger_problems", params)
     if args.json:
-        print(json.dumps({"summary": summary, "not_confirmed": problems}, default=str, indent=2))
+        print(
+            json.dumps(
+                {"summary": summary, "not_confirmed": problems}, default=_json_value, indent=2
+            )
+        )
         return EXIT_OK
     emit(
         args,
@@ -353,6 +378,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     conf: dict[str, Any] = {"run_key": args.date, "force": args.force, "dry_run": args.dry_run}
     if args.force_reconcile:
         conf["force_reconcile"] = True
+    refused = [e for e in _explain(args, "manual", None, conf) if e.run_key is None]
+    if refused:  # e.g. a period that has not ended: nothing runs, nothing is written
+        reasons = "; ".join(f"{e.task_id}: {e.explanation}" for e in refused)
+        raise CommandError(f"{args.dag_id} {args.date} refused, nothing ran: {reasons}", EXIT_USAGE)
     with _open(args) as conn:
         since = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
     env = {**os.environ, ON_LOCKED_ENV: "fail"}
@@ -392,6 +421,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         verdict, exit_code = "no-op: already completed", EXIT_OK
     else:
         verdict, exit_code = "dry run" if args.dry_run else "completed", EXIT_OK
+    kept = exit_code != EXIT_OK or args.keep_log
+    if not kept:
+        os.unlink(log.name)  # nothing to look at: the attempts say it all
+    holders = [a["error"] for a in attempts if a["outcome"] == "lock_held" and a["error"]]
     if args.json:
         print(
             json.dumps(
@@ -401,20 +434,174 @@ def cmd_run(args: argparse.Namespace) -> int:
                     "verdict": verdict,
                     "exit_code": exit_code,
                     "attempts": attempts,
-                    "log": log.name,
+                    "log": log.name if kept else None,
                 },
-                default=str,
+                default=_json_value,
                 indent=2,
             )
         )
     else:
         print(f"{args.dag_id} {args.date}: {verdict}")
+        for holder in holders[-1:]:
+            print(holder)
         emit(args, "attempts of this run", attempts, ["job_name", "outcome", "error"])
-        print(f"log: {log.name}")
+        if kept:
+            print(f"log: {log.name}")
         if exit_code == EXIT_FAILED and not attempts:
             with open(log.name, encoding="utf-8", errors="replace") as f:
                 print("".join(f.readlines()[-30:]), file=sys.stderr)
     return exit_code
+
+
+def cmd_gaps(args: argparse.Namespace) -> int:
+    """The periods of a job in a range with no completed run; exit 1 when there are any."""
+    from airflow_idempotency import status
+
+    with _connect_read(args) as conn:
+        found = status.gaps(conn, args.schema, args.job, args.from_key, args.to_key)
+    rows = [gap.as_dict() for gap in found]
+    emit(
+        args,
+        f"{args.job}: periods without a completed run, {args.from_key} .. {args.to_key}",
+        rows,
+        ["run_key", "state", "attempts", "updated_at", "last_error"],
+    )
+    return EXIT_FAILED if found else EXIT_OK
+
+
+def cmd_stale(args: argparse.Namespace) -> int:
+    from airflow_idempotency import status
+
+    with _connect_read(args) as conn:
+        rows = status.stale(conn, args.schema, args.job)
+    for row in rows:
+        row["age"] = _age(row["age"])
+    emit(
+        args,
+        "stale: running or started, nobody holds the lock",
+        rows,
+        ["job_name", "run_key", "status", "attempt_id", "hostname", "pid", "started_at", "age"],
+    )
+    return EXIT_FAILED if rows else EXIT_OK
+
+
+def _age(value: dt.timedelta) -> str:
+    seconds = int(value.total_seconds())
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    return f"{days}d {hours}h {rest // 60}m ago" if days else f"{hours}h {rest // 60}m ago"
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """Delete old attempt rows of completed keys (never a job_runs row, never the ledger)."""
+    from airflow_idempotency import status
+
+    older_than = status.parse_age(args.older_than)
+    with _connect_read(args) as conn:
+        count = status.prune_attempts(
+            conn, args.schema, older_than, dry_run=args.dry_run, batch_size=args.batch_size
+        )
+    verb = "would delete" if args.dry_run else "deleted"
+    summary = {"dry_run": args.dry_run, "older_than_days": older_than.days, "attempts": count}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"{verb} {count} attempt row(s) older than {older_than.days} days, of completed keys "
+            "(job_runs rows, the attempt that completed each key and the ledger are kept)"
+        )
+    return EXIT_OK
+
+
+@contextlib.contextmanager
+def _airflow_quiet() -> Iterator[None]:
+    """Whatever Airflow logs while it parses DAGs goes to stderr: stdout is our output."""
+    from airflow_idempotency import compat
+
+    compat.logs_to_stderr()
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def _load_dag(args: argparse.Namespace) -> Any:
+    from airflow_idempotency import compat
+
+    try:
+        with _airflow_quiet():
+            return compat.load_dag(args.dag_id, args.dags_folder)
+    except LookupError as exc:
+        raise CommandError(str(exc).strip("'\""), EXIT_USAGE) from exc
+
+
+def _explain(
+    args: argparse.Namespace, kind: str, logical_date: dt.datetime | None, conf: dict[str, Any]
+) -> list[Any]:
+    from airflow_idempotency import planning
+
+    dag = _load_dag(args)
+    with _airflow_quiet():
+        return planning.explain(dag, kind=kind, logical_date=logical_date, conf=conf)
+
+
+def _instant(value: str) -> dt.datetime:
+    """argparse type: an ISO date or date-time; a bare date is midnight, a naive time UTC."""
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a date or date-time, e.g. 2026-10-02 or 2026-10-02T01:00:00+00:00"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """The run key each idempotent task of a run would get, and why; exit 2 when refused."""
+    try:
+        conf = json.loads(args.conf or "{}")
+    except json.JSONDecodeError as exc:
+        raise CommandError(f"--conf is not JSON: {exc}", EXIT_USAGE) from exc
+    if not isinstance(conf, dict):
+        raise CommandError(
+            '--conf must be a JSON object, e.g. \'{"run_key": "2026-10-01"}\'', EXIT_USAGE
+        )
+    explained = _explain(args, args.run_type, args.logical_date, conf)
+    emit(
+        args,
+        f"{args.dag_id}: {args.run_type} run at {args.logical_date or 'no logical date'}",
+        [e.as_dict() for e in explained],
+        ["task_id", "job_name", "run_key", "explanation"],
+    )
+    return EXIT_USAGE if any(e.run_key is None for e in explained) else EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Which business dates a backfill would cover on this Airflow line, and what each does."""
+    from airflow_idempotency import compat, planning
+
+    if args.command_name != compat.BACKFILL_COMMAND:
+        line = "Airflow 3" if compat.AIRFLOW_V_3_0_PLUS else "Airflow 2"
+        raise CommandError(
+            f"this is {line}, whose backfill command is {compat.BACKFILL_COMMAND}; "
+            f"{args.command_name} belongs to the other line: run plan where that Airflow runs",
+            EXIT_USAGE,
+        )
+    if args.to_date < args.from_date:
+        raise CommandError(f"--from {args.from_date} is after --to {args.to_date}", EXIT_USAGE)
+    dag = _load_dag(args)
+    with _open(args) as conn:
+        recorded = conn if current_version(conn, args.schema) else None  # else: all new
+        with _airflow_quiet():
+            rows = planning.plan(dag, recorded, args.schema, args.from_date, args.to_date)
+    emit(
+        args,
+        f"{args.dag_id}: {args.command_name} {args.from_date.isoformat()} .. "
+        f"{args.to_date.isoformat()}",
+        rows,
+        ["logical_date", "task_id", "run_key", "status", "would", "explanation"]
+        if args.json
+        else ["logical_date", "task_id", "run_key", "status", "would"],
+    )
+    return EXIT_OK
 
 
 # -- parser -------------------------------------------------------------------------------
@@ -437,6 +624,12 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--from", dest="from_key", metavar="RUN_KEY", help="run keys >= this")
     runs.add_argument("--to", dest="to_key", metavar="RUN_KEY", help="run keys <= this")
     runs.add_argument("--limit", type=int, default=100)
+    runs.add_argument(
+        "--stale",
+        action="store_true",
+        help="only attempts still running and keys still started whose lock nobody holds "
+        "(exit 1 when there are any)",
+    )
     runs.set_defaults(func=cmd_runs)
 
     show = sub.add_parser("show", parents=[common], help="one run and all its attempts")
@@ -481,12 +674,64 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--force-reconcile", action="store_true", help="reconcile the external effects"
     )
+    run.add_argument("--keep-log", action="store_true", help="keep Airflow's log of a success too")
+    run.add_argument("--dags-folder", help="DAG folder (default: [core] dags_folder)")
     run.set_defaults(func=cmd_run)
+
+    gaps = sub.add_parser(
+        "gaps", parents=[common], help="periods of a job with no completed run (exit 1 if any)"
+    )
+    gaps.add_argument("job")
+    gaps.add_argument("--from", dest="from_key", required=True, metavar="RUN_KEY")
+    gaps.add_argument("--to", dest="to_key", required=True, metavar="RUN_KEY")
+    gaps.set_defaults(func=cmd_gaps)
+
+    prune = sub.add_parser(
+        "prune", parents=[common], help="delete old attempt rows of completed keys"
+    )
+    prune.add_argument(
+        "--attempts-older-than", dest="older_than", required=True, metavar="AGE", help="e.g. 400d"
+    )
+    prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    prune.add_argument("--batch-size", type=int, default=10_000)
+    prune.set_defaults(func=cmd_prune)
+
+    explain = sub.add_parser(
+        "explain", parents=[common], help="the run key a run would get, and why"
+    )
+    explain.add_argument("dag_id")
+    explain.add_argument("--logical-date", type=_instant, help="ISO date or date-time")
+    explain.add_argument(
+        "--run-type", choices=["manual", "scheduled", "backfill"], default="scheduled"
+    )
+    explain.add_argument("--conf", help="the run's conf, JSON")
+    explain.add_argument("--dags-folder", help="DAG folder (default: [core] dags_folder)")
+    explain.set_defaults(func=cmd_explain)
+
+    plan = sub.add_parser(
+        "plan", parents=[common], help="what a backfill of a range would run, date by date"
+    )
+    plan.add_argument("dag_id")
+    plan.add_argument("--from", dest="from_date", type=_instant, required=True, metavar="DATE")
+    plan.add_argument("--to", dest="to_date", type=_instant, required=True, metavar="DATE")
+    plan.add_argument(
+        "--command",
+        dest="command_name",
+        choices=["dags-backfill", "backfill-create"],
+        default=None,
+        help="the backfill command (default: this Airflow line's)",
+    )
+    plan.add_argument("--dags-folder", help="DAG folder (default: [core] dags_folder)")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "command_name", "") is None:
+        from airflow_idempotency.compat import BACKFILL_COMMAND
+
+        args.command_name = BACKFILL_COMMAND
     try:
         validate_schema_name(args.schema)
         return int(args.func(args))

@@ -7,6 +7,8 @@ map are explicit branches here. No other module checks the Airflow version.
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Mapping
 from typing import Any
 
 from airflow.providers.common.compat.sdk import (
@@ -127,6 +129,72 @@ def run_key_links() -> tuple[BaseOperatorLink, ...]:
     return (RunKeyLink(),)
 
 
+BACKFILL_COMMAND = "backfill-create" if AIRFLOW_V_3_0_PLUS else "dags-backfill"
+"""This line's date-range command: ``airflow backfill create`` (3.x), ``airflow dags
+backfill`` (2.x; removed in 3.0)."""
+
+
+def load_dag(dag_id: str, dags_folder: str | None = None) -> Any:
+    """``dag_id`` parsed from ``dags_folder`` (default: ``[core] dags_folder``), as the
+    line's DAG processor parses it; ``LookupError`` naming the folder's DAGs if absent."""
+    if AIRFLOW_V_3_0_PLUS:
+        import pathlib
+
+        from airflow.configuration import conf
+        from airflow.dag_processing.dagbag import BundleDagBag
+
+        # As the dags-folder bundle parses it: with the folder on sys.path, so that a DAG
+        # file's own modules import (the plain DagBag of 3.x does not add it).
+        folder = pathlib.Path(dags_folder or conf.get("core", "dags_folder"))
+        bag = BundleDagBag(dag_folder=str(folder), bundle_path=folder, bundle_name="dags-folder")
+    else:
+        from airflow.models.dagbag import DagBag
+
+        bag = DagBag(dag_folder=dags_folder)
+    if dag_id not in bag.dags:
+        errors = f"; import errors: {sorted(bag.import_errors)}" if bag.import_errors else ""
+        raise LookupError(
+            f"no DAG {dag_id!r} in {bag.dag_folder} (DAGs there: {sorted(bag.dags)}{errors})"
+        )
+    return bag.dags[dag_id]
+
+
+def backfill_logical_dates(
+    dag: Any, from_date: datetime.datetime, to_date: datetime.datetime
+) -> list[datetime.datetime]:
+    """The logical dates of the runs this line's backfill command would create for ``dag``
+    between ``from_date`` and ``to_date``: both lines compare the bounds with logical dates
+    (from the DAG's own timetable); Airflow 3 also leaves out runs whose interval has not
+    ended yet."""
+    if AIRFLOW_V_3_0_PLUS:
+        from airflow.serialization.serialized_objects import DagSerialization
+
+        scheduler_dag = DagSerialization.from_dict(DagSerialization.to_dict(dag))
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return [
+            info.logical_date
+            for info in scheduler_dag.iter_dagrun_infos_between(from_date, to_date)
+            if info.logical_date is not None and info.data_interval and info.data_interval.end < now
+        ]
+    return [info.logical_date for info in dag.iter_dagrun_infos_between(from_date, to_date)]
+
+
+class AirflowMetrics:
+    """:class:`airflow_idempotency.metrics.Metrics` through Airflow's own ``Stats`` (StatsD
+    or OpenTelemetry, whatever ``[metrics]`` configures; nothing when it is off)."""
+
+    def incr(self, stat: str, count: int = 1, *, tags: Mapping[str, str] | None = None) -> None:
+        Stats.incr(stat, count, tags=dict(tags or {}))
+
+    def timing(
+        self, stat: str, dt: datetime.timedelta, *, tags: Mapping[str, str] | None = None
+    ) -> None:
+        Stats.timing(stat, dt, tags=dict(tags or {}))
+
+
+AIRFLOW_METRICS = AirflowMetrics()
+
+
 def logs_to_stderr() -> None:
     """Move Airflow's console log handlers from stdout to stderr (2.x logs to stdout).
 
@@ -150,6 +218,7 @@ def logs_to_stderr() -> None:
 
 
 __all__ = [
+    "AIRFLOW_METRICS",
     "AIRFLOW_V_3_0_PLUS",
     "AirflowException",
     "AirflowFailException",

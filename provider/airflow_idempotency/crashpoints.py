@@ -9,8 +9,13 @@ For tests and demos of crash recovery; no code is edited to inject a fault.
 - ``AIRFLOW_IDEMPOTENCY_WAIT_AT="runner.after_started=/tmp/go"`` waits there until that
   file exists (at most 10 minutes), the first time the point is reached.
 
+- ``AIRFLOW_IDEMPOTENCY_FAULT_DIR=/tmp/faults``: a process SIGKILLs itself at a point when
+  a file of that point's name is in the folder, and it is the process that claims it (it
+  renames the file away, atomically): a test arms a crash for exactly one of many worker
+  processes, at a moment it chooses, by creating ``/tmp/faults/ledger.after_remote_commit``.
+
 Several points may be given, comma-separated. With none of these set (the normal case)
-a fault point costs three dictionary lookups.
+a fault point costs four dictionary lookups.
 
 Points: runner.after_lock, runner.after_started, runner.before_completion,
 ledger.after_claim, ledger.before_remote_call, ledger.after_remote_commit,
@@ -29,6 +34,7 @@ from collections import Counter
 CRASH_ENV = "AIRFLOW_IDEMPOTENCY_CRASH_AT"
 SLEEP_ENV = "AIRFLOW_IDEMPOTENCY_SLEEP_AT"
 WAIT_ENV = "AIRFLOW_IDEMPOTENCY_WAIT_AT"
+FAULT_DIR_ENV = "AIRFLOW_IDEMPOTENCY_FAULT_DIR"
 _hits: Counter[str] = Counter()
 _slept: dict[str, bool] = {}
 
@@ -44,6 +50,8 @@ def _parse(spec: str, separator: str) -> dict[str, str]:
 def crash_point(name: str) -> None:
     """Crash (SIGKILL), sleep or wait here if ``name`` is configured; otherwise do nothing."""
     environ = os.environ
+    if FAULT_DIR_ENV in environ:
+        _armed_crash(environ[FAULT_DIR_ENV], name)
     if CRASH_ENV not in environ and SLEEP_ENV not in environ and WAIT_ENV not in environ:
         return
     pause = _parse(os.environ.get(SLEEP_ENV, ""), "=").get(name)
@@ -63,3 +71,17 @@ def crash_point(name: str) -> None:
     if _hits[name] == int(nth or 1):
         print(f"fault point {name}@{nth or 1}: SIGKILL", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _armed_crash(folder: str, name: str) -> None:
+    """SIGKILL this process if a crash is armed at ``name`` and this process claims it."""
+    armed = os.path.join(folder, name)
+    if not os.path.exists(armed):
+        return
+    claimed = f"{armed}.claimed-by-{os.getpid()}"
+    try:
+        os.rename(armed, claimed)  # atomic: one process wins
+    except OSError:
+        return  # another process claimed it first
+    print(f"fault point {name}: armed crash claimed, SIGKILL", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)

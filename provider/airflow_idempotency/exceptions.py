@@ -78,12 +78,25 @@ class RemoteCallError(IdempotencyError):
     """One or more external side effects failed or stayed pending (see the outbound ledger)."""
 
 
+class RemoteUnreachableError(RemoteCallError):
+    """The remote system stopped answering: the batch stopped early, the rest left pending."""
+
+
 class RemoteError(IdempotencyError):
     """Base class of the errors a ledger sender raises to classify one external call."""
 
 
 class TransientRemoteError(RemoteError):
-    """The call may have failed for a passing reason: retry it with the same key."""
+    """The call may have failed for a passing reason: retry it with the same key.
+
+    ``unreachable``: no answer came at all (connection refused or reset, a timeout), as
+    opposed to an answer saying "later" (a 503); the ledger stops a batch early when every
+    call has been unreachable for a while.
+    """
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class PermanentRemoteError(RemoteError):

@@ -11,6 +11,8 @@ from psycopg.rows import tuple_row
 
 from airflow_idempotency.locks import DEAD_PEER_DEFAULTS
 
+CONNECT_TIMEOUT = 10  # seconds, unless the connection's extra sets connect_timeout
+
 # Extras of the Airflow connection that are the postgres provider's own options, not
 # libpq's: never passed to psycopg.connect (the provider's own list, where it has one).
 _HOOK_EXTRAS = frozenset(
@@ -37,7 +39,8 @@ class IdempotencyHook(PostgresHook):
     psycopg2 (SQLAlchemy 1.4), and on 3.x. Not used: the ``cursor`` extra (the provider's
     statements read plain tuples) and ``enable_log_db_messages``.
     Libpq's TCP keepalive settings default to
-    :data:`~airflow_idempotency.locks.DEAD_PEER_DEFAULTS` unless the extra sets them.
+    :data:`~airflow_idempotency.locks.DEAD_PEER_DEFAULTS`, and ``connect_timeout`` to
+    :data:`CONNECT_TIMEOUT`, unless the extra sets them.
     """
 
     conn_name_attr = "postgres_conn_id"
@@ -63,6 +66,9 @@ class IdempotencyHook(PostgresHook):
         kwargs.update((k, v) for k, v in extra.items() if k not in _HOOK_EXTRAS)
         for name, value in DEAD_PEER_DEFAULTS.items():
             kwargs.setdefault(name, value)
+        # A worker cut off from the database must not wait two minutes (Linux's SYN
+        # retries) in every new connection, e.g. the one that records its failure.
+        kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT)
         return {k: v for k, v in kwargs.items() if v is not None and v != ""}
 
     def new_connection(self) -> psycopg.Connection[Any]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import json
 import logging
@@ -43,6 +44,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from airflow_idempotency import metrics
 from airflow_idempotency._sql import query
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
@@ -51,6 +53,7 @@ from airflow_idempotency.exceptions import (
     LockLostError,
     PermanentRemoteError,
     RemoteCallError,
+    RemoteUnreachableError,
     TransientRemoteError,
 )
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
@@ -86,6 +89,7 @@ class Confirmation:
 
     reference: str
     response: Mapping[str, Any] | None = None
+    replayed: bool = False  # the remote answered with the result it had stored for the key
 
 
 Sender = Callable[[httpx.AsyncClient, Effect], Awaitable[Confirmation]]
@@ -94,7 +98,9 @@ Sender = Callable[[httpx.AsyncClient, Effect], Awaitable[Confirmation]]
 def post_json(path: str, *, reference_field: str = "reference") -> Sender:
     """A sender that POSTs the request as JSON with an ``Idempotency-Key`` header.
 
-    2xx confirms (``reference_field`` of the JSON answer is the remote reference);
+    2xx confirms (``reference_field`` of the JSON answer is the remote reference; an
+    ``Idempotent-Replayed: true`` header, as Stripe and the example service send, marks
+    a replay of an earlier answer);
     408, 409 (the same key is in flight), 425, 429 and 5xx are transient; any other 4xx
     is permanent. Timeouts and connection errors are transient.
     """
@@ -105,11 +111,12 @@ def post_json(path: str, *, reference_field: str = "reference") -> Sender:
                 path, json=effect.request, headers={"Idempotency-Key": effect.idempotency_key}
             )
         except httpx.TransportError as exc:  # timeouts, resets, refused connections
-            raise TransientRemoteError(f"{type(exc).__name__}: {exc}") from exc
+            raise TransientRemoteError(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
         status = response.status_code
         if 200 <= status < 300:
             body = response.json()
-            return Confirmation(str(body[reference_field]), body)
+            replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
+            return Confirmation(str(body[reference_field]), body, replayed)
         detail = f"HTTP {status}: {response.text[:300]}"
         if status in (408, 409, 425, 429) or status >= 500:
             raise TransientRemoteError(detail)
@@ -129,6 +136,7 @@ class LedgerSummary:
     pending: int = 0
     conflicts: int = 0
     calls: int = 0
+    replayed: int = 0  # of ``sent``: the remote replayed its answer (it had the key)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -172,6 +180,7 @@ class _Outcome:
     reference: str | None
     error: str | None
     calls: int
+    replayed: bool = False
 
 
 class _ClientPool:
@@ -264,6 +273,36 @@ def _batches(effects: Iterable[Effect], size: int) -> Iterator[list[Effect]]:
 
 
 _NOT_SENT = "not sent: this run lost its lock (another attempt may own the key now)"
+_UNREACHABLE = "not sent: the remote stopped answering; a rerun sends it with the same key"
+
+
+class _Reachability:
+    """Whether the remote still answers at all, from the outcomes of the calls in flight.
+
+    Any answer (a confirmation, a refusal, even a 503) proves it reachable. It is down once
+    no call has had an answer for ``window`` seconds while calls kept failing without one
+    (connection refused or reset, timeouts), and it stays down for the rest of the export.
+    """
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.silent_since: float | None = None  # monotonic
+        self.silent_since_wall: dt.datetime | None = None
+        self.last_error = ""
+        self.down = False
+
+    def answered(self) -> None:
+        if not self.down:
+            self.silent_since = self.silent_since_wall = None
+
+    def no_answer(self, error: str) -> None:
+        now = time.monotonic()
+        self.last_error = error
+        if self.silent_since is None:
+            self.silent_since = now
+            self.silent_since_wall = dt.datetime.now(dt.timezone.utc)
+        elif now - self.silent_since >= self.window:
+            self.down = True
 
 
 class OutboundLedger:
@@ -277,6 +316,11 @@ class OutboundLedger:
     :param timeout: seconds per HTTP request.
     :param lock_check_interval: before a call, re-check (at most this often) that the run
         still holds its lock; once it is lost no further call is made.
+    :param unreachable_after: stop the export early when no call has had any answer for
+        this many seconds (connection refused or reset, timeouts on every call in flight):
+        the rest stays pending with the same keys and the try fails at once with
+        :class:`~airflow_idempotency.exceptions.RemoteUnreachableError`, instead of every
+        pending effect retrying on its own for minutes.
     """
 
     def __init__(
@@ -291,6 +335,7 @@ class OutboundLedger:
         backoff_max: float = 5.0,
         timeout: float = 10.0,
         lock_check_interval: float = 0.5,
+        unreachable_after: float = 10.0,
     ) -> None:
         check_text(remote_system, "remote system name")
         if concurrency < 1 or batch_size < 1 or max_attempts < 1:
@@ -304,6 +349,8 @@ class OutboundLedger:
         self.backoff_max = backoff_max
         self.timeout = timeout
         self.lock_check_interval = lock_check_interval
+        self.unreachable_after = unreachable_after
+        self._reach = _Reachability(unreachable_after)
         self._conn: psycopg.Connection | None = None
         self._lock_checked_at = 0.0
         self._lock_lost = False
@@ -328,9 +375,14 @@ class OutboundLedger:
         when a key was reused for a different request.
         """
         summary = LedgerSummary()
-        with self.run.bookkeeping_connection() as conn:
-            self._conn = conn
-            summary = asyncio.run(self._send_all(conn, effects, sender, base_url, total, summary))
+        self._reach = _Reachability(self.unreachable_after)
+        try:
+            with self.run.bookkeeping_connection() as conn:
+                self._conn = conn
+                asyncio.run(self._send_all(conn, effects, sender, base_url, total, summary))
+        finally:
+            if not self.run.dry_run:
+                self._count(summary)
         self._log_progress(summary, total, final=True)
         if summary.conflicts:
             raise IdempotencyKeyConflictError(
@@ -346,6 +398,16 @@ class OutboundLedger:
                 "They are in the outbound ledger; a rerun retries them with the same keys."
             )
         return summary
+
+    def _count(self, summary: LedgerSummary) -> None:
+        counts = {
+            "sent": summary.sent,
+            "skipped": summary.skipped_existing,
+            "replayed": summary.replayed,
+            "failed": summary.failed,
+            "pending": summary.pending,
+        }
+        metrics.ledger_counts(self.run.metrics, counts, self.run.job_name, self.remote_system)
 
     def rows(self, job_name: str | None = None, run_key: str | None = None) -> list[dict[str, Any]]:
         """The ledger rows of a job's run key (default: this run's), ordered by key."""
@@ -389,6 +451,9 @@ class OutboundLedger:
                             f"during the export to {self.remote_system!r}: stopped sending; "
                             "confirmations received so far are recorded."
                         )
+                    if self._reach.down:
+                        self._log_progress(summary, total)
+                        raise self._unreachable(base_url, summary, total)
                 elif to_send:
                     summary.sent += len(to_send)  # would be sent
                 self._log_progress(summary, total)
@@ -464,21 +529,56 @@ class OutboundLedger:
                 to_send.append(batch.effects[i])
         return to_send
 
+    def _unreachable(
+        self, base_url: str, summary: LedgerSummary, total: int | None
+    ) -> RemoteUnreachableError:
+        since = self._reach.silent_since_wall
+        unclaimed = f" and {total - summary.total} not yet claimed" if total is not None else ""
+        return RemoteUnreachableError(
+            f"{self.remote_system} unreachable at {base_url} since "
+            f"{since.isoformat(timespec='seconds') if since else 'now'} (no answer for "
+            f"{self.unreachable_after:g} s; last error: {self._reach.last_error}); "
+            f"{summary.pending} effect(s) left pending{unclaimed}, {summary.sent} sent: a rerun "
+            "resends them with the same keys."
+        )
+
+    async def _send(
+        self, client: httpx.AsyncClient, sender: Sender, effect: Effect
+    ) -> Confirmation:
+        """One try of one call, noting whether the remote answered at all."""
+        try:
+            confirmation = await sender(client, effect)
+        except TransientRemoteError as exc:
+            if exc.unreachable:
+                self._reach.no_answer(str(exc))
+            else:
+                self._reach.answered()
+            raise
+        except PermanentRemoteError:
+            self._reach.answered()
+            raise
+        self._reach.answered()
+        return confirmation
+
     async def _call(self, clients: _ClientPool, sender: Sender, effect: Effect) -> _Outcome:
         key = effect.idempotency_key
         async with clients.client() as client:
             crash_point("ledger.before_remote_call")
             if not self._lock_still_held():
                 return _Outcome(key, "pending", None, _NOT_SENT, 0)
+            if self._reach.down:
+                return _Outcome(key, "pending", None, _UNREACHABLE, 0)
             try:
                 # Most calls succeed at once: only a transient error pays for the retry loop.
-                confirmation = await sender(client, effect)
+                confirmation = await self._send(client, sender, effect)
             except TransientRemoteError as exc:
                 return await self._retry(client, sender, effect, exc)
             except PermanentRemoteError as exc:
                 return _Outcome(key, "failed", None, str(exc), 1)
             crash_point("ledger.after_remote_commit")
-            return _Outcome(key, "succeeded", confirmation.reference, None, 1)
+            return _Outcome(
+                key, "succeeded", confirmation.reference, None, 1, confirmation.replayed
+            )
 
     async def _retry(
         self,
@@ -506,8 +606,12 @@ class OutboundLedger:
                         raise first_error
                     if not self._lock_still_held():
                         return _Outcome(effect.idempotency_key, "pending", None, _NOT_SENT, calls)
+                    if self._reach.down:
+                        return _Outcome(
+                            effect.idempotency_key, "pending", None, _UNREACHABLE, calls
+                        )
                     calls += 1
-                    confirmation = await sender(client, effect)
+                    confirmation = await self._send(client, sender, effect)
         except TransientRemoteError as exc:
             return _Outcome(
                 effect.idempotency_key,
@@ -519,7 +623,14 @@ class OutboundLedger:
         except PermanentRemoteError as exc:
             return _Outcome(effect.idempotency_key, "failed", None, str(exc), calls)
         crash_point("ledger.after_remote_commit")
-        return _Outcome(effect.idempotency_key, "succeeded", confirmation.reference, None, calls)
+        return _Outcome(
+            effect.idempotency_key,
+            "succeeded",
+            confirmation.reference,
+            None,
+            calls,
+            confirmation.replayed,
+        )
 
     def _lock_still_held(self) -> bool:
         """Re-check the lock at most every ``lock_check_interval`` seconds (~0.2 ms a check).
@@ -555,6 +666,7 @@ class OutboundLedger:
             summary.calls += outcome.calls
             if outcome.status == "succeeded":
                 summary.sent += 1
+                summary.replayed += outcome.replayed
             elif outcome.status == "failed":
                 summary.failed += 1
                 summary.errors.append(f"{outcome.key}: {outcome.error}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import cached_property
 from typing import Any, Literal
@@ -11,6 +12,7 @@ from typing import Any, Literal
 import pendulum
 
 from airflow_idempotency.compat import (
+    AIRFLOW_METRICS,
     TRIGGERED_BY,
     AirflowException,
     AirflowFailException,
@@ -172,20 +174,59 @@ class IdempotentRunOperator(ReschedulingOperator):
     def resolve_run_key(self, context: Context) -> ResolvedRunKey:
         """The run key of this task execution (decided by :func:`resolve_run_key`)."""
         dag_run = context["dag_run"]
-        conf = dag_run.conf or {}
-        params = context.get("params") or {}
+        return self._resolve(
+            kind=run_type(dag_run),
+            logical_date=context.get("logical_date") or dag_run.logical_date,
+            conf=dag_run.conf or {},
+            params=context.get("params") or {},
+            context=context,
+        )
+
+    def explain_run_key(
+        self, *, kind: str, logical_date: dt.datetime | None, conf: Mapping[str, Any]
+    ) -> ResolvedRunKey:
+        """The run key a run of ``kind`` (manual, scheduled, backfill) at ``logical_date``
+        with ``conf`` would get, or the error it would get (``airflow-idempotency explain``).
+
+        The DAG's params are merged with ``conf`` as Airflow does. A callable rule is called
+        with a context of those facts only (logical_date, params, dag, dag_run).
+        """
+        dag = self._dag_or_none()
+        params = {**(dag.params.dump() if dag else {}), **conf}
+        run = types.SimpleNamespace(
+            conf=dict(conf), run_type=kind, logical_date=logical_date, run_after=logical_date
+        )
+        context = {"logical_date": logical_date, "params": params, "dag": dag, "dag_run": run}
+        return self._resolve(
+            kind=kind, logical_date=logical_date, conf=conf, params=params, context=context
+        )
+
+    def _resolve(
+        self,
+        *,
+        kind: str,
+        logical_date: dt.datetime | None,
+        conf: Mapping[str, Any],
+        params: Mapping[str, Any],
+        context: Any,
+    ) -> ResolvedRunKey:
         dag = self._dag_or_none()
         return resolve_run_key(
             rule=self.run_key_rule,
             timezone=self._timezone_name(),
             timetable_name=type(dag.timetable).__name__ if dag else None,
-            run_type=run_type(dag_run),
-            logical_date=context.get("logical_date") or dag_run.logical_date,
+            run_type=kind,
+            logical_date=logical_date,
             conf_run_key=conf.get("run_key"),
             params_run_key=params.get("run_key"),
             now=pendulum.now("UTC"),
             context=context,
         )
+
+    @property
+    def effective_job_name(self) -> str:
+        """The job's name in the run records: ``job_name``, else ``<dag_id>.<task_id>``."""
+        return self.job_name or f"{self.dag_id}.{self.task_id}"
 
     def run_options(self, context: Context) -> RunOptions:
         """``force`` and ``dry_run`` of this run, from its conf or params (booleans)."""
@@ -220,7 +261,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             raise self.airflow_failure(context, exc) from exc
 
     def _execute(self, context: Context) -> dict[str, Any]:
-        job_name = check_text(self.job_name or f"{self.dag_id}.{self.task_id}", "job name")
+        job_name = check_text(self.effective_job_name, "job name")
         resolved = self.resolve_run_key(context)
         options = self.run_options(context)
         # The "Run key" extra link (computed by the worker when the task ends) names this key.
@@ -244,6 +285,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             schema=self.schema,
             airflow_context=context,
             logger=self.log,  # type: ignore[arg-type]
+            metrics=AIRFLOW_METRICS,
         )
         if result.outcome is RunOutcome.NOOP and self.on_completed == "skip":
             raise AirflowSkipException(

@@ -145,16 +145,17 @@ def start_attempt(
     trigger: Trigger,
     lock: RunLock,
     force: bool = False,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """Record a running attempt and mark (job_name, run_key) started by it, in one statement.
 
     Any other attempt of the key still marked running is closed as abandoned (the caller
-    holds the lock, so its worker died). Returns (attempt id, attempt count of the key).
+    holds the lock, so its worker died). Returns (attempt id, attempt count of the key,
+    attempts closed as abandoned).
     """
     params = _attempt_params(job_name, run_key, lock_key, trigger, lock, force)
     row = conn.execute(query("start_attempt", schema), params).fetchone()
     assert row is not None
-    return int(row[0]), int(row[1])
+    return int(row[0]), int(row[1]), int(row[2])
 
 
 def finish_attempt(

@@ -12,6 +12,7 @@ import psycopg
 
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.locks import RunLock, lock_is_held
+from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.records import Trigger
 
 ConnectionFactory = Callable[[], AbstractContextManager[psycopg.Connection]]
@@ -59,6 +60,7 @@ class RunContext:
     :ivar schema: the bookkeeping schema (``idempotency`` by default).
     :ivar log: logs lines prefixed with the job, run key and attempt.
     :ivar airflow_context: the Airflow task context, when run by an operator.
+    :ivar metrics: where the run's metrics go (the ledger counts its effects there).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class RunContext:
         connect: ConnectionFactory,
         logger: RunLogger,
         airflow_context: Any = None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self.job_name = job_name
         self.run_key = run_key
@@ -86,6 +89,7 @@ class RunContext:
         self.schema = schema
         self.log = logger
         self.airflow_context = airflow_context
+        self.metrics = metrics
         self._lock = lock
         self._conn = connection
         self._connect = connect
@@ -107,9 +111,18 @@ class RunContext:
         attempt that lost its lock cannot commit more writes.
         """
         conn = self._conn
-        with conn.transaction(), conn.cursor() as cur:
-            yield cur
-            self.assert_lock_held(conn)
+        try:
+            with conn.transaction(), conn.cursor() as cur:
+                yield cur
+                self.assert_lock_held(conn)
+        except psycopg.OperationalError as exc:
+            if not (conn.closed or conn.broken):
+                raise  # e.g. a deadlock or a cancelled statement: the session is fine
+            raise LockLostError(
+                f"job {self.job_name!r} run_key {self.run_key!r} lost its connection to the job "
+                f"database ({str(exc).strip()}): this transaction did not commit, and this "
+                "attempt cannot know whether it still holds its lock. A rerun converges."
+            ) from exc
 
     def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
         """Whether this run's lock session still holds the lock (checked from ``conn``)."""

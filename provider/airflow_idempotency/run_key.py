@@ -160,6 +160,32 @@ class RunKeyRule:
                 f"run_key {key!r} is not a real {self.period}: {exc}. Expected {hint}."
             ) from None
 
+    def keys_between(self, first: str, last: str, timezone: str = "UTC") -> list[str]:
+        """Every key from ``first`` to ``last``, both included, in order (both validated)."""
+        start, _ = self.period_bounds(first, timezone)
+        end, _ = self.period_bounds(last, timezone)
+        if end < start:
+            raise InvalidInputError(
+                f"the range {first} .. {last} is empty: the first key comes after the last"
+            )
+        keys = []
+        key = first
+        while True:
+            keys.append(key)
+            if key == last:
+                return keys
+            _, period_end = self.period_bounds(key, timezone)
+            key = self.key_for(period_end, timezone, 0)
+
+    @classmethod
+    def for_key(cls, key: str) -> RunKeyRule:
+        """The rule whose period ``key`` is written in (``2026-10`` -> month, ...)."""
+        for period, (pattern, _) in _FORMATS.items():
+            if isinstance(key, str) and pattern.fullmatch(key):
+                return cls(period=period)  # type: ignore[arg-type]
+        hints = "; ".join(hint for _, hint in _FORMATS.values())
+        raise InvalidRunKeyError(f"{key!r} is not a run key of any period: expected {hints}")
+
     def check_ended(self, key: str, timezone: str, now: dt.datetime) -> None:
         """Refuse ``key`` when its period has not ended at ``now`` (unless allowed)."""
         _, end = self.period_bounds(key, timezone)

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,11 +39,12 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from airflow_idempotency import records
+from airflow_idempotency import metrics, records
 from airflow_idempotency._sql import query
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
 from airflow_idempotency.locks import RunLock, hold_run_lock, run_lock_key
+from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.records import AttemptOutcome, RunRecord, Trigger
 from airflow_idempotency.run_context import (
     ConnectionFactory,
@@ -160,8 +162,13 @@ def run_idempotently(
     schema: str = DEFAULT_SCHEMA,
     airflow_context: Any = None,
     logger: logging.Logger | None = None,
+    metrics: Metrics = NO_METRICS,
 ) -> RunResult:
-    """Execute ``work`` at most once to completion for (job_name, run_key). See the module doc."""
+    """Execute ``work`` at most once to completion for (job_name, run_key). See the module doc.
+
+    ``metrics`` receives the counters and timers of :mod:`airflow_idempotency.metrics`
+    (the operator passes Airflow's).
+    """
     return _Run(
         connect=connect,
         job_name=job_name,
@@ -172,6 +179,7 @@ def run_idempotently(
         schema=schema,
         airflow_context=airflow_context,
         logger=logger,
+        metrics=metrics,
     ).execute()
 
 
@@ -190,6 +198,7 @@ class _Run:
         schema: str,
         airflow_context: Any,
         logger: logging.Logger | None,
+        metrics: Metrics,
     ) -> None:
         self.job_name = check_text(job_name, "job name")
         self.run_key = check_text(run_key, "run key")
@@ -201,7 +210,16 @@ class _Run:
         self.airflow_context = airflow_context
         self.lock_key = run_lock_key(job_name, run_key)
         self.log = RunLogger(logger or log, job_name, run_key)
+        self.metrics = metrics
         self.attempt_id: int | None = None
+        self.began = time.monotonic()
+
+    def _count(self, outcome: str) -> None:
+        metrics.run_outcome(self.metrics, outcome, self.job_name)
+
+    def _decided(self) -> None:
+        """The decision is taken (refuse, no-op, or run the work): time it."""
+        metrics.run_timing(self.metrics, "decision", time.monotonic() - self.began, self.job_name)
 
     @property
     def _ids(self) -> dict[str, Any]:
@@ -245,6 +263,8 @@ class _Run:
             and_commit=True,
         )
         self.log.warning("%s", message)
+        self._decided()
+        self._count("lock_held")
         return RunLockedError(message, holder=holder)
 
     # -- 2. read ----------------------------------------------------------------------------
@@ -280,6 +300,8 @@ class _Run:
             and_commit=True,
         )
         self.log.attempt = self.attempt_id
+        self._decided()
+        self._count("noop")
         self.log.info(
             "found existing completed run (completed %s by %s, %s attempt(s)): no-op. "
             "Set force=true in the run's conf to recompute it.",
@@ -305,6 +327,7 @@ class _Run:
                 lock_conn, self.schema, self.attempt_id, "dry_run", details={"counts": counts}
             )
             self.log.info("dry run finished, rolled back: %s", counts)
+            self._count("dry_run")
             return RunResult(
                 RunOutcome.DRY_RUN, self.job_name, self.run_key, self.attempt_id, counts
             )
@@ -344,8 +367,15 @@ class _Run:
                 connect=self.connect,
                 logger=self.log,
                 airflow_context=self.airflow_context,
+                metrics=self.metrics,
             )
-            return _jsonable_counts(self.work(ctx))
+            self._decided()
+            started = time.monotonic()
+            try:
+                return _jsonable_counts(self.work(ctx))
+            finally:
+                elapsed = time.monotonic() - started
+                metrics.run_timing(self.metrics, "work", elapsed, self.job_name)
 
     def _start(self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord | None) -> None:
         """Record this execution, committed at once (the lock transaction stays open)."""
@@ -365,7 +395,7 @@ class _Run:
                 "dry run: work runs in a transaction that is rolled back; job_runs untouched"
             )
             return
-        self.attempt_id, count = records.start_attempt(
+        self.attempt_id, count, abandoned = records.start_attempt(
             conn,
             self.schema,
             **self._ids,
@@ -373,6 +403,8 @@ class _Run:
             lock=lock,
             force=self.options.force,
         )
+        if abandoned:
+            self._count("takeover")
         self.log.attempt = self.attempt_id
         previous = existing.status if existing else "new"
         self.log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
@@ -416,6 +448,7 @@ class _Run:
             self._fail(lock_conn, lost)
             raise lost from exc
         self.log.info("completed: %s", counts)
+        self._count("completed")
         return RunResult(RunOutcome.COMPLETED, self.job_name, self.run_key, self.attempt_id, counts)
 
     # -- 6. failure -------------------------------------------------------------------------
@@ -434,6 +467,7 @@ class _Run:
         outcome: AttemptOutcome = "lock_lost" if isinstance(exc, LockLostError) else "failed"
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:4000]
         self.log.error("%s: %s", outcome, error)
+        self._count(outcome)
 
         def write(conn: psycopg.Connection) -> None:
             records.finish_attempt(conn, self.schema, attempt_id, outcome, error=error)

@@ -24,16 +24,24 @@ def slow_work(run: RunContext) -> dict[str, int]:
         # collide in the catalog (UniqueViolation on pg_type): serialize the creation.
         cur.execute("SELECT pg_advisory_xact_lock(hashtext('public.work_log'))")
         cur.execute(
-            "CREATE TABLE IF NOT EXISTS public.work_log (run_key text, pid int, at timestamptz DEFAULT now())"
+            "CREATE TABLE IF NOT EXISTS public.work_log"
+            " (run_key text, pid int, at timestamptz DEFAULT now(), phase text DEFAULT 'start')"
         )
         cur.execute(
             "INSERT INTO public.work_log (run_key, pid) VALUES (%s, %s)", (run.run_key, os.getpid())
         )
     time.sleep(float(os.environ.get("IDEM_TEST_SLEEP", "0")))
     hold = os.environ.get("IDEM_TEST_HOLD_FILE")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + float(os.environ.get("IDEM_TEST_HOLD_MAX", "120"))
     while hold and not os.path.exists(hold) and time.monotonic() < deadline:
         time.sleep(0.1)  # keep the lock until the test says so
+    if os.environ.get("IDEM_TEST_WRITE_AFTER_HOLD"):
+        # A fenced write at the end: it commits only if this run still holds its lock.
+        with run.transaction() as cur:
+            cur.execute(
+                "INSERT INTO public.work_log (run_key, pid, phase) VALUES (%s, %s, 'end')",
+                (run.run_key, os.getpid()),
+            )
     return {"slept": int(float(os.environ.get("IDEM_TEST_SLEEP", "0")))}
 
 

@@ -95,8 +95,17 @@ INSERT INTO {schema}.job_run_attempts (
 RETURNING attempt_id;
 
 -- name: finish_attempt
+-- An attempt that is no longer running was closed by someone else meanwhile (a successor
+-- that took the key over closes it as abandoned, lock_lost): that record stays, and what
+-- this attempt learnt late about itself is added to its details.
 UPDATE {schema}.job_run_attempts
-SET outcome = %(outcome)s, finished_at = statement_timestamp(), error = %(error)s, details = details || %(details)s
+SET outcome = CASE WHEN outcome = 'running' THEN %(outcome)s ELSE outcome END,
+    finished_at = CASE WHEN outcome = 'running' THEN statement_timestamp() ELSE finished_at END,
+    error = CASE WHEN outcome = 'running' THEN %(error)s ELSE error END,
+    details = details || %(details)s || CASE
+        WHEN outcome = 'running' THEN jsonb_build_object()
+        ELSE jsonb_build_object('late_outcome', %(outcome)s::text, 'late_error', %(error)s::text)
+    END
 WHERE attempt_id = %(attempt_id)s;
 
 -- name: start_attempt
@@ -123,6 +132,7 @@ abandoned AS (
         error = 'abandoned: the worker ended without finishing; taken over by attempt '
                 || (SELECT attempt_id FROM attempt)::text
     WHERE job_name = %(job_name)s AND run_key = %(run_key)s AND outcome = 'running'
+    RETURNING attempt_id
 ),
 run AS (
     INSERT INTO {schema}.job_runs (
@@ -147,7 +157,7 @@ run AS (
         updated_at = statement_timestamp()
     RETURNING attempt_count
 )
-SELECT attempt.attempt_id, run.attempt_count
+SELECT attempt.attempt_id, run.attempt_count, (SELECT count(*) FROM abandoned) AS abandoned
 FROM attempt, run;
 
 -- name: complete_attempt
@@ -537,3 +547,78 @@ FROM attempts AS a
 WHERE a.visible
 ORDER BY a.attempt_id DESC
 LIMIT %(limit)s;
+
+-- name: job_known
+SELECT EXISTS (SELECT 1 FROM {schema}.job_runs WHERE job_name = %(job)s)
+    OR EXISTS (SELECT 1 FROM {schema}.job_run_attempts WHERE job_name = %(job)s) AS known;
+
+-- name: known_jobs
+SELECT DISTINCT job_name FROM {schema}.job_runs ORDER BY job_name LIMIT 50;
+
+-- name: runs_of_keys
+-- The job_runs rows of some run keys of one job (the CLI's gaps, the watch DAG); each key
+-- found by the primary key.
+SELECT run_key, status, attempt_count, updated_at, details->>'last_error' AS last_error
+FROM {schema}.job_runs
+WHERE job_name = %(job)s AND run_key = ANY(%(keys)s::text[]);
+
+-- name: stale_runs
+-- Work that nobody is doing: attempts still 'running' whose lock their session no longer
+-- holds, and keys still 'started' with no live attempt (a worker died and nothing took the
+-- key over yet). Running attempts come from the partial index of migration 3.
+WITH held AS MATERIALIZED (SELECT lock_key, pid FROM {schema}.held_run_locks())
+SELECT a.job_name, a.run_key, r.status, a.attempt_id, a.hostname, a.pid, a.dag_id, a.run_id,
+       a.started_at, statement_timestamp() - a.started_at AS age
+FROM {schema}.job_run_attempts AS a
+LEFT JOIN {schema}.job_runs AS r ON r.job_name = a.job_name AND r.run_key = a.run_key
+WHERE a.outcome = 'running'
+  AND (%(job)s::text IS NULL OR a.job_name = %(job)s)
+  AND NOT EXISTS (
+      SELECT 1 FROM held AS h WHERE h.lock_key = a.lock_key AND h.pid = a.lock_backend_pid
+  )
+UNION ALL
+SELECT r.job_name, r.run_key, r.status, NULL, NULL, NULL, r.dag_id, r.run_id, r.started_at,
+       statement_timestamp() - r.started_at
+FROM {schema}.job_runs AS r
+WHERE r.status = 'started'
+  AND (%(job)s::text IS NULL OR r.job_name = %(job)s)
+  AND NOT EXISTS (SELECT 1 FROM held AS h WHERE h.lock_key = r.lock_key)
+  AND NOT EXISTS (
+      SELECT 1 FROM {schema}.job_run_attempts AS a
+      WHERE a.attempt_id = r.current_attempt_id AND a.outcome = 'running'
+  )
+ORDER BY started_at;
+
+-- name: prune_attempts
+-- One batch of the retention: attempts older than the cutoff of keys that are completed,
+-- never the attempt that completed the key (job_runs.current_attempt_id), never one still
+-- running, never a job_runs row. Keyset-paginated by attempt_id (ascending = oldest first).
+WITH doomed AS (
+    SELECT a.attempt_id
+    FROM {schema}.job_run_attempts AS a
+    JOIN {schema}.job_runs AS r ON r.job_name = a.job_name AND r.run_key = a.run_key
+    WHERE a.attempt_id > %(after)s
+      AND a.started_at < %(before)s
+      AND r.status = 'completed'
+      AND a.attempt_id <> r.current_attempt_id
+      AND a.outcome <> 'running'
+    ORDER BY a.attempt_id
+    LIMIT %(batch)s
+),
+deleted AS (
+    DELETE FROM {schema}.job_run_attempts AS a
+    USING doomed AS d
+    WHERE a.attempt_id = d.attempt_id AND NOT %(dry_run)s
+    RETURNING a.attempt_id
+)
+SELECT count(*) AS selected, max(attempt_id) AS last_id, (SELECT count(*) FROM deleted) AS deleted
+FROM doomed;
+
+-- name: plan_states
+-- The state of (job, run key) pairs a backfill would run, and whether each is locked now.
+WITH held AS MATERIALIZED (SELECT lock_key FROM {schema}.held_run_locks())
+SELECT p.job_name, p.run_key, r.status,
+       EXISTS (SELECT 1 FROM held AS h WHERE h.lock_key = p.lock_key) AS locked
+FROM unnest(%(jobs)s::text[], %(keys)s::text[], %(lock_keys)s::bigint[])
+    AS p(job_name, run_key, lock_key)
+LEFT JOIN {schema}.job_runs AS r ON r.job_name = p.job_name AND r.run_key = p.run_key;

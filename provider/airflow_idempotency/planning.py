@@ -1,0 +1,125 @@
+"""What a run would do, read from the DAG itself: the run keys of its idempotent tasks
+(``airflow-idempotency explain``) and the business dates a backfill would cover, with the
+state of each (``airflow-idempotency plan``).
+
+Imports Airflow (it parses the DAG file); the CLI imports this module only for the
+commands that need it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from airflow_idempotency._sql import query
+from airflow_idempotency.compat import backfill_logical_dates
+from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.locks import run_lock_key
+from airflow_idempotency.operator import IdempotentRunOperator
+
+# What a run of a key does now, by its job_runs status (no row: new).
+_WOULD = {"completed": "noop", "failed": "rerun", "started": "resume"}
+
+
+@dataclass(frozen=True)
+class Explained:
+    """The run key one idempotent task of a run would get, or why it would be refused."""
+
+    task_id: str
+    job_name: str
+    run_key: str | None
+    explanation: str  # where the key came from, or the refusal
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "job_name": self.job_name,
+            "run_key": self.run_key,
+            "explanation": self.explanation,
+        }
+
+
+def idempotent_tasks(dag: Any) -> list[IdempotentRunOperator]:
+    """The tasks of ``dag`` that run under the contract, in task id order."""
+    return sorted(
+        (t for t in dag.tasks if isinstance(t, IdempotentRunOperator)), key=lambda t: t.task_id
+    )
+
+
+def require_idempotent(dag: Any) -> list[IdempotentRunOperator]:
+    tasks = idempotent_tasks(dag)
+    if not tasks:
+        raise InvalidInputError(
+            f"DAG {dag.dag_id!r} has no IdempotentRunOperator (or @task.idempotent_run) task: "
+            "there is no run key to explain or plan"
+        )
+    return tasks
+
+
+def explain(
+    dag: Any, *, kind: str, logical_date: dt.datetime | None, conf: Mapping[str, Any]
+) -> list[Explained]:
+    """The run key of each idempotent task of a ``kind`` run at ``logical_date``."""
+    result = []
+    for task in require_idempotent(dag):
+        try:
+            resolved = task.explain_run_key(kind=kind, logical_date=logical_date, conf=conf)
+        except InvalidInputError as exc:
+            result.append(Explained(task.task_id, task.effective_job_name, None, str(exc)))
+        else:
+            result.append(
+                Explained(
+                    task.task_id, task.effective_job_name, resolved.run_key, resolved.explanation
+                )
+            )
+    return result
+
+
+def plan(
+    dag: Any,
+    conn: psycopg.Connection | None,
+    schema: str,
+    from_date: dt.datetime,
+    to_date: dt.datetime,
+) -> list[dict[str, Any]]:
+    """For each run this line's backfill command would create between the two bounds, the
+    business key of each idempotent task and what a run of it would do now: ``noop``
+    (completed), ``rerun`` (failed), ``resume`` (started: in progress or abandoned),
+    ``locked`` (another execution holds it now) or ``new``; ``refused`` with the reason
+    when the key would be refused. ``conn`` ``None``: nothing has run yet, every key is new."""
+    require_idempotent(dag)
+    rows: list[dict[str, Any]] = []
+    for logical_date in backfill_logical_dates(dag, from_date, to_date):
+        for item in explain(dag, kind="backfill", logical_date=logical_date, conf={}):
+            rows.append({"logical_date": logical_date, **item.as_dict()})
+    keyed = [r for r in rows if r["run_key"] is not None]
+    pairs = [(r["job_name"], r["run_key"]) for r in keyed]
+    states = _states(conn, schema, pairs) if conn is not None else {}
+    for row in rows:
+        if row["run_key"] is None:
+            row["would"] = "refused"
+            continue
+        status, locked = states.get((row["job_name"], row["run_key"]), (None, False))
+        row["status"] = status
+        row["would"] = "locked" if locked else _WOULD.get(status or "", "new")
+    return rows
+
+
+def _states(
+    conn: psycopg.Connection, schema: str, pairs: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], tuple[str | None, bool]]:
+    if not pairs:
+        return {}
+    params = {
+        "jobs": [job for job, _ in pairs],
+        "keys": [key for _, key in pairs],
+        "lock_keys": [run_lock_key(job, key) for job, key in pairs],
+    }
+    with conn.cursor(row_factory=dict_row) as cur:
+        found = cur.execute(query("plan_states", schema), params).fetchall()
+    return {(r["job_name"], r["run_key"]): (r["status"], r["locked"]) for r in found}

@@ -1,0 +1,148 @@
+"""The state of business periods, for the on-call engineer: gaps, stale runs, retention.
+
+Airflow-free reads (and the one retention write) over the bookkeeping tables, shared by the
+CLI (``gaps``, ``runs --stale``, ``prune``) and the example watch DAG.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import psycopg
+from psycopg.rows import dict_row
+
+from airflow_idempotency._sql import query
+from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.run_key import RunKeyRule
+
+GapKind = Literal["missing", "failed", "started"]
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A business period of a job with no completed run."""
+
+    run_key: str
+    kind: GapKind  # missing: never run; failed; started: in progress or abandoned
+    attempts: int
+    updated_at: dt.datetime | None
+    last_error: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "run_key": self.run_key,
+            "state": self.kind,
+            "attempts": self.attempts,
+            "updated_at": self.updated_at,
+            "last_error": self.last_error,
+        }
+
+
+def _rows(
+    conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any]
+) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query(name, schema), params).fetchall()
+
+
+def require_known_job(conn: psycopg.Connection, schema: str, job: str) -> None:
+    """Refuse a job name nothing was ever recorded for (a typo), naming the jobs there are."""
+    (row,) = _rows(conn, schema, "job_known", {"job": job})
+    if row["known"]:
+        return
+    known = [r["job_name"] for r in _rows(conn, schema, "known_jobs", {})]
+    listed = ", ".join(known) if known else "none yet"
+    raise InvalidInputError(f"no job named {job!r} has run here (jobs: {listed})")
+
+
+def gaps(conn: psycopg.Connection, schema: str, job: str, first: str, last: str) -> list[Gap]:
+    """The periods from ``first`` to ``last`` (run keys, both included, of one period kind:
+    days, hours, ISO weeks or months) of ``job`` that have no completed run, in order."""
+    if RunKeyRule.for_key(first).period != RunKeyRule.for_key(last).period:
+        raise InvalidInputError(f"{first!r} and {last!r} are keys of different periods")
+    keys = RunKeyRule.for_key(first).keys_between(first, last)
+    if len(keys) > 100_000:
+        raise InvalidInputError(f"{first} .. {last} is {len(keys):,} periods: narrow the range")
+    require_known_job(conn, schema, job)
+    found = {
+        r["run_key"]: r for r in _rows(conn, schema, "runs_of_keys", {"job": job, "keys": keys})
+    }
+    result = []
+    for key in keys:
+        row = found.get(key)
+        if row is None:
+            result.append(Gap(key, "missing", 0, None, None))
+        elif row["status"] != "completed":
+            kind: GapKind = row["status"]
+            result.append(
+                Gap(key, kind, row["attempt_count"], row["updated_at"], row["last_error"])
+            )
+    return result
+
+
+def stale(conn: psycopg.Connection, schema: str, job: str | None = None) -> list[dict[str, Any]]:
+    """Attempts still running whose lock nobody holds, and keys still started with no live
+    attempt: a worker died and nothing retried it yet. Oldest first, with their age."""
+    return _rows(conn, schema, "stale_runs", {"job": job})
+
+
+def parse_age(text: str) -> dt.timedelta:
+    """``400d`` -> 400 days (whole days only: retention is a matter of days)."""
+    if not (
+        isinstance(text, str) and text.endswith("d") and text[:-1].isdigit() and int(text[:-1]) > 0
+    ):
+        raise InvalidInputError(f"{text!r} is not an age in days: write it like 400d")
+    return dt.timedelta(days=int(text[:-1]))
+
+
+def prune_attempts(
+    conn: psycopg.Connection,
+    schema: str,
+    older_than: dt.timedelta,
+    *,
+    dry_run: bool = False,
+    batch_size: int = 10_000,
+) -> int:
+    """Delete attempt rows older than ``older_than`` of completed keys, in batches of
+    ``batch_size`` (each its own transaction); return how many were (or would be) deleted.
+
+    Kept forever: every ``job_runs`` row (a completed key is what makes a rerun a year later
+    a no-op), the attempt that completed each key, attempts of keys not completed, the
+    outbound ledger (what keeps a confirmed effect from being sent again).
+    """
+    if batch_size < 1:
+        raise InvalidInputError("batch_size must be >= 1")
+    before = dt.datetime.now(dt.timezone.utc) - older_than
+    total, after = 0, 0
+    while True:
+        with conn.transaction():
+            (row,) = _rows(
+                conn,
+                schema,
+                "prune_attempts",
+                {"after": after, "before": before, "batch": batch_size, "dry_run": dry_run},
+            )
+        total += int(row["selected"])
+        if row["selected"] < batch_size:
+            return total
+        after = row["last_id"]
+
+
+def problems(
+    conn: psycopg.Connection, schema: str, jobs: list[str], first: str, last: str
+) -> list[str]:
+    """One line per gap (from ``first`` to ``last``) and per stale key of each job: what
+    the example watch DAG logs and fails with."""
+    found: list[str] = []
+    for job in jobs:
+        found += [
+            f"{job} {gap.run_key}: {gap.kind}" for gap in gaps(conn, schema, job, first, last)
+        ]
+        found += [
+            f"{job} {row['run_key']}: stale since {row['started_at']:%Y-%m-%d %H:%M} (attempt "
+            f"{row['attempt_id']} on {row['hostname']}, nobody holds the lock)"
+            for row in stale(conn, schema, job)
+        ]
+    return found
