@@ -116,4 +116,5 @@ def test_airflow2_and_airflow3_workers_share_one_key(
         (2,),
         (3,),
         (4,),
+        (5,),
     ]

@@ -42,15 +42,23 @@ def test_provider_wheel_holds_only_the_provider_package(provider_wheel: zipfile.
     packages = {t for t in top_levels if not t.endswith(".dist-info")}
     assert packages == {"airflow_idempotency"}, top_levels
     names = set(provider_wheel.namelist())
-    for shipped in ("py.typed", "sql/queries.sql", "sql/migrations/0001_job_runs.sql"):
+    for shipped in (
+        "py.typed",
+        "sql/queries.sql",
+        "sql/migrations/0001_job_runs.sql",
+        "ui/templates/base.html",
+        "ui/templates/key.html",
+    ):
         assert f"airflow_idempotency/{shipped}" in names, shipped
 
 
 def test_provider_wheel_entry_points(provider_wheel: zipfile.ZipFile) -> None:
-    """The wheel declares the provider entry point and one console script, our CLI."""
+    """The wheel declares the provider entry point, the plugin's and one console script, our CLI."""
     entry_points = _dist_info(provider_wheel, "entry_points.txt")
     assert "[apache_airflow_provider]" in entry_points
     assert "provider_info = airflow_idempotency.provider_info:get_provider_info" in entry_points
+    assert "[airflow.plugins]" in entry_points
+    assert "idempotency = airflow_idempotency.plugin:IdempotencyPlugin" in entry_points
     scripts = entry_points.split("[console_scripts]", 1)[1].split("\n[", 1)[0]
     assert [line.split("=")[0].strip() for line in scripts.strip().splitlines()] == [
         "airflow-idempotency"

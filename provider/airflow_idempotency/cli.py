@@ -32,14 +32,14 @@ from psycopg.rows import dict_row
 
 from airflow_idempotency import records
 from airflow_idempotency._sql import query
-from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.exceptions import InvalidInputError, SchemaNotReadyError
 from airflow_idempotency.locks import ON_LOCKED_ENV, hold_run_lock, run_lock_key
 from airflow_idempotency.records import Trigger
 from airflow_idempotency.schema import (
     DEFAULT_SCHEMA,
     current_version,
     ensure_schema,
-    latest_version,
+    require_readable,
     validate_schema_name,
 )
 
@@ -94,20 +94,21 @@ def _open(args: argparse.Namespace) -> psycopg.Connection:
 def _connect_read(args: argparse.Namespace) -> psycopg.Connection:
     """A connection for reading the bookkeeping tables, which must exist: no DDL, ever."""
     conn = _open(args)
-    version = current_version(conn, args.schema)
-    if version < latest_version():
+    try:
+        require_readable(conn, args.schema)
+    except SchemaNotReadyError as exc:
         conn.close()
-        if version == 0:
+        if exc.version == 0:
             raise CommandError(
                 f"database {conn.info.dbname!r} has no bookkeeping tables in schema "
                 f"{args.schema!r}: no idempotent task has run against it yet, or --dsn / "
                 "--conn-id / --schema point elsewhere."
-            )
+            ) from exc
         raise CommandError(
-            f"schema {args.schema!r} is at version {version}, older than this CLI "
-            f"(version {latest_version()}): run `airflow-idempotency migrate`, or let a task "
+            f"schema {args.schema!r} is at version {exc.version}, older than this CLI "
+            f"(version {exc.expected}): run `airflow-idempotency migrate`, or let a task "
             "of this version run first."
-        )
+        ) from exc
     return conn
 
 

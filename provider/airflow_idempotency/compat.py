@@ -115,6 +115,20 @@ class ReschedulingOperator(BaseOperator):
             return super().get_serialized_fields() | {"reschedule"}  # type: ignore[no-untyped-call]
 
 
+def run_key_links() -> tuple[BaseOperatorLink, ...]:
+    """The operator's extra links: "Run key" on 3.x, none on 2.x.
+
+    The Run keys view exists only in the Airflow 3 UI, where the worker computes a link when
+    the task ends (links.py). Airflow 2's webserver would have to find the link class among
+    its plugins' links to deserialize the DAG, and would link to a page it does not have.
+    """
+    if not AIRFLOW_V_3_0_PLUS:
+        return ()
+    from airflow_idempotency.links import RunKeyLink
+
+    return (RunKeyLink(),)
+
+
 BACKFILL_COMMAND = "backfill-create" if AIRFLOW_V_3_0_PLUS else "dags-backfill"
 """This line's date-range command: ``airflow backfill create`` (3.x), ``airflow dags
 backfill`` (2.x; removed in 3.0)."""
@@ -219,5 +233,6 @@ __all__ = [
     "ReschedulingOperator",
     "Stats",
     "TaskDecorator",
+    "run_key_links",
     "task_decorator_factory",
 ]

@@ -50,6 +50,18 @@ class SchemaError(ConfigurationError):
     """The bookkeeping schema is newer than this code: upgrade the provider on this worker."""
 
 
+class SchemaNotReadyError(ConfigurationError):
+    """A reader found the bookkeeping schema missing or older than this code (it never migrates).
+
+    ``version`` is the applied version (0: no tables), ``expected`` the one this code reads.
+    """
+
+    def __init__(self, message: str, *, version: int, expected: int) -> None:
+        super().__init__(message)
+        self.version = version
+        self.expected = expected
+
+
 class RunLockedError(IdempotencyError):
     """Another execution holds the lock of this (job, run key)."""
 

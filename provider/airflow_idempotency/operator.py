@@ -22,6 +22,7 @@ from airflow_idempotency.compat import (
     Param,
     ReschedulingOperator,
     reschedule_count,
+    run_key_links,
     run_type,
     triggering_user,
 )
@@ -32,6 +33,7 @@ from airflow_idempotency.exceptions import (
     RunLockedError,
 )
 from airflow_idempotency.hook import IdempotencyHook
+from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE
 from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.records import Trigger
 from airflow_idempotency.run_context import RunContext
@@ -116,6 +118,7 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     template_fields: Sequence[str] = ("job_name", "op_kwargs")
     ui_color = "#e8f4e8"
+    operator_extra_links = run_key_links()
 
     def __init__(
         self,
@@ -261,6 +264,8 @@ class IdempotentRunOperator(ReschedulingOperator):
         job_name = check_text(self.effective_job_name, "job name")
         resolved = self.resolve_run_key(context)
         options = self.run_options(context)
+        # The "Run key" extra link (computed by the worker when the task ends) names this key.
+        setattr(self, LINK_TARGET_ATTRIBUTE, (job_name, resolved.run_key))
         self.log.info(
             "job=%s run_key=%s %s (force=%s, dry_run=%s)",
             job_name,

@@ -47,6 +47,31 @@ def get_provider_info() -> dict[str, Any]:
                 "hook-class-name": "airflow_idempotency.hook.IdempotencyHook",
             }
         ],
+        "config": {
+            "idempotency": {
+                "description": (
+                    "The Run keys view of the Airflow 3 UI (the plugin's app on the "
+                    "api-server). Airflow 2.11 has no such view: use the "
+                    "airflow-idempotency CLI."
+                ),
+                "options": {
+                    "ui_conn_id": {
+                        "description": "Airflow connection of the job database the view reads.",
+                        "version_added": "0.2.0",
+                        "type": "string",
+                        "example": "jobs_db",
+                        "default": "idempotency_default",
+                    },
+                    "ui_schema": {
+                        "description": "Schema of the bookkeeping tables the view reads.",
+                        "version_added": "0.2.0",
+                        "type": "string",
+                        "example": "idempotency",
+                        "default": "idempotency",
+                    },
+                },
+            }
+        },
         "task-decorators": [
             {
                 "name": "idempotent_run",

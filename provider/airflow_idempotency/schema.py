@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from airflow_idempotency._sql import latest_migration, migrations
-from airflow_idempotency.exceptions import InvalidInputError, SchemaError
+from airflow_idempotency.exceptions import InvalidInputError, SchemaError, SchemaNotReadyError
 from airflow_idempotency.locks import migration_lock_key, refusal_of_statement_pooling
 
 DEFAULT_SCHEMA = "idempotency"
@@ -58,6 +58,26 @@ def current_version(conn: psycopg.Connection, schema: str) -> int:
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
         return 0
     return int(found[0]) if found else 0
+
+
+def require_readable(conn: psycopg.Connection, schema: str) -> int:
+    """The applied schema version, if this code can read the tables; never creates or migrates.
+
+    Raises :class:`SchemaNotReadyError` when the schema is missing (no idempotent task ran
+    against this database yet, or the reader points elsewhere) or older than this code (a
+    task of this version, or ``airflow-idempotency migrate``, brings it up to date). A newer
+    schema is read: migrations only add.
+    """
+    version = current_version(conn, schema)
+    expected = latest_version()
+    if version >= expected:
+        return version
+    where = f"schema {schema!r} of database {conn.info.dbname!r}"
+    if version == 0:
+        message = f"{where} has no bookkeeping tables"
+    else:
+        message = f"{where} is at version {version}, older than this code (version {expected})"
+    raise SchemaNotReadyError(message, version=version, expected=expected)
 
 
 def _server_identity(conn: psycopg.Connection) -> tuple[bytes | None, ...]:

@@ -355,6 +355,199 @@ FROM {schema}.job_run_attempts
 WHERE run_key = %(run_key)s AND dag_id = %(dag_id)s AND started_at >= %(since)s
 ORDER BY attempt_id;
 
+-- Read-only statements of the Run keys view in the Airflow UI (airflow_idempotency.ui).
+-- Each takes the reader's DAG visibility: the parameter all_dags (the user may read every
+-- DAG) or dag_ids (the DAG ids the auth manager authorizes). A row leaves the database only if
+-- the DAG id recorded on it is visible; rows recorded outside Airflow (no DAG id) only when
+-- all DAGs are. Optional filters: a NULL parameter matches everything (the server plans each
+-- statement with the values bound, so a NULL filter costs nothing).
+
+-- name: ui_runs
+-- Run keys of every job, newest key first, a page at a time: keyset pagination on
+-- (run_key, job_name), the order of job_runs_run_key_idx (migration 5).
+WITH held AS MATERIALIZED (
+    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+)
+SELECT r.job_name, r.run_key, r.status, r.triggered_by, r.triggering_user, r.dag_id, r.run_id,
+       r.task_id, r.attempt_count, r.started_at, r.completed_at, r.updated_at, r.details,
+       r.lock_key IN (SELECT held.lock_key FROM held) AS locked
+FROM {schema}.job_runs AS r
+WHERE (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+  AND (%(job)s::text IS NULL OR r.job_name = %(job)s)
+  AND (%(status)s::text IS NULL OR r.status = %(status)s)
+  AND (%(dag_id)s::text IS NULL OR r.dag_id = %(dag_id)s)
+  AND (%(from_key)s::text IS NULL OR r.run_key >= %(from_key)s)
+  AND (%(to_key)s::text IS NULL OR r.run_key <= %(to_key)s)
+  AND (%(before_key)s::text IS NULL OR (r.run_key, r.job_name) < (%(before_key)s, %(before_job)s))
+ORDER BY r.run_key DESC, r.job_name DESC
+LIMIT %(limit)s;
+
+-- name: ui_attention
+-- Runs that are not completed (failed, running now, or interrupted: started and no longer
+-- locked, i.e. the worker died), last changed first: the newest of each status through
+-- job_runs_status_idx, never all of them.
+WITH held AS MATERIALIZED (
+    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+)
+SELECT o.*, o.lock_key IN (SELECT held.lock_key FROM held) AS locked
+FROM (
+    (SELECT r.* FROM {schema}.job_runs AS r
+     WHERE r.status = 'failed' AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+     ORDER BY r.updated_at DESC LIMIT %(limit)s)
+    UNION ALL
+    (SELECT r.* FROM {schema}.job_runs AS r
+     WHERE r.status = 'started' AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+     ORDER BY r.updated_at DESC LIMIT %(limit)s)
+) AS o
+ORDER BY o.updated_at DESC
+LIMIT %(limit)s;
+
+-- name: ui_open_counts
+-- How many runs are failed, running now and interrupted (job_runs_status_idx).
+WITH held AS MATERIALIZED (
+    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+)
+SELECT count(*) FILTER (WHERE r.status = 'failed') AS failed,
+       count(*) FILTER (WHERE r.status = 'started'
+                        AND r.lock_key IN (SELECT held.lock_key FROM held)) AS running,
+       count(*) FILTER (WHERE r.status = 'started'
+                        AND r.lock_key NOT IN (SELECT held.lock_key FROM held)) AS interrupted
+FROM {schema}.job_runs AS r
+WHERE r.status IN ('started', 'failed')
+  AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]));
+
+-- name: ui_locks
+-- Run locks held right now, by the attempt that holds each (job_run_attempts_running_idx).
+-- A lock taken a moment ago whose attempt is not recorded yet is not shown.
+SELECT att.job_name, att.run_key, r.status, a.pid AS backend_pid,
+       coalesce(a.client_hostname, host(a.client_addr), 'local socket') AS client,
+       a.backend_start, att.hostname AS worker_host, att.pid AS worker_pid,
+       att.started_at AS attempt_started_at, att.dag_id, att.run_id, att.task_id, att.try_number
+FROM {schema}.held_run_locks() AS h
+JOIN pg_stat_activity AS a ON a.pid = h.pid
+JOIN LATERAL (
+    SELECT job_name, run_key, hostname, pid, started_at, dag_id, run_id, task_id, try_number
+    FROM {schema}.job_run_attempts
+    WHERE lock_key = h.lock_key AND lock_backend_pid = a.pid AND outcome = 'running'
+    ORDER BY attempt_id DESC
+    LIMIT 1
+) AS att ON true
+LEFT JOIN {schema}.job_runs AS r ON r.job_name = att.job_name AND r.run_key = att.run_key
+WHERE %(all_dags)s OR att.dag_id = ANY(%(dag_ids)s::text[])
+ORDER BY att.started_at;
+
+-- name: ui_unconfirmed
+-- Run keys with external effects not confirmed by the remote (pending or failed), most
+-- recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
+-- The keys come sorted out of the subquery, so each one's job_runs row is looked up (by
+-- primary key) only until the page is full.
+SELECT u.job_name, u.run_key, r.dag_id, u.pending, u.failed, u.last_update
+FROM (
+    SELECT l.job_name, l.run_key,
+           count(*) FILTER (WHERE l.status = 'pending') AS pending,
+           count(*) FILTER (WHERE l.status = 'failed') AS failed,
+           max(l.updated_at) AS last_update
+    FROM {schema}.outbound_ledger AS l
+    WHERE l.status <> 'succeeded'
+    GROUP BY l.job_name, l.run_key
+    ORDER BY last_update DESC
+) AS u
+LEFT JOIN LATERAL (
+    -- LIMIT (the key is unique anyway) keeps this a lookup per row: a plain join is
+    -- planned as a hash join over all of job_runs.
+    SELECT jr.dag_id FROM {schema}.job_runs AS jr
+    WHERE jr.job_name = u.job_name AND jr.run_key = u.run_key
+    LIMIT 1
+) AS r ON true
+WHERE %(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[])
+ORDER BY u.last_update DESC
+LIMIT %(limit)s;
+
+-- name: ui_dag_jobs
+-- The jobs a DAG ran, by name: one probe of job_run_attempts_dag_job_idx per job (a loose
+-- index scan), however many attempts the DAG made.
+WITH RECURSIVE jobs (job_name) AS (
+    (SELECT a.job_name FROM {schema}.job_run_attempts AS a
+     WHERE a.dag_id = %(dag_id)s ORDER BY a.job_name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT a.job_name FROM {schema}.job_run_attempts AS a
+            WHERE a.dag_id = %(dag_id)s AND a.job_name > jobs.job_name
+            ORDER BY a.job_name LIMIT 1)
+    FROM jobs
+    WHERE jobs.job_name IS NOT NULL
+)
+SELECT jobs.job_name FROM jobs WHERE jobs.job_name IS NOT NULL LIMIT %(limit)s;
+
+-- name: ui_dag_keys
+-- The newest run keys of some jobs (older than before_key when paging), and every
+-- visible job_runs row of those jobs for those keys: per job a backward scan of the
+-- primary key, then primary-key lookups.
+WITH keys AS (
+    SELECT DISTINCT k.run_key
+    FROM unnest(%(jobs)s::text[]) AS j (job_name)
+    CROSS JOIN LATERAL (
+        SELECT r.run_key FROM {schema}.job_runs AS r
+        WHERE r.job_name = j.job_name
+          AND (%(before_key)s::text IS NULL OR r.run_key < %(before_key)s)
+        ORDER BY r.run_key DESC
+        LIMIT %(limit)s
+    ) AS k
+    ORDER BY k.run_key DESC
+    LIMIT %(limit)s
+),
+held AS MATERIALIZED (
+    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+)
+SELECT r.run_key, r.job_name, r.status, r.triggered_by, r.triggering_user, r.dag_id,
+       r.run_id, r.task_id, r.attempt_count, r.started_at, r.completed_at, r.updated_at,
+       r.details, r.lock_key IN (SELECT held.lock_key FROM held) AS locked
+FROM keys
+CROSS JOIN unnest(%(jobs)s::text[]) AS j (job_name)
+JOIN LATERAL (
+    SELECT * FROM {schema}.job_runs AS jr
+    WHERE jr.job_name = j.job_name AND jr.run_key = keys.run_key
+    LIMIT 1  -- a primary-key lookup per cell, never a hash join over job_runs
+) AS r ON true
+WHERE %(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[])
+ORDER BY r.run_key DESC, r.job_name;
+
+-- name: ui_run_attempts
+-- What one DAG run's tasks did (job_run_attempts_dag_run_idx), each with its key's
+-- current record when that is visible.
+WITH held AS MATERIALIZED (
+    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+)
+SELECT a.attempt_id, a.job_name, a.run_key, a.outcome, a.task_id, a.map_index, a.try_number,
+       a.hostname, a.pid, a.force, a.dry_run, a.started_at, a.finished_at, a.error, a.details,
+       r.status AS key_status, r.dag_id AS key_dag_id, r.run_id AS key_run_id,
+       r.updated_at AS key_updated_at, r.lock_key IN (SELECT held.lock_key FROM held) AS key_locked
+FROM {schema}.job_run_attempts AS a
+LEFT JOIN {schema}.job_runs AS r
+    ON r.job_name = a.job_name AND r.run_key = a.run_key
+   AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+WHERE a.dag_id = %(dag_id)s AND a.run_id = %(run_id)s
+  AND (%(task_id)s::text IS NULL OR a.task_id = %(task_id)s)
+ORDER BY a.task_id, a.map_index NULLS FIRST, a.attempt_id
+LIMIT %(limit)s;
+
+-- name: ui_key_attempts
+-- The newest attempts of one key that the reader may see (an attempt recorded outside
+-- Airflow, e.g. the CLI's reset, belongs to the key), and how many it may not.
+WITH attempts AS (
+    SELECT a.*, (%(all_dags)s OR a.dag_id IS NULL OR a.dag_id = ANY(%(dag_ids)s::text[])) AS visible
+    FROM {schema}.job_run_attempts AS a
+    WHERE a.job_name = %(job)s AND a.run_key = %(run_key)s
+)
+SELECT a.attempt_id, a.outcome, a.triggered_by, a.triggering_user, a.dag_id, a.run_id,
+       a.task_id, a.map_index, a.try_number, a.hostname, a.pid, a.lock_backend_pid, a.force,
+       a.dry_run, a.started_at, a.finished_at, a.error, a.details,
+       count(*) OVER () AS visible_total,
+       (SELECT count(*) FROM attempts AS h WHERE NOT h.visible) AS hidden_total
+FROM attempts AS a
+WHERE a.visible
+ORDER BY a.attempt_id DESC
+LIMIT %(limit)s;
+
 -- name: job_known
 SELECT EXISTS (SELECT 1 FROM {schema}.job_runs WHERE job_name = %(job)s)
     OR EXISTS (SELECT 1 FROM {schema}.job_run_attempts WHERE job_name = %(job)s) AS known;

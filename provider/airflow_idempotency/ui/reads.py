@@ -1,0 +1,288 @@
+"""What the Run keys view reads, for one reader: Airflow-free, read-only, one snapshot a page.
+
+:class:`RecordsReader` runs the ``ui_*`` statements of ``sql/queries.sql`` (and the CLI's
+read-only ones) on a connection to the job database. Each page is read in one transaction
+``REPEATABLE READ, READ ONLY`` with a statement timeout: its parts agree with each other,
+Postgres itself refuses any write, and a slow statement cannot hold an api-server thread.
+
+What a reader may see is a :class:`Visibility`: every DAG, or the DAG ids the auth manager
+authorizes. It is applied in SQL, so rows of other DAGs never leave the database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from airflow_idempotency._sql import query
+from airflow_idempotency.locks import run_lock_key
+
+STATEMENT_TIMEOUT = "15s"
+"""Upper bound of one statement of a page (a page reads through indexes in milliseconds)."""
+
+RUNS_PAGE = 50
+ATTENTION_LIMIT = 20
+UNCONFIRMED_LIMIT = 20
+DAG_KEYS_PAGE = 30
+DAG_JOBS_LIMIT = 40
+RUN_ATTEMPTS_LIMIT = 500
+KEY_ATTEMPTS_LIMIT = 200
+KEY_EFFECTS_LIMIT = 50
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Which records a reader may see: those of every DAG, or of the DAG ids listed.
+
+    Records written outside Airflow (no DAG id) are visible only with ``all_dags``.
+    """
+
+    all_dags: bool
+    dag_ids: frozenset[str] = frozenset()
+
+    def can_read(self, dag_id: str | None) -> bool:
+        """Whether a record carrying ``dag_id`` is visible."""
+        return self.all_dags or (dag_id is not None and dag_id in self.dag_ids)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The query parameters every ``ui_*`` statement takes."""
+        return {"all_dags": self.all_dags, "dag_ids": [] if self.all_dags else sorted(self.dag_ids)}
+
+
+@dataclass(frozen=True)
+class RunFilters:
+    """Optional filters of the run-key list (None: any)."""
+
+    job: str | None = None
+    status: str | None = None
+    dag_id: str | None = None
+    from_key: str | None = None
+    to_key: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return any(
+            v is not None for v in (self.job, self.status, self.dag_id, self.from_key, self.to_key)
+        )
+
+
+@dataclass
+class Overview:
+    """The overview page: what needs attention, what runs now, and the run keys."""
+
+    attention: list[Row]
+    counts: dict[str, int]
+    locks: list[Row]
+    unconfirmed: list[Row]
+    runs: list[Row]
+    next_page: tuple[str, str] | None
+
+
+@dataclass
+class DagKeys:
+    """A DAG's tab: its jobs (columns) and, per run key (rows), each job's record."""
+
+    dag_id: str
+    jobs: list[str]
+    keys: list[tuple[str, dict[str, Row]]]
+    next_before: str | None
+
+
+@dataclass
+class RunAttempts:
+    """A DAG run's tab: what each of its tasks did, attempt by attempt."""
+
+    dag_id: str
+    run_id: str
+    task_id: str | None
+    attempts: list[Row]
+
+
+@dataclass
+class KeyDetail:
+    """One (job, run key): its record, who holds its lock now, its attempts and effects."""
+
+    job_name: str
+    run_key: str
+    run: Row | None
+    lock_holder: Row | None
+    attempts: list[Row]
+    attempts_total: int
+    attempts_hidden: int
+    effects: list[Row]
+    unconfirmed: list[Row] = field(default_factory=list)
+
+
+def run_state(row: Row) -> str:
+    """The state a job_runs row is in now: completed, failed, running (its lock is held) or
+    interrupted (started, and nobody holds its lock: the worker died; the next run of the
+    key takes it over)."""
+    if row["status"] == "started":
+        return "running" if row.get("locked") else "interrupted"
+    return str(row["status"])
+
+
+def _with_state(rows: list[Row]) -> list[Row]:
+    for row in rows:
+        row["state"] = run_state(row)
+    return rows
+
+
+class RecordsReader:
+    """The view's reads on one connection to the job database (autocommit, idle).
+
+    :param conn: a connection opened with ``autocommit=True`` (and, behind a pooler,
+        ``prepare_threshold=None``); it is only read.
+    :param schema: the bookkeeping schema, validated by the caller.
+    :param visibility: what this reader may see.
+    """
+
+    def __init__(self, conn: psycopg.Connection, schema: str, visibility: Visibility) -> None:
+        self.conn = conn
+        self.schema = schema
+        self.visibility = visibility
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """One read-only transaction for a page: BEGIN and its timeout in one round trip."""
+        with self.conn.pipeline():
+            self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            self.conn.execute(
+                "SELECT set_config('statement_timeout', %(timeout)s, true)",
+                {"timeout": STATEMENT_TIMEOUT},
+            )
+        try:
+            yield
+        finally:
+            if not self.conn.broken and not self.conn.closed:
+                self.conn.execute("ROLLBACK")  # read only: nothing to commit
+
+    def _rows(self, name: str, **params: Any) -> list[Row]:
+        with self.conn.cursor(row_factory=dict_row) as cur:
+            return cur.execute(
+                query(name, self.schema), {**self.visibility.params, **params}
+            ).fetchall()
+
+    # -- pages -----------------------------------------------------------------------------
+
+    def overview(
+        self, filters: RunFilters, before: tuple[str, str] | None = None, limit: int = RUNS_PAGE
+    ) -> Overview:
+        """The overview: open runs (with counts), held locks, unconfirmed effects, run keys."""
+        with self.snapshot():
+            attention = _with_state(self._rows("ui_attention", limit=ATTENTION_LIMIT))
+            (counted,) = self._rows("ui_open_counts")
+            locks = self._rows("ui_locks")
+            unconfirmed = self._rows("ui_unconfirmed", limit=UNCONFIRMED_LIMIT)
+            runs = self._runs(filters, before, limit)
+        counts = {name: int(value) for name, value in counted.items()}
+        for row in attention:
+            del row["lock_key"]
+        return Overview(attention, counts, locks, unconfirmed, *runs)
+
+    def runs(
+        self, filters: RunFilters, before: tuple[str, str] | None = None, limit: int = RUNS_PAGE
+    ) -> tuple[list[Row], tuple[str, str] | None]:
+        """One page of run keys, newest first, and where the next page starts (or None)."""
+        with self.snapshot():
+            return self._runs(filters, before, limit)
+
+    def _runs(
+        self, filters: RunFilters, before: tuple[str, str] | None, limit: int
+    ) -> tuple[list[Row], tuple[str, str] | None]:
+        rows = self._rows(
+            "ui_runs",
+            job=filters.job,
+            status=filters.status,
+            dag_id=filters.dag_id,
+            from_key=filters.from_key,
+            to_key=filters.to_key,
+            before_key=before[0] if before else None,
+            before_job=before[1] if before else None,
+            limit=limit + 1,
+        )
+        more = len(rows) > limit
+        rows = _with_state(rows[:limit])
+        last = rows[-1] if rows else None
+        return rows, (last["run_key"], last["job_name"]) if more and last else None
+
+    def dag_keys(
+        self, dag_id: str, before_key: str | None = None, limit: int = DAG_KEYS_PAGE
+    ) -> DagKeys:
+        """The run keys of the jobs ``dag_id`` ran, newest first: a grid of run key x job."""
+        with self.snapshot():
+            jobs = [
+                r["job_name"]
+                for r in self._rows("ui_dag_jobs", dag_id=dag_id, limit=DAG_JOBS_LIMIT)
+            ]
+            rows = (
+                self._rows("ui_dag_keys", jobs=jobs, before_key=before_key, limit=limit + 1)
+                if jobs
+                else []
+            )
+        by_key: dict[str, dict[str, Row]] = {}
+        for row in _with_state(rows):
+            by_key.setdefault(row["run_key"], {})[row["job_name"]] = row
+        keys = list(by_key.items())
+        more = len(keys) > limit
+        keys = keys[:limit]
+        return DagKeys(dag_id, jobs, keys, keys[-1][0] if more and keys else None)
+
+    def run_attempts(self, dag_id: str, run_id: str, task_id: str | None = None) -> RunAttempts:
+        """The attempts of one DAG run (optionally of one task), with each key's state."""
+        with self.snapshot():
+            rows = self._rows(
+                "ui_run_attempts",
+                dag_id=dag_id,
+                run_id=run_id,
+                task_id=task_id,
+                limit=RUN_ATTEMPTS_LIMIT,
+            )
+        for row in rows:
+            if row["key_status"] is not None:
+                row["key_state"] = run_state(
+                    {"status": row["key_status"], "locked": row["key_locked"]}
+                )
+        return RunAttempts(dag_id, run_id, task_id, rows)
+
+    def key(self, job_name: str, run_key: str) -> KeyDetail | None:
+        """Everything about one (job, run key), or None if the reader may see none of it."""
+        params = {"job": job_name, "run_key": run_key}
+        with self.snapshot():
+            runs = self._rows("get_run", job_name=job_name, run_key=run_key)
+            attempts = self._rows("ui_key_attempts", limit=KEY_ATTEMPTS_LIMIT, **params)
+            run = runs[0] if runs else None
+            if run is not None and not self.visibility.can_read(run["dag_id"]):
+                return None
+            if run is None and not attempts:
+                return None
+            holders = self._rows("run_lock_holder", lock_key=run_lock_key(job_name, run_key))
+            effects = self._rows("cli_ledger_summary", all=True, **params)
+            unconfirmed = self._rows("cli_ledger_problems", limit=KEY_EFFECTS_LIMIT, **params)
+        if run is not None:
+            run["locked"] = bool(holders)
+            run["state"] = run_state(run)
+        first = attempts[0] if attempts else {}
+        total, hidden = int(first.get("visible_total") or 0), int(first.get("hidden_total") or 0)
+        for row in attempts:
+            row.pop("visible_total", None)
+            row.pop("hidden_total", None)
+        return KeyDetail(
+            job_name=job_name,
+            run_key=run_key,
+            run=run,
+            lock_holder=holders[0] if holders else None,
+            attempts=attempts,
+            attempts_total=total,
+            attempts_hidden=hidden,
+            effects=effects,
+            unconfirmed=unconfirmed,
+        )

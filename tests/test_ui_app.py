@@ -1,0 +1,450 @@
+"""The Run keys view's app (Airflow 3), in-process: Airflow's authentication and per-DAG
+authorization, what each page shows from records the real runner wrote, and its refusals.
+
+The app is the plugin's own FastAPI app, unmounted (TestClient), with Airflow's auth manager
+initialised as the api-server does; tests/test_ui_stack.py serves it from a real api-server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_helpers import register
+from airflow_idempotency.records import Trigger
+from airflow_idempotency.runner import RunContext, run_idempotently
+from devtools import airflow_env
+from ui_auth_manager import DENIED_ENV
+
+pytestmark = pytest.mark.usefixtures("airflow_home")
+
+DAGS = ("demo_dag", "secret_dag", "other_dag")
+HOSTILE_JOB = "<img src=x onerror=alert(1)>"
+HOSTILE_KEY = "\"'><script>alert(2)</script>"
+
+
+@pytest.fixture(scope="module")
+def auth_manager(airflow_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Airflow's auth manager as the api-server initialises it: SimpleAuthManager with users
+    of each role, and per-DAG rules (``restricted`` may not read secret_dag)."""
+    from airflow.api_fastapi.app import init_auth_manager
+    from airflow.providers.common.compat.sdk import DAG, BaseOperator
+
+    passwords = tmp_path_factory.mktemp("auth") / "passwords.json"
+    passwords.write_text(json.dumps({u: u for u in ("admin", "viewer", "restricted", "user")}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AIRFLOW__CORE__AUTH_MANAGER", "ui_auth_manager.RestrictedAuthManager")
+        mp.setenv(
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS",
+            "admin:admin,viewer:viewer,restricted:viewer,user:user",
+        )
+        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE", str(passwords))
+        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS", "False")
+        mp.setenv(DENIED_ENV, json.dumps({"restricted": ["secret_dag"]}))
+        for dag_id in DAGS:
+            with DAG(dag_id, schedule=None) as dag:
+                BaseOperator(task_id="t")
+            register(dag)
+        yield init_auth_manager()
+
+
+def token(manager: Any, name: str, role: str) -> str:
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    return str(manager.generate_jwt(SimpleAuthManagerUser(username=name, role=role)))
+
+
+class Client:
+    """The app's TestClient, signed in as one user (the UI's ``_token`` cookie)."""
+
+    def __init__(
+        self,
+        manager: Any,
+        name: str | None,
+        role: str = "viewer",
+        settings: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        from fastapi.testclient import TestClient
+
+        from airflow_idempotency.ui.app import Settings, create_app
+
+        app = create_app(settings or Settings())
+        self.http = TestClient(app, follow_redirects=False, **kwargs)
+        if name is not None:
+            self.http.cookies.set("_token", token(manager, name, role))
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.http.get(path, params=params)
+
+    def json(self, path: str, **params: Any) -> Any:
+        response = self.get(path, **params)
+        assert response.status_code == 200, (response.status_code, response.text[:2000])
+        return response.json()
+
+
+def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cursor = conn.execute(sql, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+def run(
+    dsn: str, job: str, key: str, dag_id: str | None, *, fail: bool = False, run_id: str = "r1"
+) -> None:
+    """One execution through the real runner, recorded as task ``t`` of ``dag_id``'s run."""
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        if fail:
+            raise RuntimeError(f"boom in {job}")
+        return {"rows": 7}
+
+    trigger = Trigger(
+        "manual", "alice", dag_id, run_id if dag_id else None, "t" if dag_id else None, 1
+    )
+    try:
+        run_idempotently(
+            connect=lambda: psycopg.connect(dsn),
+            job_name=job,
+            run_key=key,
+            work=work,
+            trigger=trigger,
+        )
+    except RuntimeError:
+        assert fail
+
+
+def add_effects(dsn: str, job: str, key: str, **statuses: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for status, count in statuses.items():
+            for i in range(count):
+                conn.execute(
+                    "INSERT INTO idempotency.outbound_ledger (remote_system, idempotency_key,"
+                    " job_name, run_key, request_fingerprint, status, last_error)"
+                    " VALUES ('accounting', %s, %s, %s, 'f', %s, %s)",
+                    (
+                        f"{job}:{key}:{status}:{i}",
+                        job,
+                        key,
+                        status,
+                        "refused" if status == "failed" else None,
+                    ),
+                )
+
+
+@pytest.fixture
+def seeded(airflow_pg_conn: str) -> str:
+    """A job database with records of three DAGs, a job run outside Airflow, a job shared by
+    two DAGs, a failed and an interrupted key, and ledger rows."""
+    dsn = airflow_pg_conn
+    run(dsn, "demo_dag.load", "2026-10-01", "demo_dag")
+    run(dsn, "demo_dag.load", "2026-10-02", "demo_dag", fail=True, run_id="r2")
+    run(dsn, "demo_dag.load", "2026-10-03", "demo_dag", run_id="r3")
+    run(dsn, "shared.reconcile", "2026-10-01", "demo_dag")
+    run(dsn, "shared.reconcile", "2026-10-01", "secret_dag")  # a no-op by the other DAG
+    run(dsn, "secret_dag.pay", "2026-10-01", "secret_dag")
+    run(dsn, "script.job", "2026-10-01", None)
+    run(dsn, HOSTILE_JOB, HOSTILE_KEY, "demo_dag")
+    # The worker of 2026-10-03 "died" after starting: started, and nobody holds the lock.
+    rows(
+        dsn,
+        "UPDATE idempotency.job_runs SET status = 'started', completed_at = NULL"
+        " WHERE job_name = 'demo_dag.load' AND run_key = '2026-10-03'",
+    )
+    add_effects(dsn, "demo_dag.load", "2026-10-01", succeeded=2, pending=1, failed=1)
+    add_effects(dsn, "secret_dag.pay", "2026-10-01", pending=3)
+    return dsn
+
+
+def keys_of(runs: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    return {(r["job_name"], r["run_key"]) for r in runs}
+
+
+def test_pages_need_an_airflow_session(auth_manager: Any, seeded: str) -> None:
+    """Without a token a page redirects to Airflow's login (and back), the JSON answers 401,
+    and a forged token is refused."""
+    anonymous = Client(auth_manager, None)
+    page = anonymous.get("/keys", job="demo_dag.load", run_key="2026-10-01")
+    assert page.status_code == 303
+    assert re.match(r"^/auth/login\?next=.*%2Fkeys%3Fjob%3Ddemo_dag.load", page.headers["location"])
+    assert anonymous.get("/api/overview").status_code == 401
+    anonymous.http.cookies.set("_token", "not-a-jwt")
+    assert anonymous.get("/api/overview").status_code == 403
+
+
+def test_admin_sees_every_record(auth_manager: Any, seeded: str) -> None:
+    """An admin reads the records of every DAG and those written outside Airflow: the counts,
+    the interrupted key, the unconfirmed effects and every run key."""
+    data = Client(auth_manager, "admin", "admin").json("/api/overview")["overview"]
+    assert keys_of(data["runs"]) == {
+        ("demo_dag.load", "2026-10-01"),
+        ("demo_dag.load", "2026-10-02"),
+        ("demo_dag.load", "2026-10-03"),
+        ("shared.reconcile", "2026-10-01"),
+        ("secret_dag.pay", "2026-10-01"),
+        ("script.job", "2026-10-01"),
+        (HOSTILE_JOB, HOSTILE_KEY),
+    }
+    assert data["counts"] == {"failed": 1, "running": 0, "interrupted": 1}
+    assert [(r["job_name"], r["run_key"], r["state"]) for r in data["attention"]] == [
+        ("demo_dag.load", "2026-10-03", "interrupted"),
+        ("demo_dag.load", "2026-10-02", "failed"),
+    ]
+    assert "boom in demo_dag.load" in data["attention"][1]["details"]["last_error"]
+    assert {(u["job_name"], u["pending"], u["failed"]) for u in data["unconfirmed"]} == {
+        ("demo_dag.load", 1, 1),
+        ("secret_dag.pay", 3, 0),
+    }
+    # Newest key first, then job name descending.
+    dated = [(r["run_key"], r["job_name"]) for r in data["runs"] if r["run_key"].startswith("2026")]
+    assert dated[:3] == [
+        ("2026-10-03", "demo_dag.load"),
+        ("2026-10-02", "demo_dag.load"),
+        ("2026-10-01", "shared.reconcile"),
+    ]
+
+
+def test_a_user_sees_only_the_dags_the_auth_manager_authorizes(
+    auth_manager: Any, seeded: str
+) -> None:
+    """A user who may not read secret_dag gets none of its records anywhere (runs, effects,
+    its tab, its keys), nor records written outside Airflow; a key of a job shared with
+    secret_dag shows without secret_dag's attempt, counted as hidden."""
+    client = Client(auth_manager, "restricted")
+    data = client.json("/api/overview")["overview"]
+    seen = keys_of(data["runs"])
+    assert ("secret_dag.pay", "2026-10-01") not in seen and ("script.job", "2026-10-01") not in seen
+    assert ("demo_dag.load", "2026-10-01") in seen
+    assert {u["job_name"] for u in data["unconfirmed"]} == {"demo_dag.load"}
+    assert client.get("/dags/secret_dag").status_code == 403
+    assert client.get("/api/dags/secret_dag/runs/r1").status_code == 403
+    assert client.get("/api/keys", job="secret_dag.pay", run_key="2026-10-01").status_code == 404
+    assert client.get("/api/keys", job="script.job", run_key="2026-10-01").status_code == 404
+    shared = client.json("/api/keys", job="shared.reconcile", run_key="2026-10-01")["key"]
+    assert [a["dag_id"] for a in shared["attempts"]] == ["demo_dag"]
+    assert (shared["attempts_total"], shared["attempts_hidden"]) == (1, 1)
+    page = client.get("/keys", job="shared.reconcile", run_key="2026-10-01").text
+    assert "1 more by DAGs you may not read" in page and "secret_dag" not in page
+    # The same key, for someone who may read every DAG, has both attempts.
+    everything = Client(auth_manager, "viewer").json(
+        "/api/keys", job="shared.reconcile", run_key="2026-10-01"
+    )
+    assert [a["outcome"] for a in everything["key"]["attempts"]] == ["noop", "completed"]
+
+
+def test_dag_tab_is_a_grid_of_run_keys_by_job(auth_manager: Any, seeded: str) -> None:
+    """A DAG's tab lists the jobs it ran as columns and its run keys newest first, each cell
+    the job's state for that key; older keys come a page at a time."""
+    client = Client(auth_manager, "viewer")
+    data = client.json("/api/dags/demo_dag")["dag"]
+    assert data["jobs"] == sorted(["demo_dag.load", "shared.reconcile", HOSTILE_JOB])
+    grid = {key: {job: cell["state"] for job, cell in cells.items()} for key, cells in data["keys"]}
+    assert grid["2026-10-01"] == {"demo_dag.load": "completed", "shared.reconcile": "completed"}
+    assert grid["2026-10-02"] == {"demo_dag.load": "failed"}
+    assert grid["2026-10-03"] == {"demo_dag.load": "interrupted"}
+    older = client.json("/api/dags/demo_dag", before_key="2026-10-02")["dag"]
+    assert [key for key, _ in older["keys"] if key.startswith("2026")] == ["2026-10-01"]
+    empty = client.get("/dags/other_dag")
+    assert empty.status_code == 200 and 'id="no-jobs"' in empty.text
+
+
+def test_run_tab_shows_what_each_task_of_the_run_did(auth_manager: Any, seeded: str) -> None:
+    """A DAG run's tab lists its attempts with the key's current state; ``task_id`` narrows it."""
+    client = Client(auth_manager, "viewer")
+    attempts = client.json("/api/dags/demo_dag/runs/r2")["run"]["attempts"]
+    assert [(a["job_name"], a["run_key"], a["outcome"], a["key_state"]) for a in attempts] == [
+        ("demo_dag.load", "2026-10-02", "failed", "failed")
+    ]
+    assert "boom in demo_dag.load" in attempts[0]["error"]
+    assert client.json("/api/dags/demo_dag/runs/r2", task_id="other")["run"]["attempts"] == []
+    page = client.get("/dags/demo_dag/runs/r2").text
+    assert 'href="/dags/demo_dag/runs/r2/tasks/t"' in page  # the task instance in Airflow's UI
+
+
+def test_key_page_shows_the_record_attempts_lock_holder_and_ledger(
+    auth_manager: Any, seeded: str
+) -> None:
+    """A key's page has its record, every attempt, who holds its lock right now (a run in
+    progress in another thread) and its effects by status with the unconfirmed ones listed."""
+    client = Client(auth_manager, "viewer")
+    detail = client.json("/api/keys", job="demo_dag.load", run_key="2026-10-01")["key"]
+    assert detail["run"]["state"] == "completed" and detail["run"]["details"] == {"rows": 7}
+    assert {(e["status"], e["effects"]) for e in detail["effects"]} == {
+        ("succeeded", 2),
+        ("pending", 1),
+        ("failed", 1),
+    }
+    assert {u["status"] for u in detail["unconfirmed"]} == {"pending", "failed"}
+    assert detail["lock_holder"] is None
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow(ctx: RunContext) -> None:
+        started.set()
+        release.wait(30)
+
+    worker = threading.Thread(
+        target=run_idempotently,
+        kwargs={
+            "connect": lambda: psycopg.connect(seeded),
+            "job_name": "demo_dag.load",
+            "run_key": "2026-10-04",
+            "work": slow,
+            "trigger": Trigger("scheduled", None, "demo_dag", "r4", "t", 1),
+        },
+    )
+    worker.start()
+    try:
+        assert started.wait(30)
+        live = client.json("/api/keys", job="demo_dag.load", run_key="2026-10-04")["key"]
+        assert live["run"]["state"] == "running"
+        assert live["lock_holder"]["attempt_run_id"] == "r4"
+        overview = client.json("/api/overview")["overview"]
+        assert overview["counts"]["running"] == 1
+        assert [(lock["run_key"], lock["run_id"]) for lock in overview["locks"]] == [
+            ("2026-10-04", "r4")
+        ]
+    finally:
+        release.set()
+        worker.join(30)
+    assert (
+        client.json("/api/keys", job="demo_dag.load", run_key="2026-10-04")["key"]["run"]["state"]
+        == "completed"
+    )
+
+
+def test_pages_escape_what_the_records_hold(auth_manager: Any, seeded: str) -> None:
+    """Job names, run keys and errors are shown as text: markup in them never reaches the
+    page as markup, and links to them are URL-encoded."""
+    client = Client(auth_manager, "admin", "admin")
+    for response in (
+        client.get("/"),
+        client.get("/dags/demo_dag"),
+        client.get("/keys", job=HOSTILE_JOB, run_key=HOSTILE_KEY),
+    ):
+        assert response.status_code == 200
+        assert "<img src=x" not in response.text and "<script>alert(2)" not in response.text
+        assert "&lt;img src=x onerror=alert(1)&gt;" in response.text
+
+
+def test_rerun_is_offered_to_users_who_may_trigger_the_dag(auth_manager: Any, seeded: str) -> None:
+    """The rerun form (which posts to Airflow's REST API) is on a key's page and the DAG's
+    tab for a user who may trigger the DAG, not for a viewer."""
+    as_user = Client(auth_manager, "user", "user")
+    page = as_user.get("/keys", job="demo_dag.load", run_key="2026-10-02").text
+    assert 'class="rerun" data-run-key="2026-10-02"' in page
+    assert 'data-api="/api/v2/dags/demo_dag/dagRuns"' in page
+    assert 'class="rerun"' in as_user.get("/dags/demo_dag").text
+    as_viewer = Client(auth_manager, "viewer")
+    assert (
+        'class="rerun"'
+        not in as_viewer.get("/keys", job="demo_dag.load", run_key="2026-10-02").text
+    )
+    assert 'class="rerun"' not in as_viewer.get("/dags/demo_dag").text
+
+
+def test_links_follow_the_root_path(auth_manager: Any, seeded: str) -> None:
+    """Under a root path (Airflow's [api] base_url, then the mount) every link keeps it: the
+    app's pages, Airflow's pages and the REST API the rerun posts to."""
+    client = Client(auth_manager, "user", "user", root_path="/airflow/idempotency")
+    page = client.get("/keys", job="demo_dag.load", run_key="2026-10-02").text
+    assert 'href="/airflow/idempotency/?job=demo_dag.load"' in page
+    assert 'href="/airflow/dags/demo_dag/runs/r2"' in page
+    assert 'data-api="/airflow/api/v2/dags/demo_dag/dagRuns"' in page
+
+
+def test_unreadable_database_is_explained_and_never_changed(
+    auth_manager: Any, pg_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database without the tables, an older schema, an unknown connection: each page says
+    why (503) and what to do, and nothing is created or migrated."""
+    client = Client(auth_manager, "viewer")
+    name = pg_server.create_database("idem_ui_empty")
+    try:
+        dsn = pg_server.dsn(name)
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT", airflow_env.airflow_connection_json(dsn)
+        )
+        page = client.get("/")
+        assert page.status_code == 503
+        assert "has no bookkeeping tables" in page.text and "ui_conn_id" in page.text
+        assert rows(dsn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'") == [
+            (0,)
+        ]
+
+        run(dsn, "j", "2026-10-01", "demo_dag")
+        rows(dsn, "DELETE FROM idempotency.schema_version WHERE version = 5")
+        older = client.get("/api/overview")
+        assert older.status_code == 503 and "older than this code" in older.json()["detail"]
+        assert rows(dsn, "SELECT max(version) FROM idempotency.schema_version") == [(4,)]
+    finally:
+        pg_server.drop_database(name)
+    monkeypatch.delenv("AIRFLOW_CONN_IDEMPOTENCY_DEFAULT")
+    missing = client.get("/")
+    assert missing.status_code == 503 and "idempotency_default" in missing.text
+
+
+def test_a_role_that_may_only_select_is_enough(
+    auth_manager: Any, seeded: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every page works through a database role that may only read the bookkeeping tables;
+    a read the database refuses is a page that says so (503), not a bare error."""
+    role = "idem_ui_reader"
+    with psycopg.connect(seeded, autocommit=True) as conn:
+        conn.execute(f"DROP ROLE IF EXISTS {role}")
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"GRANT USAGE ON SCHEMA idempotency TO {role}")
+        conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA idempotency TO {role}")
+        conn.execute(f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA idempotency TO {role}")
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(seeded)
+        params["user"] = role
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT",
+            airflow_env.airflow_connection_json(psycopg.conninfo.make_conninfo(**params)),
+        )
+        client = Client(auth_manager, "admin", "admin")
+        for path, params_ in (
+            ("/", {}),
+            ("/dags/demo_dag", {}),
+            ("/dags/demo_dag/runs/r1", {}),
+            ("/keys", {"job": "demo_dag.load", "run_key": "2026-10-01"}),
+        ):
+            response = client.get(path, **params_)
+            assert response.status_code == 200, (path, response.text[:1000])
+        with psycopg.connect(seeded, autocommit=True) as conn:
+            conn.execute(f"REVOKE SELECT ON idempotency.job_runs FROM {role}")
+        refused = client.get("/")
+        assert refused.status_code == 503
+        assert "InsufficientPrivilege" in refused.text and "job_runs" in refused.text
+    finally:
+        with psycopg.connect(seeded, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
+
+
+def test_the_job_database_is_named_in_airflow_config(
+    auth_manager: Any, seeded: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[idempotency] ui_conn_id and ui_schema (here from the environment) choose the job
+    database and the schema the view reads."""
+    from airflow_idempotency.ui.app import Settings
+
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__UI_CONN_ID", "jobs_db")
+    monkeypatch.setenv("AIRFLOW_CONN_JOBS_DB", airflow_env.airflow_connection_json(seeded))
+    monkeypatch.delenv("AIRFLOW_CONN_IDEMPOTENCY_DEFAULT")
+    settings = Settings.from_airflow_config()
+    assert settings == Settings(conn_id="jobs_db", schema="idempotency")
+    client = Client(auth_manager, "viewer", settings=settings)
+    assert client.json("/api/overview")["overview"]["counts"]["failed"] == 1
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__UI_SCHEMA", "elsewhere")
+    other = Client(auth_manager, "viewer", settings=Settings.from_airflow_config())
+    page = other.get("/")
+    assert page.status_code == 503 and "schema &#39;elsewhere&#39;" in page.text

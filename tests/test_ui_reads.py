@@ -1,0 +1,155 @@
+"""The Run keys view's reads (Airflow-free): pages of run keys, and an index behind every
+statement (migration 5), against a real PostgreSQL server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_idempotency._sql import query
+from airflow_idempotency.schema import ensure_schema
+from airflow_idempotency.ui.reads import RecordsReader, RunFilters, Visibility
+
+EVERY_DAG = Visibility(all_dags=True)
+
+
+def seed(dsn: str, jobs: int, keys: int, attempts_per_key: int = 2) -> None:
+    """``jobs`` x ``keys`` job_runs rows (DAG ``dag_<job mod 3>``), their attempts and ledger rows."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ensure_schema(conn)
+        conn.execute(
+            """
+            INSERT INTO idempotency.job_runs (job_name, run_key, lock_key, status, triggered_by,
+                dag_id, run_id, task_id, attempt_count, started_at, updated_at, completed_at)
+            SELECT 'job_' || j, to_char(date '2020-01-01' + k, 'YYYY-MM-DD'), j * 100000 + k,
+                   CASE WHEN k %% 50 = 0 THEN 'failed' ELSE 'completed' END, 'scheduled',
+                   'dag_' || (j %% 3), 'scheduled__' || k, 't' || j, 1, now(), now(), now()
+            FROM generate_series(1, %(jobs)s) AS j, generate_series(1, %(keys)s) AS k
+            """,
+            {"jobs": jobs, "keys": keys},
+        )
+        conn.execute(
+            """
+            INSERT INTO idempotency.job_run_attempts (job_name, run_key, lock_key, outcome,
+                triggered_by, dag_id, run_id, task_id, try_number, hostname, pid, finished_at)
+            SELECT r.job_name, r.run_key, r.lock_key, CASE WHEN a = 1 THEN 'completed' ELSE 'noop' END,
+                   'scheduled', r.dag_id, r.run_id, r.task_id, a, 'host', 1, now()
+            FROM idempotency.job_runs AS r, generate_series(1, %(n)s) AS a
+            """,
+            {"n": attempts_per_key},
+        )
+        conn.execute(
+            """
+            INSERT INTO idempotency.outbound_ledger (remote_system, idempotency_key, job_name,
+                run_key, request_fingerprint, status)
+            SELECT 'remote', r.job_name || ':' || r.run_key || ':' || e, r.job_name, r.run_key, 'f',
+                   CASE WHEN e = 1 AND r.status = 'failed' THEN 'pending' ELSE 'succeeded' END
+            FROM idempotency.job_runs AS r, generate_series(1, 3) AS e
+            """
+        )
+        conn.execute("ANALYZE")
+
+
+def test_run_keys_come_page_by_page_each_once(pg_dsn: str) -> None:
+    """Paging through the run keys (newest first, then job) returns every row exactly once,
+    with and without filters."""
+    seed(pg_dsn, jobs=3, keys=7)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        reader = RecordsReader(conn, "idempotency", EVERY_DAG)
+        for filters in (
+            RunFilters(),
+            RunFilters(dag_id="dag_1"),
+            RunFilters(from_key="2020-01-04"),
+        ):
+            seen: list[tuple[str, str]] = []
+            before = None
+            while True:
+                page, before = reader.runs(filters, before, limit=4)
+                seen += [(r["run_key"], r["job_name"]) for r in page]
+                if before is None:
+                    break
+            with conn.cursor() as cur:
+                expected = cur.execute(
+                    "SELECT run_key, job_name FROM idempotency.job_runs"
+                    " WHERE (%(d)s::text IS NULL OR dag_id = %(d)s)"
+                    " AND (%(f)s::text IS NULL OR run_key >= %(f)s) ORDER BY 1 DESC, 2 DESC",
+                    {"d": filters.dag_id, "f": filters.from_key},
+                ).fetchall()
+            assert seen == [tuple(r) for r in expected], filters
+
+
+def test_a_dag_sees_only_its_records(pg_dsn: str) -> None:
+    """A reader authorized on one DAG gets only the rows recorded by it, in every statement."""
+    seed(pg_dsn, jobs=3, keys=4)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        reader = RecordsReader(conn, "idempotency", Visibility(False, frozenset({"dag_1"})))
+        overview = reader.overview(RunFilters())
+        assert {r["dag_id"] for r in overview.runs} == {"dag_1"}
+        assert {r["dag_id"] for r in overview.unconfirmed} <= {"dag_1"}
+        assert reader.key("job_2", "2020-01-02") is None  # job_2 is dag_2's
+        assert reader.key("job_1", "2020-01-02") is not None
+        nobody = RecordsReader(conn, "idempotency", Visibility(False))
+        assert nobody.runs(RunFilters())[0] == []
+
+
+# Each statement with parameters as the pages send them.
+STATEMENTS: dict[str, dict[str, Any]] = {
+    "ui_runs": {
+        "job": None,
+        "status": None,
+        "dag_id": None,
+        "from_key": None,
+        "to_key": None,
+        "before_key": "2020-03-01",
+        "before_job": "job_5",
+        "limit": 51,
+    },
+    "ui_attention": {"limit": 20},
+    "ui_open_counts": {},
+    "ui_locks": {},
+    "ui_unconfirmed": {"limit": 20},
+    "ui_dag_jobs": {"dag_id": "dag_1", "limit": 40},
+    "ui_dag_keys": {"jobs": ["job_1", "job_4"], "before_key": None, "limit": 31},
+    "ui_run_attempts": {"dag_id": "dag_1", "run_id": "scheduled__5", "task_id": None, "limit": 500},
+    "ui_key_attempts": {"job": "job_1", "run_key": "2020-01-05", "limit": 200},
+    "cli_ledger_summary": {"job": "job_1", "run_key": "2020-01-05", "all": True},
+    "cli_ledger_problems": {"job": "job_1", "run_key": "2020-01-05", "limit": 50},
+}
+BIG_TABLES = ("job_runs", "job_run_attempts", "outbound_ledger")
+
+
+def rows_read(plan: dict[str, Any]) -> dict[str, int]:
+    """Rows each bookkeeping table gave a plan's scans, filtered out or not, over all loops."""
+    found: dict[str, int] = {}
+    relation = plan.get("Relation Name")
+    if relation in BIG_TABLES:
+        rows = plan["Actual Rows"] + plan.get("Rows Removed by Filter", 0)
+        rows += plan.get("Rows Removed by Index Recheck", 0)
+        found[relation] = found.get(relation, 0) + int(rows * plan["Actual Loops"])
+    for child in plan.get("Plans", []):
+        for name, count in rows_read(child).items():
+            found[name] = found.get(name, 0) + count
+    return found
+
+
+@pytest.mark.parametrize(
+    "visibility", [EVERY_DAG, Visibility(False, frozenset({"dag_1", "dag_2"}))], ids=["all", "some"]
+)
+def test_every_statement_of_the_view_reads_through_an_index(
+    pg_dsn: str, visibility: Visibility
+) -> None:
+    """No statement of the view reads a whole bookkeeping table: with 3,000 run keys, 6,000
+    attempts and 9,000 ledger rows, each reads at most a few hundred rows (the indexes of
+    migration 5; without them ui_runs, ui_dag_jobs, ui_run_attempts and ui_unconfirmed read
+    thousands). BENCHMARKS.md has the timings at size."""
+    seed(pg_dsn, jobs=10, keys=300)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for name, params in STATEMENTS.items():
+            ((plan,),) = conn.execute(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + query(name, "idempotency"),
+                {**visibility.params, **params},
+            ).fetchall()
+            read = rows_read(plan[0]["Plan"])
+            assert sum(read.values()) <= 400, (name, read)
