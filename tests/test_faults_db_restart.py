@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_idempotency.exceptions import IdempotencyError
+from airflow_idempotency.exceptions import IdempotencyError, LockLostError
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from test_faults_support import (
     FIRE,
@@ -150,11 +150,14 @@ def test_restart_mid_run_fails_cleanly_and_the_rerun_converges(
     error = box.get("error")
     assert "result" not in box, box
     assert isinstance(error, psycopg.Error | IdempotencyError), repr(error)
-    # Recorded as failed from a fresh session once the server was back: the work's own
-    # error during the work, a lost lock when the completion write found the session gone.
+    # Recorded as failed from a fresh session once the server was back, the attempt as
+    # lock_lost either way: the restart ended the lock's session with the work's, so a write
+    # in run.transaction() (during the work) and the completion write both report a lost lock.
+    assert isinstance(error, LockLostError), repr(error)
     assert rows(private.dsn, "SELECT status FROM idempotency.job_runs") == [("failed",)]
-    outcome = "failed" if when == "during_work" else "lock_lost"
-    assert rows(private.dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [(outcome,)]
+    assert rows(private.dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [
+        ("lock_lost",)
+    ]
 
     rerun = run_idempotently(
         connect=lambda: psycopg.connect(private.dsn),
