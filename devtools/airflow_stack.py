@@ -7,6 +7,11 @@ does not) are running. :func:`airflow_stack` starts them against an isolated
 ``AIRFLOW_HOME`` (SQLite metadata, LocalExecutor), each in its own session / process group
 with its log in ``<home>/stack-logs/``, and kills the groups on exit.
 
+``metadata_dsn`` puts the metadata in a PostgreSQL database instead (as in production), and
+``celery_workers`` switches to the CeleryExecutor (Redis broker, Postgres result backend):
+one ``airflow celery worker`` per name, each in its own UTS namespace with that hostname, so
+that Airflow and the provider see separate hosts.
+
 The caller's ``os.environ`` is never modified: the stack's environment is
 :attr:`AirflowStack.env`, passed to every subprocess. State is read straight from the
 SQLite metadata database (read-only, WAL mode): an ``airflow`` CLI call costs ~4 s of
@@ -25,6 +30,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -41,6 +47,10 @@ from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from devtools import airflow_env
 
@@ -48,6 +58,45 @@ TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 TERMINAL_TI_STATES = frozenset({"success", "failed", "skipped", "upstream_failed", "removed"})
 
 _T = TypeVar("_T")
+
+REDIS_URL = os.environ.get("IDEMPOTENCY_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def sqlalchemy_url(dsn: str, driver: str = "postgresql+psycopg2") -> str:
+    """The SQLAlchemy URL of a libpq DSN (Airflow's metadata connection, Celery's backend)."""
+    params = conninfo_to_dict(dsn)
+    user = quote(str(params.get("user", "postgres")), safe="")
+    password = params.get("password")
+    auth = f"{user}:{quote(str(password), safe='')}" if password else user
+    host = params.get("host", "127.0.0.1")
+    port = params.get("port", "5432")
+    return f"{driver}://{auth}@{host}:{port}/{quote(str(params.get('dbname', 'postgres')))}"
+
+
+def celery_env(metadata_dsn: str, broker_url: str = REDIS_URL) -> dict[str, str]:
+    """The CeleryExecutor settings of a stack: Redis broker, results in the metadata DB, a
+    queue of its own (several stacks may share one Redis), and short timeouts for a worker
+    that died (the scheduler fails its running tasks into their retries after 30 s, and
+    requeues what it had queued after 60 s, instead of 5 and 10 minutes)."""
+    return {
+        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+        "AIRFLOW__CELERY__BROKER_URL": broker_url,
+        "AIRFLOW__CELERY__RESULT_BACKEND": sqlalchemy_url(metadata_dsn, "db+postgresql"),
+        "AIRFLOW__CELERY__WORKER_CONCURRENCY": "2",
+        "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT": "3600",
+        "AIRFLOW__OPERATORS__DEFAULT_QUEUE": f"idem-{secrets.token_hex(4)}",
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+        "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "60",
+    }
+
+
+# Runs `airflow ARGS` with the hostname argv[1], in the new UTS namespace `unshare --uts`
+# made for it: socket.gethostname() then names this worker, as on a separate machine.
+_WITH_HOSTNAME = (
+    "import os, socket, sys; socket.sethostname(sys.argv[1]); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'airflow', *sys.argv[2:]])"
+)
 
 
 def stack_env_defaults(home: Path, dags_folder: Path, port: int) -> dict[str, str]:
@@ -252,9 +301,14 @@ class AirflowStack:
         dag_processor: bool = True,
         triggerer: bool = False,
         db_template: bool = True,
+        metadata_dsn: str | None = None,
+        celery_workers: Sequence[str] = (),
     ) -> None:
+        if celery_workers and metadata_dsn is None:
+            raise ValueError("celery_workers need a metadata_dsn (a PostgreSQL metadata DB)")
         self.home = home.resolve()
-        self.db_template = db_template
+        self.db_template = db_template and metadata_dsn is None
+        self.metadata_dsn = metadata_dsn
         self.dags_folder = dags_folder.resolve()
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -265,9 +319,16 @@ class AirflowStack:
             self.components.append("dag-processor")
         if triggerer:
             self.components.append("triggerer")
+        self.celery_workers = list(celery_workers)
+        self.components += [f"celery-worker-{name}" for name in self.celery_workers]
         env = dict(os.environ)
         airflow_env.configure(self.home, env)
         env.update(stack_env_defaults(self.home, self.dags_folder, self.port))
+        if metadata_dsn is not None:
+            env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = sqlalchemy_url(metadata_dsn)
+        if celery_workers:
+            assert metadata_dsn is not None
+            env.update(celery_env(metadata_dsn))
         env.update(extra_env or {})
         self.env = env
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -289,27 +350,60 @@ class AirflowStack:
             airflow_env.migrate(self.env)
         self.timings["db"] = time.monotonic() - t0
         self.started_at = datetime.now(timezone.utc)
-        args = {
-            "api-server": ["api-server", "--host", "127.0.0.1", "--port", str(self.port)],
-            "scheduler": ["scheduler", "--skip-serve-logs"],
-            "dag-processor": ["dag-processor"],
-            "triggerer": ["triggerer", "--skip-serve-logs"],
-        }
         for name in self.components:
-            with open(self.log_path(name), "ab") as log:
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "airflow", *args[name]],
-                    env=self.env,
-                    cwd=self.home,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            self.start_component(name)
         self._wait(self._api_ready, timeout, "the api-server to answer /api/v2/monitor/health")
         self.timings["api_ready"] = time.monotonic() - t0
         self._wait(self._scheduler_ready, timeout, "the scheduler to heartbeat", "scheduler")
         self.timings["start"] = time.monotonic() - t0
+
+    def start_component(self, name: str) -> None:
+        """Start one component (``api-server``, ``scheduler``, ``dag-processor``,
+        ``triggerer`` or ``celery-worker-<name>``) in its own session, logging to its file."""
+        if name.startswith("celery-worker-"):
+            hostname = name.removeprefix("celery-worker-")
+            queue = self.env["AIRFLOW__OPERATORS__DEFAULT_QUEUE"]
+            command = [
+                "unshare", "--uts", "--", sys.executable, "-c", _WITH_HOSTNAME, hostname,
+                "celery", "worker", "--celery-hostname", f"{hostname}@{hostname}",
+                "--queues", queue, "--skip-serve-logs", "--without-mingle", "--without-gossip",
+            ]  # fmt: skip
+        else:
+            args = {
+                "api-server": ["api-server", "--host", "127.0.0.1", "--port", str(self.port)],
+                "scheduler": ["scheduler", "--skip-serve-logs"],
+                "dag-processor": ["dag-processor"],
+                "triggerer": ["triggerer", "--skip-serve-logs"],
+            }
+            command = [sys.executable, "-m", "airflow", *args[name]]
+        with open(self.log_path(name), "ab") as log:
+            self.procs[name] = subprocess.Popen(
+                command,
+                env=self.env,
+                cwd=self.home,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill_component(self, name: str) -> None:
+        """SIGKILL one component with everything it started (a machine that died): its
+        process group and every descendant. The stack then runs without it."""
+        proc = self.procs.pop(name)
+        table = proc_table()
+        doomed = {proc.pid} | {i.pid for i in table.values() if i.pgid == proc.pid}
+        todo = list(doomed)
+        while todo:
+            parent = todo.pop()
+            for info in table.values():
+                if info.ppid == parent and info.pid not in doomed:
+                    doomed.add(info.pid)
+                    todo.append(info.pid)
+        for pid in doomed:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=15)
 
     def tree(self) -> list[ProcInfo]:
         """The stack's processes: the components, everything in their sessions and process
@@ -467,22 +561,24 @@ class AirflowStack:
 
     # ---------------------------------------------------------------- metadata DB
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30)
-        conn.row_factory = sqlite3.Row
-        return conn
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """Run a read-only query on the metadata DB (``?`` placeholders); rows are indexed
+        by position and by column name, on SQLite and on PostgreSQL alike."""
+        if self.metadata_dsn is not None:
+            with psycopg.connect(self.metadata_dsn, row_factory=_name_and_index_rows) as conn:
+                conn.read_only = True
+                return conn.execute(sql.replace("?", "%s"), params).fetchall()
+        uri = f"file:{self.db_path}?mode=ro"
+        with closing(sqlite3.connect(uri, uri=True, timeout=30)) as lite:
+            lite.row_factory = sqlite3.Row
+            return list(lite.execute(sql, params))
 
-    def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
-        """Run a read-only query on the metadata DB."""
-        with closing(self._connect()) as conn:
-            return list(conn.execute(sql, params))
-
-    def _query_one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+    def _query_one(self, sql: str, params: Sequence[Any] = ()) -> Any:
         rows = self.query(sql, params)
         return rows[0] if rows else None
 
     @staticmethod
-    def _run(row: sqlite3.Row) -> RunResult:
+    def _run(row: Any) -> RunResult:
         conf = row["conf"]
         if isinstance(conf, bytes | str) and conf:
             try:
@@ -768,12 +864,19 @@ class AirflowStack:
             "UPDATE backfill SET completed_at = ? WHERE dag_id = ? AND id > ? "
             "AND completed_at IS NULL AND NOT EXISTS "
             "(SELECT 1 FROM backfill_dag_run b WHERE b.backfill_id = backfill.id)",
-            (_now_db(), dag_id, after_id),
+            (NOW, dag_id, after_id),
         )
 
     def _write(self, sql: str, params: Sequence[Any]) -> None:
-        with closing(sqlite3.connect(self.db_path, timeout=30)) as conn, conn:
-            conn.execute(sql, params)
+        """One write to the metadata DB (``?`` placeholders; ``NOW`` for the current time)."""
+        if self.metadata_dsn is not None:
+            values = [datetime.now(timezone.utc) if p is NOW else p for p in params]
+            with psycopg.connect(self.metadata_dsn) as conn:
+                conn.execute(sql.replace("?", "%s"), values)
+            return
+        values = [_now_db() if p is NOW else p for p in params]
+        with closing(sqlite3.connect(self.db_path, timeout=30)) as lite, lite:
+            lite.execute(sql, values)
 
     def _mark_backfill_complete(self, backfill_id: int) -> None:
         """What SchedulerJobRunner._mark_backfills_complete does, without its 30 s timer."""
@@ -781,7 +884,7 @@ class AirflowStack:
             "UPDATE backfill SET completed_at = ? WHERE id = ? AND completed_at IS NULL "
             "AND NOT EXISTS (SELECT 1 FROM dag_run WHERE backfill_id = ? "
             "AND state IN ('running', 'queued'))",
-            (_now_db(), backfill_id, backfill_id),
+            (NOW, backfill_id, backfill_id),
         )
 
     def trigger(
@@ -810,6 +913,31 @@ class AirflowStack:
                 raise StackError(f"triggered run {run_id} of {dag_id} not found")
             return run
         return self.wait_for_runs(dag_id, [run_id], timeout)[0]
+
+
+NOW = object()  # a parameter of AirflowStack._write: the current time
+
+
+class _Row(tuple[Any, ...]):
+    """A row of a PostgreSQL query addressable like sqlite3.Row: ``row[0]``, ``row["name"]``."""
+
+    names: dict[str, int]
+
+    def __getitem__(self, key: Any) -> Any:  # type: ignore[override]
+        if isinstance(key, str):
+            return super().__getitem__(self.names[key])
+        return super().__getitem__(key)
+
+
+def _name_and_index_rows(cursor: psycopg.Cursor[Any]) -> Callable[[Sequence[Any]], _Row]:
+    names = {c.name: i for i, c in enumerate(cursor.description or ())}
+
+    def make(values: Sequence[Any]) -> _Row:
+        row = _Row(values)
+        row.names = names
+        return row
+
+    return make
 
 
 def _now_db() -> str:
@@ -847,10 +975,19 @@ def airflow_stack(
     dag_processor: bool = True,
     triggerer: bool = False,
     start_timeout: float = 120.0,
+    metadata_dsn: str | None = None,
+    celery_workers: Sequence[str] = (),
 ) -> Iterator[AirflowStack]:
     """Start a stack on ``home`` / ``dags_folder``; kill all its processes on exit."""
     stack = AirflowStack(
-        home, dags_folder, extra_env, port, dag_processor=dag_processor, triggerer=triggerer
+        home,
+        dags_folder,
+        extra_env,
+        port,
+        dag_processor=dag_processor,
+        triggerer=triggerer,
+        metadata_dsn=metadata_dsn,
+        celery_workers=celery_workers,
     )
     try:
         stack.start(start_timeout)

@@ -76,8 +76,10 @@ def compose(tmp_path_factory: pytest.TempPathFactory) -> ComposeRunner:
         "DOCKER_CONFIG": str(home / "docker"),
     }
 
-    def run(*args: str, file: Path = COMPOSE_FILE) -> subprocess.CompletedProcess[str]:
-        cmd = [str(binary), "--env-file", str(empty_env_file), "-f", str(file), *args]
+    def run(
+        *args: str, file: Path = COMPOSE_FILE, env_file: Path = empty_env_file
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [str(binary), "--env-file", str(env_file), "-f", str(file), *args]
         return subprocess.run(
             cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
         )
@@ -90,6 +92,18 @@ def config(compose: ComposeRunner) -> dict[str, Any]:
     """The fully resolved compose model (`config --format json`)."""
     result = compose("config", "--format", "json")
     assert result.returncode == 0, f"compose config failed:\n{result.stderr}"
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def celery_config(
+    compose: ComposeRunner, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """The resolved model with the "celery" profile, as its header comment says to start it."""
+    env_file = tmp_path_factory.mktemp("celery-env") / "celery.env"
+    env_file.write_text("AIRFLOW_EXECUTOR=CeleryExecutor\n")
+    result = compose("--profile", "celery", "config", "--format", "json", env_file=env_file)
+    assert result.returncode == 0, f"compose --profile celery config failed:\n{result.stderr}"
     return json.loads(result.stdout)
 
 
@@ -175,6 +189,48 @@ def test_airflow_service_has_connections_and_execution_api(
     for key in ("AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__API__SECRET_KEY"):
         assert env.get(key), f"{service}: {key} must be set (one value for all components)"
         assert env[key] == _env(config, "api-server")[key], f"{service}: {key} differs"
+
+
+def test_celery_profile_is_opt_in(config: dict[str, Any]) -> None:
+    """Without the profile there is no Redis, worker or Flower, and the executor is Local."""
+    assert not {"redis", "worker-1", "worker-2", "flower"} & set(config["services"])
+
+
+def test_celery_profile_runs_two_workers_on_redis(celery_config: dict[str, Any]) -> None:
+    """With it: Redis, two workers with their own hostnames, Flower; every Airflow service
+    on the CeleryExecutor with the same broker and result backend."""
+    services = celery_config["services"]
+    assert {"redis", "worker-1", "worker-2", "flower"} <= set(services)
+    assert services["redis"]["image"].startswith("redis:")
+    airflow = [*AIRFLOW_SERVICES, "worker-1", "worker-2", "flower"]
+    for name in airflow:
+        env = _env(celery_config, name)
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor", name
+        assert env["AIRFLOW__CELERY__BROKER_URL"] == "redis://redis:6379/0", name
+        backend = urlsplit(env["AIRFLOW__CELERY__RESULT_BACKEND"])
+        metadata = urlsplit(env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
+        assert (backend.hostname, backend.path) == (metadata.hostname, metadata.path), name
+    for name in ("worker-1", "worker-2"):
+        worker = services[name]
+        assert worker["hostname"] == name
+        assert worker["command"] == ["airflow", "celery", "worker"]
+        assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert worker["depends_on"]["api-server"]["condition"] == "service_healthy"
+        assert worker["depends_on"]["airflow-init"]["condition"] == (
+            "service_completed_successfully"
+        )
+        env = _env(celery_config, name)
+        assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == EXECUTION_API_URL
+        assert _conn(env["AIRFLOW_CONN_IDEMPOTENCY_DEFAULT"])["schema"] == "jobs"
+    assert services["flower"]["command"] == ["airflow", "celery", "flower"]
+
+
+def test_dockerfile_installs_the_celery_executor() -> None:
+    """The image carries the Celery provider (the "celery" extra) the profile's workers run."""
+    text = DOCKERFILE.read_text()
+    assert "--extra celery" in text
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    assert 'celery = ["apache-airflow-providers-celery' in pyproject
 
 
 def test_airflow_init_dependents_wait_for_its_success(config: dict[str, Any]) -> None:
