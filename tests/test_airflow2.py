@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from devtools.airflow_env import DAGS_FOLDER
+from test_faults_support import advisory_locks
 from workers import kill_group, private_airflow_env, wait_until
 
 pytestmark = [pytest.mark.airflow2_only, pytest.mark.usefixtures("airflow_home")]
@@ -135,9 +136,7 @@ def test_dags_backfill_twice_works_once_per_date(
         *((day, RECONCILE, "noop", "backfill") for day in days),
     ]
     assert summaries(invoicing.dsn) == [(day, 1) for day in days]
-    assert rows(invoicing.dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [
-        (0,)
-    ]
+    assert advisory_locks(invoicing.dsn) == 0
 
 
 def test_failed_date_then_rerun_failed_tasks_completes_it(
@@ -221,9 +220,7 @@ def test_worker_killed_mid_work_then_rerun_converges(
     code, out = backfill(crashed, RECONCILE, "2026-10-01", "2026-10-01T01:30:00+00:00")
     assert code == 1, out[-4000:]  # the task process died (its log says at which point)
     assert rows(invoicing.dsn, "SELECT status FROM idempotency.job_runs") == [("started",)]
-    assert rows(invoicing.dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [
-        (0,)
-    ]
+    assert advisory_locks(invoicing.dsn) == 0
     code, out = backfill(
         env, RECONCILE, "2026-10-01", "2026-10-01T01:30:00+00:00", "--rerun-failed-tasks"
     )
