@@ -6,13 +6,11 @@ the top of this module, before any test module imports ``airflow``.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -107,13 +105,9 @@ class InvoicingEnv:
 
     def connection_env(self, **extra: Any) -> dict[str, str]:
         """AIRFLOW_CONN_* variables for the job DB and the accounting service."""
-        url = urlsplit(self.service.url)
-        options = {"timeout": 2, "backoff_initial": 0.05, "backoff_max": 0.5, **extra}
-        accounting = {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": options}
-        return {
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(self.dsn),
-            "AIRFLOW_CONN_ACCOUNTING_API": json.dumps(accounting),
-        }
+        from devtools.workers import connection_env
+
+        return connection_env(self.dsn, self.service.url, **extra)
 
     def state(self, business_date: str) -> dict[str, Any]:
         """Everything a rerun must leave identical, for row-by-row comparisons."""

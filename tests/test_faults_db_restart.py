@@ -23,7 +23,7 @@ import pytest
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from devtools.postgres import PostgresServer, private_embedded
-from test_faults_support import (
+from fault_support import (
     FIRE,
     NO_PROBLEMS,
     D,

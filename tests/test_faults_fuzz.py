@@ -39,7 +39,7 @@ from airflow_idempotency.operator import IdempotentRunOperator, conf_flag
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, RunKeyRule, check_text, resolve_run_key
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
-from test_faults_support import advisory_locks, figures
+from fault_support import advisory_locks, figures
 
 FUZZ = settings(
     max_examples=80,  # each test sets its own count

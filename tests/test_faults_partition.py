@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +21,15 @@ import psycopg
 import pytest
 
 from devtools import netns
-from test_faults_support import figures
-from workers import TEST_DAGS, kill_group, private_airflow_env, start_worker, wait_until
+from fault_support import figures
+from workers import (
+    TEST_DAGS,
+    dags_test,
+    kill_group,
+    private_airflow_env,
+    start_worker,
+    wait_until,
+)
 
 DAY = "2026-10-02"  # core_slow_job's logical date: run key 2026-10-01
 BOUND = 60  # seconds: the target for the lock of a dead worker
@@ -73,14 +79,7 @@ def cut_off_worker(
     """`airflow dags test core_slow_job` inside the namespace, reaching the job DB over the link."""
     worker_env = private_airflow_env(airflow_home, dsn, TEST_DAGS, home=tmp_path / "cut-off")
     worker_env.update(env)
-    return subprocess.Popen(
-        [*link.run_prefix(), sys.executable, "-m", "airflow", "dags", "test", "core_slow_job", DAY],
-        env=worker_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return dags_test(worker_env, "core_slow_job", DAY, prefix=link.run_prefix())
 
 
 def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
