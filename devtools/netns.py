@@ -108,7 +108,7 @@ class TcpPostgres:
 def tcp_postgres(listen: str) -> Iterator[TcpPostgres]:
     """Start a private embedded server (data under the checkout's .pgdata/) listening on a
     free port of ``listen``; stop it and remove its data afterwards."""
-    from pgserver._commands import pg_ctl  # type: ignore[import-untyped]
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]  # made at import
 
     with contextlib.closing(socket.socket()) as probe:
         probe.bind((listen, 0))

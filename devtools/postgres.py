@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA_DIR = ROOT / ".pgdata" / "data"
@@ -90,7 +90,7 @@ def _say(message: str) -> None:
 def start_embedded(data_dir: Path = EMBEDDED_DATA_DIR) -> PostgresServer:
     """Start (or join) the embedded server whose data lives in ``data_dir``."""
     try:
-        import pgserver  # type: ignore[import-untyped]
+        from pgserver.postgres_server import get_server
     except ImportError as exc:  # pragma: no cover - the dev lock installs it
         raise SystemExit(
             "No PostgreSQL found and the embedded server is not installed: "
@@ -101,11 +101,9 @@ def start_embedded(data_dir: Path = EMBEDDED_DATA_DIR) -> PostgresServer:
     logging.getLogger("pgserver").setLevel(logging.WARNING)
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     _say(f"starting embedded PostgreSQL in {data_dir} ...")
-    handle = pgserver.get_server(data_dir, cleanup_mode="stop")
-    uri = handle.get_uri()
-    params = conninfo_to_dict(uri)
-    params["dbname"] = "postgres"
-    return PostgresServer(make_conninfo(**params), "embedded", handle)
+    handle = get_server(data_dir, cleanup_mode="stop")
+    admin_dsn = make_conninfo(handle.get_uri(), dbname="postgres")
+    return PostgresServer(admin_dsn, "embedded", handle)
 
 
 def find_server() -> PostgresServer:
