@@ -294,7 +294,8 @@ class Demo(DemoRig):
             raise DemoFailure(f"backfill runs for {got}, expected one per fire time {fires}")
         return runs
 
-    def step_backfill(self) -> None:
+    def step_backfill(self) -> int:
+        """The first half of step 4: the backfill; return the requests it made."""
         week = self.plan.week
         start, end = fire_time(week[0]), fire_time(week[-1])
         self.section(
@@ -326,8 +327,12 @@ class Demo(DemoRig):
             if not ok:
                 self.check(False, "every date converged", detail)
         self.check(True, "every date: one invoice and one remote invoice per order")
-        first_requests = self.requests() - requests
+        return self.requests() - requests
 
+    def step_backfill_again(self, first_requests: int) -> None:
+        """The second half of step 4: the same range, all no-ops (``first_requests``: what the
+        first pass sent)."""
+        week = self.plan.week
         before, requests, marker = self.fingerprint(week), self.requests(), self.last_attempt_id()
         self.say("The same range again, with [bold]--reprocess-behavior completed[/]:")
         status = self.console.status("the same backfill, --reprocess-behavior completed ...")
@@ -375,7 +380,8 @@ class Demo(DemoRig):
         )
         self.check(self.fingerprint(week) == before, "nothing rewritten in the job database")
 
-    def step_crash(self) -> None:
+    def step_crash(self) -> dict[str, int]:
+        """The first half of step 5: the crash; return the state it left."""
         day, at, n = CRASH_DATE, self.plan.crash_at, self.plan.crash_orders
         point = f"ledger.after_remote_commit@{at}"
         self.section(
@@ -430,7 +436,11 @@ class Demo(DemoRig):
             "the export stopped half-way: confirmed, pending and unsent invoices; no lock left",
             str(middle),
         )
+        return middle
 
+    def step_rerun_after_crash(self, middle: dict[str, int]) -> None:
+        """The second half of step 5: the rerun takes over what the crash left (``middle``)."""
+        day, n = CRASH_DATE, self.plan.crash_orders
         requests, replays = self.requests(), int(self.service.stats()["replays"])
         self.say(f"The rerun, by hand through Airflow: conf {{'run_key': '{day}'}}")
         with self.console.status("Airflow reruns the date ..."), self.timed("step 5b"):
@@ -473,17 +483,8 @@ class Demo(DemoRig):
             ok, f"{after['remote']:,} remote invoices for {n:,} orders: no duplicate", detail
         )
 
-    def step_summary(self) -> None:
-        self.section(6, "Final state")
-        job_runs = self.rows(
-            "SELECT split_part(job_name, '.', 2), status, count(*), min(run_key), max(run_key)"
-            " FROM idempotency.job_runs GROUP BY 1, 2 ORDER BY 1, 2"
-        )
-        self.table(
-            "job_runs (one row per job and business date)",
-            ["job", "status", "run keys", "from", "to"],
-            job_runs,
-        )
+    def attempts_by_outcome(self) -> None:
+        """Step 6's table of attempts by job and outcome, with a legend of the outcomes."""
         counts: dict[str, dict[str, int]] = {}
         for job, outcome, count in self.rows(
             "SELECT split_part(job_name, '.', 2), outcome, count(*)"
@@ -509,6 +510,19 @@ class Demo(DemoRig):
         for outcome, text in legend.items():
             if outcome in present:
                 self.say(f"[dim]{text}[/dim]")
+
+    def step_summary(self) -> None:
+        self.section(6, "Final state")
+        job_runs = self.rows(
+            "SELECT split_part(job_name, '.', 2), status, count(*), min(run_key), max(run_key)"
+            " FROM idempotency.job_runs GROUP BY 1, 2 ORDER BY 1, 2"
+        )
+        self.table(
+            "job_runs (one row per job and business date)",
+            ["job", "status", "run keys", "from", "to"],
+            job_runs,
+        )
+        self.attempts_by_outcome()
         ledger = self.rows(
             "SELECT status, count(*), sum(call_count) FROM idempotency.outbound_ledger"
             " GROUP BY 1 ORDER BY 1"
@@ -598,8 +612,8 @@ class Demo(DemoRig):
                 self.step_nightly_run()
                 self.step_manual_rerun()
                 self.step_two_at_once()
-                self.step_backfill()
-                self.step_crash()
+                self.step_backfill_again(self.step_backfill())
+                self.step_rerun_after_crash(self.step_crash())
                 with shielded(), self.timed("Airflow stop"):
                     airflow.close()
                 self.step_summary()
