@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from devtools import airflow_env
-from devtools.postgres import PostgresServer, find_server
+from devtools.postgres import PostgresServer, find_server, temporary_database
 
 _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="idem-airflow-"))
 airflow_env.configure(_AIRFLOW_HOME)
@@ -41,11 +41,8 @@ def pg_server() -> Iterator[PostgresServer]:
 @pytest.fixture
 def pg_dsn(pg_server: PostgresServer) -> Iterator[str]:
     """A fresh, empty database for one test, dropped afterwards."""
-    name = pg_server.create_database("idem_test")
-    try:
-        yield pg_server.dsn(name)
-    finally:
-        pg_server.drop_database(name)
+    with temporary_database(pg_server, "idem_test") as dsn:
+        yield dsn
 
 
 @pytest.fixture
