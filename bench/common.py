@@ -12,16 +12,14 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
-from devtools.postgres import PostgresServer
+from devtools.postgres import PostgresServer, temporary_database
 
 RESULT_PREFIX = "BENCH-RESULT "
 
@@ -202,25 +200,8 @@ def _child_main(argv: list[str]) -> None:
 # ---------------------------------------------------------------- databases
 
 
-def create_database(server: PostgresServer, prefix: str, template: str | None = None) -> str:
-    """A new database (copied from ``template`` with the FILE_COPY strategy if given)."""
-    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    stmt = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
-    if template:
-        stmt += sql.SQL(" TEMPLATE {} STRATEGY FILE_COPY").format(sql.Identifier(template))
-    with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
-        conn.execute(stmt)
-    return name
-
-
-@contextlib.contextmanager
-def database(server: PostgresServer, prefix: str, template: str | None = None) -> Iterator[str]:
-    """Create a database, yield its DSN, drop it afterwards."""
-    name = create_database(server, prefix, template)
-    try:
-        yield server.dsn(name)
-    finally:
-        server.drop_database(name)
+# A fresh database (a FILE_COPY of a template if given): its DSN, dropped afterwards.
+database = temporary_database
 
 
 def checkpoint(server: PostgresServer) -> None:

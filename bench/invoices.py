@@ -28,7 +28,6 @@ from bench.common import (
     Size,
     at_most,
     checkpoint,
-    create_database,
     median,
     run_child,
     say,
@@ -74,7 +73,7 @@ def seed_template(server: PostgresServer, orders: int) -> str:
     from airflow_idempotency.schema import ensure_schema
     from invoicing.seed import seed_orders
 
-    name = create_database(server, "bench_inv_tmpl")
+    name = server.create_database("bench_inv_tmpl")
     day = dt.date.fromisoformat(DAY)
     t0 = time.monotonic()
     with psycopg.connect(server.dsn(name), autocommit=True) as conn:
@@ -92,7 +91,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
     runs: dict[str, list[dict[str, Any]]] = {"bare": [], "idempotent": []}
     try:
         for kind in ("bare", "idempotent", "idempotent", "bare"):
-            name = create_database(server, "bench_inv", template)
+            name = server.create_database("bench_inv", template)
             try:
                 checkpoint(server)
                 out = run_child(

@@ -31,7 +31,7 @@ def airflow_connection_json(dsn: str) -> str:
         "schema": params.get("dbname", "postgres"),
     }
     if params.get("port"):
-        conn["port"] = int(params["port"])
+        conn["port"] = int(str(params["port"]))
     if params.get("password"):
         conn["password"] = params["password"]
     return json.dumps(conn)

@@ -461,7 +461,7 @@ class AirflowStack:
 
     def _wait(
         self,
-        predicate: Callable[[], _T],
+        predicate: Callable[[], _T | None],
         timeout: float,
         what: str,
         log: str | None = "api-server",

@@ -129,7 +129,7 @@ def postgres_versions() -> dict[str, str]:
     except Exception as exc:  # the report says what it could not find
         versions["server"] = f"unknown ({type(exc).__name__}: {exc})"
     try:
-        from pgserver._commands import POSTGRES_BIN_PATH  # type: ignore[import-untyped]
+        from pgserver._commands import POSTGRES_BIN_PATH
 
         line = _first_line([str(POSTGRES_BIN_PATH / "postgres"), "--version"])
         number = re.search(r"\d+(\.\d+)*", line)
@@ -246,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="default FAULTS.md")
     args, pytest_args = parser.parse_known_args(argv)
-    files = sorted(
-        str(p.relative_to(ROOT)) for p in TESTS.glob(PATTERN) if docstrings(p)[1]
-    )  # test_faults_support.py holds helpers only
+    files = sorted(str(p.relative_to(ROOT)) for p in TESTS.glob(PATTERN) if docstrings(p)[1])
     with tempfile.TemporaryDirectory(prefix="fault-report-") as tmp:
         junit = Path(tmp) / "faults.xml"
         cmd = [

@@ -23,7 +23,7 @@ from pathlib import Path
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from devtools.postgres import ROOT, PostgresServer, start_embedded
+from devtools.postgres import PostgresServer, private_embedded
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
 
@@ -108,15 +108,13 @@ class TcpPostgres:
 def tcp_postgres(listen: str) -> Iterator[TcpPostgres]:
     """Start a private embedded server (data under the checkout's .pgdata/) listening on a
     free port of ``listen``; stop it and remove its data afterwards."""
-    from pgserver._commands import pg_ctl  # type: ignore[import-untyped]
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]  # made at import
 
     with contextlib.closing(socket.socket()) as probe:
         probe.bind((listen, 0))
         port = probe.getsockname()[1]
-    data = ROOT / ".pgdata" / f"tcp-{uuid.uuid4().hex[:8]}" / "data"
-    server = start_embedded(data)
-    handle = server._handle
-    try:
+    with private_embedded("tcp") as server:
+        handle = server._handle
         socket_dir = _socket_dir(server)
         pg_ctl(["-w", "-m", "fast", "stop"], pgdata=handle.pgdata, user=handle.system_user)
         hba = Path(handle.pgdata) / "pg_hba.conf"  # initdb trusts loopback addresses only
@@ -133,9 +131,6 @@ def tcp_postgres(listen: str) -> Iterator[TcpPostgres]:
         with psycopg.connect(tcp.dsn("postgres"), connect_timeout=5) as conn:
             conn.execute("SELECT 1")
         yield tcp
-    finally:
-        server.stop()
-        shutil.rmtree(data.parent, ignore_errors=True)
 
 
 def _socket_dir(server: PostgresServer) -> str:

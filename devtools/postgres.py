@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import uuid
 from collections.abc import Iterator
@@ -24,10 +25,11 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA_DIR = ROOT / ".pgdata" / "data"
+PRIVATE_DATA_ROOT = ROOT / ".pgdata" / "private"  # servers of one test each (private_embedded)
 LOCAL_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres connect_timeout=2"
 
 
@@ -43,12 +45,18 @@ class PostgresServer:
         """The DSN of database ``dbname`` on this server."""
         return make_conninfo(self.admin_dsn, dbname=dbname)
 
-    def create_database(self, prefix: str = "idem", template: str | None = None) -> str:
-        """Create a uniquely named database and return its name."""
-        name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    def create_database(
+        self, prefix: str = "idem", template: str | None = None, *, name: str | None = None
+    ) -> str:
+        """Create a database and return its name: ``name``, or ``prefix`` and a unique suffix.
+
+        ``template``: a copy of that database, made with the FILE_COPY strategy (one
+        checkpoint and a file copy: much faster than WAL_LOG for a large template).
+        """
+        name = name or f"{prefix}_{uuid.uuid4().hex[:12]}"
         stmt = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
         if template:
-            stmt += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+            stmt += sql.SQL(" TEMPLATE {} STRATEGY FILE_COPY").format(sql.Identifier(template))
         with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
             conn.execute(stmt)
         return name
@@ -82,7 +90,7 @@ def _say(message: str) -> None:
 def start_embedded(data_dir: Path = EMBEDDED_DATA_DIR) -> PostgresServer:
     """Start (or join) the embedded server whose data lives in ``data_dir``."""
     try:
-        import pgserver  # type: ignore[import-untyped]
+        from pgserver.postgres_server import get_server
     except ImportError as exc:  # pragma: no cover - the dev lock installs it
         raise SystemExit(
             "No PostgreSQL found and the embedded server is not installed: "
@@ -93,11 +101,9 @@ def start_embedded(data_dir: Path = EMBEDDED_DATA_DIR) -> PostgresServer:
     logging.getLogger("pgserver").setLevel(logging.WARNING)
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     _say(f"starting embedded PostgreSQL in {data_dir} ...")
-    handle = pgserver.get_server(data_dir, cleanup_mode="stop")
-    uri = handle.get_uri()
-    params = conninfo_to_dict(uri)
-    params["dbname"] = "postgres"
-    return PostgresServer(make_conninfo(**params), "embedded", handle)
+    handle = get_server(data_dir, cleanup_mode="stop")
+    admin_dsn = make_conninfo(handle.get_uri(), dbname="postgres")
+    return PostgresServer(admin_dsn, "embedded", handle)
 
 
 def find_server() -> PostgresServer:
@@ -121,9 +127,32 @@ def find_server() -> PostgresServer:
 
 
 @contextlib.contextmanager
-def temporary_database(server: PostgresServer, prefix: str = "idem") -> Iterator[str]:
-    """Create a fresh database, yield its DSN, drop it afterwards."""
-    name = server.create_database(prefix)
+def private_embedded(name: str) -> Iterator[PostgresServer]:
+    """Start an embedded server of the caller's own; stop it and remove its data afterwards.
+
+    Its data lives under the checkout's git-ignored ``.pgdata/`` (``name`` and a unique
+    suffix), never under pytest's ``tmp_path``: pgserver runs the server as another OS user
+    and opens the parent folders for it, and another pytest session resets its shared base
+    folder (``pytest-of-<user>``) to mode 0700, after which the server can no longer reach
+    its data ("could not access directory ...: Permission denied").
+    """
+    data = PRIVATE_DATA_ROOT / f"{name}-{uuid.uuid4().hex[:8]}" / "data"
+    try:
+        server = start_embedded(data)
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(data.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def temporary_database(
+    server: PostgresServer, prefix: str = "idem", template: str | None = None
+) -> Iterator[str]:
+    """Create a fresh database (a copy of ``template`` if given), yield its DSN, drop it."""
+    name = server.create_database(prefix, template)
     try:
         yield server.dsn(name)
     finally:

@@ -6,18 +6,16 @@ the top of this module, before any test module imports ``airflow``.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 
 from devtools import airflow_env
-from devtools.postgres import PostgresServer, find_server
+from devtools.postgres import PostgresServer, find_server, temporary_database
 
 _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="idem-airflow-"))
 airflow_env.configure(_AIRFLOW_HOME)
@@ -43,11 +41,8 @@ def pg_server() -> Iterator[PostgresServer]:
 @pytest.fixture
 def pg_dsn(pg_server: PostgresServer) -> Iterator[str]:
     """A fresh, empty database for one test, dropped afterwards."""
-    name = pg_server.create_database("idem_test")
-    try:
-        yield pg_server.dsn(name)
-    finally:
-        pg_server.drop_database(name)
+    with temporary_database(pg_server, "idem_test") as dsn:
+        yield dsn
 
 
 @pytest.fixture
@@ -122,13 +117,9 @@ class InvoicingEnv:
 
     def connection_env(self, **extra: Any) -> dict[str, str]:
         """AIRFLOW_CONN_* variables for the job DB and the accounting service."""
-        url = urlsplit(self.service.url)
-        options = {"timeout": 2, "backoff_initial": 0.05, "backoff_max": 0.5, **extra}
-        accounting = {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": options}
-        return {
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(self.dsn),
-            "AIRFLOW_CONN_ACCOUNTING_API": json.dumps(accounting),
-        }
+        from devtools.workers import connection_env
+
+        return connection_env(self.dsn, self.service.url, **extra)
 
     def state(self, business_date: str) -> dict[str, Any]:
         """Everything a rerun must leave identical, for row-by-row comparisons."""

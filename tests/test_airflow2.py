@@ -19,7 +19,8 @@ import psycopg
 import pytest
 
 from devtools.airflow_env import DAGS_FOLDER
-from test_faults_support import advisory_locks
+from devtools.workers import start_airflow
+from fault_support import advisory_locks
 from workers import kill_group, private_airflow_env, wait_until
 
 pytestmark = [pytest.mark.airflow2_only, pytest.mark.usefixtures("airflow_home")]
@@ -57,26 +58,7 @@ def airflow(
 def backfill_process(
     env: dict[str, str], dag_id: str, start: str, end: str, *flags: str
 ) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "airflow",
-            "dags",
-            "backfill",
-            "-s",
-            start,
-            "-e",
-            end,
-            *flags,
-            dag_id,
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_airflow(env, "dags", "backfill", "-s", start, "-e", end, *flags, dag_id)
 
 
 def backfill(

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from test_faults_support import (
+from fault_support import (
     NO_PROBLEMS,
     advisory_locks,
     check_consistency,

@@ -1,7 +1,7 @@
 """The database restarts while a run is in progress: the run fails cleanly, the rerun converges.
 
-Each test starts a PRIVATE embedded PostgreSQL (devtools.postgres.start_embedded under the
-test's tmp_path) so that it can stop and start it without disturbing anybody: ``pg_ctl
+Each test starts a PRIVATE embedded PostgreSQL (devtools.postgres.private_embedded, data
+under the checkout's .pgdata/) so that it can stop and start it without disturbing anybody: ``pg_ctl
 stop -m fast`` (a clean shutdown, sessions terminated) or ``-m immediate`` (like a crash
 of the server: no checkpoint, WAL recovery on the next start), a few seconds down, then
 the same server again on the same socket.
@@ -9,6 +9,7 @@ the same server again on the same socket.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import threading
 import time
@@ -21,7 +22,8 @@ import pytest
 
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
-from test_faults_support import (
+from devtools.postgres import PostgresServer, private_embedded
+from fault_support import (
     FIRE,
     NO_PROBLEMS,
     D,
@@ -44,10 +46,8 @@ NO_HANG_SECONDS = 60.0
 class PrivateServer:
     """An embedded server this test owns: a DSN, and stop/start of the very same server."""
 
-    def __init__(self, data_dir: Path) -> None:
-        from devtools.postgres import start_embedded
-
-        self.server = start_embedded(data_dir)
+    def __init__(self, server: PostgresServer) -> None:
+        self.server = server
         self.name = self.server.create_database("restart")
         self.dsn = self.server.dsn(self.name)
 
@@ -65,19 +65,20 @@ class PrivateServer:
         assert handle.get_uri() == uri  # the same DSN works again
         return time.monotonic() - began
 
-    def stop(self) -> None:
-        self.server.stop()
+
+@contextlib.contextmanager
+def private_server() -> Iterator[PrivateServer]:
+    """A :class:`PrivateServer`, stopped and its data removed afterwards."""
+    with private_embedded("restart") as server:
+        yield PrivateServer(server)
 
 
 @pytest.fixture
-def private(tmp_path: Path) -> Iterator[PrivateServer]:
-    server = PrivateServer(tmp_path / "pg")
-    try:
+def private() -> Iterator[PrivateServer]:
+    with private_server() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE public.effects (step text PRIMARY KEY, written_by int)")
         yield server
-    finally:
-        server.stop()
 
 
 def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
@@ -210,8 +211,7 @@ def test_airflow_export_survives_a_database_restart(tmp_path: Path, airflow_home
     from devtools.accounting import run_accounting_service
     from invoicing.seed import seed_orders
 
-    private = PrivateServer(tmp_path / "pg")
-    try:
+    with private_server() as private:
         day = dt.date.fromisoformat(D)
         with psycopg.connect(private.dsn, autocommit=True) as conn:
             seed_orders(conn, day, day, 100, 7)
@@ -257,5 +257,3 @@ def test_airflow_export_survives_a_database_restart(tmp_path: Path, airflow_home
             assert again == 0, again_out[-4000:]
             assert service.stats()["requests"] == before
             assert final_state(private.dsn) == state
-    finally:
-        private.stop()

@@ -39,7 +39,8 @@ from airflow_idempotency.operator import IdempotentRunOperator, conf_flag
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, RunKeyRule, check_text, resolve_run_key
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
-from test_faults_support import advisory_locks, figures
+from devtools.postgres import temporary_database
+from fault_support import advisory_locks, figures
 
 FUZZ = settings(
     max_examples=80,  # each test sets its own count
@@ -319,12 +320,10 @@ def test_operator_conf_is_resolved_or_fails_without_retry() -> None:
 @pytest.fixture(scope="module")
 def fuzz_dsn(pg_server: Any) -> Iterator[str]:
     """One database for the module; each example empties the tables it uses."""
-    name = pg_server.create_database("idem_fuzz")
-    dsn = pg_server.dsn(name)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        ensure_schema(conn)
-    yield dsn
-    pg_server.drop_database(name)
+    with temporary_database(pg_server, "idem_fuzz") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            ensure_schema(conn)
+        yield dsn
 
 
 def empty(dsn: str) -> None:

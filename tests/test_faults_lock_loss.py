@@ -21,8 +21,7 @@ from typing import Any
 
 import pytest
 
-from lock_sessions import terminate_lock_session
-from test_faults_support import (
+from fault_support import (
     NO_PROBLEMS,
     D,
     Watched,
@@ -37,6 +36,7 @@ from test_faults_support import (
     service_counts,
     spawn_worker,
 )
+from lock_sessions import terminate_lock_session
 
 ORDERS = 60
 BATCH = 10

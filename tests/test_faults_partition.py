@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +21,15 @@ import psycopg
 import pytest
 
 from devtools import netns
-from test_faults_support import figures
-from workers import TEST_DAGS, kill_group, private_airflow_env, start_worker, wait_until
+from fault_support import advisory_locks, figures
+from workers import (
+    TEST_DAGS,
+    dags_test,
+    kill_group,
+    private_airflow_env,
+    start_worker,
+    wait_until,
+)
 
 DAY = "2026-10-02"  # core_slow_job's logical date: run key 2026-10-01
 BOUND = 60  # seconds: the target for the lock of a dead worker
@@ -53,14 +59,6 @@ def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
         return conn.execute(sql).fetchall()
 
 
-def locks(dsn: str) -> int:
-    return rows(
-        dsn,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    )[0][0]
-
-
 def work_log(dsn: str) -> list[tuple[int, str]]:
     if not rows(dsn, "SELECT to_regclass('public.work_log') IS NOT NULL")[0][0]:
         return []
@@ -73,14 +71,7 @@ def cut_off_worker(
     """`airflow dags test core_slow_job` inside the namespace, reaching the job DB over the link."""
     worker_env = private_airflow_env(airflow_home, dsn, TEST_DAGS, home=tmp_path / "cut-off")
     worker_env.update(env)
-    return subprocess.Popen(
-        [*link.run_prefix(), sys.executable, "-m", "airflow", "dags", "test", "core_slow_job", DAY],
-        env=worker_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return dags_test(worker_env, "core_slow_job", DAY, prefix=link.run_prefix())
 
 
 def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
@@ -106,7 +97,7 @@ def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
         wait_until(
             lambda: len(work_log(local)) == 1, timeout=120, what="the worker to start working"
         )
-        assert locks(local) == 1
+        assert advisory_locks(local) == 1
         link.cut()
         cut_at = time.monotonic()
         # The successor runs on this side, rescheduling every second while the key is held.
@@ -118,7 +109,7 @@ def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
             {"IDEM_TEST_ON_LOCKED": "reschedule", "IDEM_TEST_WRITE_AFTER_HOLD": "1"},
         )
         wait_until(
-            lambda: locks(local) == 0 or None,
+            lambda: advisory_locks(local) == 0 or None,
             timeout=BOUND + 30,
             interval=0.2,
             what="the lock to be freed",
@@ -157,7 +148,7 @@ def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
     assert rows(
         local, "SELECT status, current_attempt_id IS NOT NULL FROM idempotency.job_runs"
     ) == [("completed", True)]
-    assert locks(local) == 0
+    assert advisory_locks(local) == 0
     figures(
         f"link cut mid-work: Postgres freed the lock after {freed:.1f} s (bound {BOUND} s), a "
         f"second worker had completed the key {taken_over:.1f} s after the cut; after the link "
@@ -198,7 +189,9 @@ def test_a_cut_off_worker_notices_within_the_bound(
         kill_group(victim)
     assert victim.returncode == 1, out[-3000:]
     assert noticed <= BOUND + 20, noticed  # the user timeout, then a bounded connect attempt
-    wait_until(lambda: locks(local) == 0 or None, timeout=BOUND, what="the lock to be freed")
+    wait_until(
+        lambda: advisory_locks(local) == 0 or None, timeout=BOUND, what="the lock to be freed"
+    )
     rerun = start_worker(airflow_home, "core_slow_job", DAY, local, {})
     out, _ = rerun.communicate(timeout=180)
     assert rerun.returncode == 0, out[-3000:]

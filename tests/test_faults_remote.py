@@ -19,7 +19,7 @@ from airflow.dag_processing.dagbag import BundleDagBag
 
 from airflow_helpers import SUCCESS, task_states
 from devtools.airflow_env import DAGS_FOLDER
-from test_faults_support import (
+from fault_support import (
     FIRE,
     NO_PROBLEMS,
     D,

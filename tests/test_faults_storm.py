@@ -17,7 +17,6 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -26,7 +25,7 @@ import pytest
 from airflow_idempotency.exceptions import RunLockedError
 from airflow_idempotency.runner import RunContext, run_idempotently
 from airflow_idempotency.schema import ensure_schema
-from test_faults_support import figures
+from fault_support import figures
 
 pytestmark = pytest.mark.slow
 
@@ -117,13 +116,12 @@ def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
 
 
 @pytest.fixture(scope="module")
-def private_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A private embedded PostgreSQL for the storms, stopped afterwards."""
-    from devtools.postgres import start_embedded
+def private_server() -> Iterator[Any]:
+    """A private embedded PostgreSQL for the storms, stopped and removed afterwards."""
+    from devtools.postgres import private_embedded
 
-    server = start_embedded(Path(tmp_path_factory.mktemp("storm-pg")) / "data")
-    yield server
-    server.stop()
+    with private_embedded("storm") as server:
+        yield server
 
 
 @pytest.fixture

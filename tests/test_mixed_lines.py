@@ -8,7 +8,6 @@ environment (`python3 dev.py setup --airflow 2`, done by `.ci/run`).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import psycopg
 import pytest
 
 from devtools import airflow_env
+from devtools.workers import connection_env, dags_test, private_airflow_env
 from workers import TEST_DAGS, kill_group, wait_until
 
 AIRFLOW2_PYTHON = os.environ.get("IDEMPOTENCY_AIRFLOW2_PYTHON", "")
@@ -45,21 +45,9 @@ def worker(
     python: str, template: Path, home: Path, dsn: str, airflow2: bool, **extra: str
 ) -> subprocess.Popen[str]:
     """`airflow dags test core_slow_job 2026-10-02` of one line, in a private home."""
-    home.mkdir(parents=True)
-    shutil.copy(template, home / "airflow.db")
-    env = dict(os.environ)
-    airflow_env.configure(home, env, airflow2=airflow2)
-    env["AIRFLOW__CORE__DAGS_FOLDER"] = str(TEST_DAGS)
-    env["AIRFLOW_CONN_IDEMPOTENCY_DEFAULT"] = airflow_env.airflow_connection_json(dsn)
+    env = private_airflow_env(template, home, connection_env(dsn), TEST_DAGS, airflow2=airflow2)
     env.update(extra)
-    return subprocess.Popen(
-        [python, "-m", "airflow", "dags", "test", "core_slow_job", "2026-10-02"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return dags_test(env, "core_slow_job", "2026-10-02", python=python)
 
 
 def test_airflow2_and_airflow3_workers_share_one_key(

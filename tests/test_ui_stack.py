@@ -21,6 +21,7 @@ import pytest
 
 from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack
+from devtools.postgres import temporary_database
 from ui_auth_manager import DENIED_ENV
 
 pytestmark = pytest.mark.slow
@@ -112,11 +113,8 @@ class SignedInStack(AirflowStack):
 
 @pytest.fixture(scope="module")
 def job_dsn(pg_server: Any) -> Iterator[str]:
-    name = pg_server.create_database("idem_ui_stack")
-    try:
-        yield pg_server.dsn(name)
-    finally:
-        pg_server.drop_database(name)
+    with temporary_database(pg_server, "idem_ui_stack") as dsn:
+        yield dsn
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from tenacity import (
     stop_after_attempt,
     wait_exponential_jitter,
 )
+from tenacity.wait import wait_base
 
 from airflow_idempotency import metrics
 from airflow_idempotency._sql import query
@@ -231,6 +232,14 @@ class _ClientPool:
             await client.aclose()
         self._all.clear()
         self._idle.clear()
+
+
+def _backoff(initial: float, maximum: float) -> wait_base:
+    """Exponential backoff with jitter: ``initial`` seconds times 2**n, capped at ``maximum``."""
+    try:  # newer tenacity (9.2.1 here) calls the factor `multiplier`, deprecating `initial`
+        return wait_exponential_jitter(multiplier=initial, max=maximum)
+    except TypeError:  # older tenacity (the provider accepts >= 8.2) knows only `initial`
+        return wait_exponential_jitter(initial=initial, max=maximum)
 
 
 def _plain_ascii_key(key: object) -> bool:
@@ -598,7 +607,7 @@ class OutboundLedger:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(TransientRemoteError),
                 stop=stop_after_attempt(self.max_attempts),
-                wait=wait_exponential_jitter(initial=self.backoff_initial, max=self.backoff_max),
+                wait=_backoff(self.backoff_initial, self.backoff_max),
                 reraise=True,
             ):
                 with attempt:

@@ -1,6 +1,6 @@
 """Helpers shared by the fault scenarios (tests/test_faults_*.py); this module has no tests.
 
-Workers are ``airflow dags test`` processes started by tests/workers.py, with their Airflow
+Workers are ``airflow dags test`` processes started by devtools/workers.py, with their Airflow
 home under a folder the caller owns, so every home is removed with it.
 """
 
@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import psycopg
 
-from devtools import airflow_env
 from devtools.airflow_env import DAGS_FOLDER
-from workers import dags_test, kill_group, private_airflow_env
+from devtools.workers import connection_env, dags_test, kill_group
+from workers import private_airflow_env
+
+__all__ = ["connection_env", "kill_group"]  # the scenarios import them from here too
 
 D = "2026-10-01"  # the business date of every finalize_invoices scenario
 FIRE = "2026-10-02T01:00:00+00:00"  # the scheduled run that processes it
@@ -167,17 +167,6 @@ NO_PROBLEMS = {
     "reference_mismatch": [],
     "key_order_mismatch": [],
 }
-
-
-def connection_env(job_dsn: str, service_url: str, **extra: Any) -> dict[str, str]:
-    """AIRFLOW_CONN_* of the job DB and the accounting service (as InvoicingEnv builds them)."""
-    url = urlsplit(service_url)
-    options = {"timeout": 2, "backoff_initial": 0.05, "backoff_max": 0.5, **extra}
-    accounting = {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": options}
-    return {
-        "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(job_dsn),
-        "AIRFLOW_CONN_ACCOUNTING_API": json.dumps(accounting),
-    }
 
 
 @contextlib.contextmanager
