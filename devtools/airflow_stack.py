@@ -923,7 +923,7 @@ class _Row(tuple[Any, ...]):
 
     names: dict[str, int]
 
-    def __getitem__(self, key: Any) -> Any:  # type: ignore[override]
+    def __getitem__(self, key: Any) -> Any:
         if isinstance(key, str):
             return super().__getitem__(self.names[key])
         return super().__getitem__(key)
