@@ -198,10 +198,9 @@ def test_admin_sees_every_record(auth_manager: Any, seeded: str) -> None:
         ("demo_dag.load", "2026-10-02", "failed"),
     ]
     assert "boom in demo_dag.load" in data["attention"][1]["details"]["last_error"]
-    assert {(u["job_name"], u["pending"], u["failed"]) for u in data["unconfirmed"]} == {
-        ("demo_dag.load", 1, 1),
-        ("secret_dag.pay", 3, 0),
-    }
+    assert {
+        (u["job_name"], u["remote_system"], u["pending"], u["failed"]) for u in data["unconfirmed"]
+    } == {("demo_dag.load", "accounting", 1, 1), ("secret_dag.pay", "accounting", 3, 0)}
     # Newest key first, then job name descending.
     dated = [(r["run_key"], r["job_name"]) for r in data["runs"] if r["run_key"].startswith("2026")]
     assert dated[:3] == [
@@ -556,10 +555,13 @@ def test_calendar_is_reachable_and_filtered(auth_manager: Any, seeded: str) -> N
     jobs nor their calendars; a key that names no period has no calendar."""
     client = Client(auth_manager, "restricted")
     jobs = client.json("/api/overview")["overview"]["jobs"]
-    assert {j["job_name"]: j["completed_key"] for j in jobs} == {
-        "demo_dag.load": "2026-10-01",
-        "shared.reconcile": "2026-10-01",
-        HOSTILE_JOB: HOSTILE_KEY,
+    assert {
+        j["job_name"]: (j["completed_key"], j["newest_key"], j["failed"], j["interrupted"])
+        for j in jobs
+    } == {
+        "demo_dag.load": ("2026-10-01", "2026-10-03", 1, 1),
+        "shared.reconcile": ("2026-10-01", "2026-10-01", 0, 0),
+        HOSTILE_JOB: (HOSTILE_KEY, HOSTILE_KEY, 0, 0),
     }
     calendar_href = 'href="/calendar?job=demo_dag.load"'
     assert calendar_href in client.get("/").text

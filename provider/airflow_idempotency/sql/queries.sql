@@ -442,19 +442,19 @@ WHERE %(all_dags)s OR att.dag_id = ANY(%(dag_ids)s::text[])
 ORDER BY att.started_at;
 
 -- name: ui_unconfirmed
--- Run keys with external effects not confirmed by the remote (pending or failed), most
--- recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
+-- Run keys with external effects not confirmed by the remote (pending or failed), per
+-- remote system, most recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
 -- The keys come sorted out of the subquery, so each one's job_runs row is looked up (by
 -- primary key) only until the page is full.
-SELECT u.job_name, u.run_key, r.dag_id, u.pending, u.failed, u.last_update
+SELECT u.job_name, u.run_key, u.remote_system, r.dag_id, u.pending, u.failed, u.last_update
 FROM (
-    SELECT l.job_name, l.run_key,
+    SELECT l.job_name, l.run_key, l.remote_system,
            count(*) FILTER (WHERE l.status = 'pending') AS pending,
            count(*) FILTER (WHERE l.status = 'failed') AS failed,
            max(l.updated_at) AS last_update
     FROM {schema}.outbound_ledger AS l
     WHERE l.status <> 'succeeded'
-    GROUP BY l.job_name, l.run_key
+    GROUP BY l.job_name, l.run_key, l.remote_system
     ORDER BY last_update DESC
 ) AS u
 LEFT JOIN LATERAL (
@@ -566,6 +566,23 @@ LEFT JOIN LATERAL (
 ) AS done ON true
 ORDER BY jobs.job_name
 LIMIT %(limit)s;
+
+-- name: ui_open_by_job
+-- How many runs of each job are failed, running now and interrupted (job_runs_status_idx:
+-- only the runs not completed are read).
+WITH held AS MATERIALIZED (
+    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+)
+SELECT r.job_name,
+       count(*) FILTER (WHERE r.status = 'failed') AS failed,
+       count(*) FILTER (WHERE r.status = 'started'
+                        AND r.lock_key IN (SELECT held.lock_key FROM held)) AS running,
+       count(*) FILTER (WHERE r.status = 'started'
+                        AND r.lock_key NOT IN (SELECT held.lock_key FROM held)) AS interrupted
+FROM {schema}.job_runs AS r
+WHERE r.status IN ('started', 'failed')
+  AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+GROUP BY r.job_name;
 
 -- name: ui_job_bounds
 -- The first and the newest visible run key of one job (two primary-key probes).

@@ -219,6 +219,15 @@ class RecordsReader:
             unconfirmed = self._rows("ui_unconfirmed", limit=UNCONFIRMED_LIMIT)
             runs = self._runs(filters, before, limit)
             jobs = self._rows("ui_jobs", limit=JOBS_LIMIT)
+            open_by_job = {row.pop("job_name"): row for row in self._rows("ui_open_by_job")}
+        locked: dict[str, int] = {}
+        for lock in locks:
+            locked[lock["job_name"]] = locked.get(lock["job_name"], 0) + 1
+        for job in jobs:
+            job.update(
+                open_by_job.get(job["job_name"], {"failed": 0, "running": 0, "interrupted": 0})
+            )
+            job["locked"] = locked.get(job["job_name"], 0)
         counts = {name: int(value) for name, value in counted.items()}
         for row in attention:
             del row["lock_key"]
