@@ -599,8 +599,7 @@ SELECT (SELECT r.run_key FROM {schema}.job_runs AS r
 WITH held AS MATERIALIZED (
     SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
 )
-SELECT r.run_key, r.status, r.triggered_by, r.triggering_user, r.dag_id, r.run_id,
-       r.attempt_count, r.started_at, r.completed_at, r.updated_at, r.details,
+SELECT r.run_key, r.status, r.dag_id, r.run_id, r.attempt_count, r.updated_at, r.details,
        r.lock_key IN (SELECT held.lock_key FROM held) AS locked
 FROM {schema}.job_runs AS r
 WHERE r.job_name = %(job)s AND r.run_key >= %(from_key)s AND r.run_key <= %(to_key)s

@@ -219,6 +219,20 @@ def _age(value: dt.timedelta | None) -> str:
     return f"{secs} s"
 
 
+def _json_default(value: Any) -> Any:
+    """What ``json.dumps`` cannot encode itself, as FastAPI's jsonable_encoder would encode
+    it (ISO timestamps, seconds for durations); records (dataclasses) one level at a time,
+    never deep-copied (``dataclasses.asdict`` and jsonable_encoder took most of a
+    calendar's time: BENCHMARKS.md)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    return jsonable_encoder(value)
+
+
 def _details(value: Any) -> str:
     return json.dumps(value, indent=1, sort_keys=True, default=str) if value else ""
 
@@ -418,12 +432,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         with open_reader(settings, user) as reader:
             return {"locks": reader.locks()}
 
-    def as_json(data: dict[str, Any]) -> JSONResponse:
-        def plain(value: Any) -> Any:
-            is_record = dataclasses.is_dataclass(value) and not isinstance(value, type)
-            return dataclasses.asdict(value) if is_record else value
-
-        return JSONResponse(jsonable_encoder({k: plain(v) for k, v in data.items()}))
+    def as_json(data: dict[str, Any]) -> Response:
+        return Response(
+            json.dumps(data, default=_json_default, separators=(",", ":")),
+            media_type="application/json",
+        )
 
     dag_access = [Depends(requires_access_dag("GET"))]
 
