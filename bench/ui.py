@@ -535,8 +535,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "api-server keeps no idle session on the job database, and every page reads the "
         "Airflow connection afresh (an edited connection, an IAM token). A pool would save "
         "the `new connection` row minus the `pool checkout` row, and the cold catalog "
-        "caches of a new backend: about 12 ms a page here, when each page is far below its "
-        "target already."
+        "caches of a new backend: about 12 ms a page on a quiet machine (the two rows "
+        "above)."
     )
     result.notes.append(
         "**Plugin load.** Airflow 3 integrates macro plugins in every task process before "
