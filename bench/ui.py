@@ -9,7 +9,7 @@
    ~3 s of imports, varies by far more than that between runs: not a usable figure.)
 2. **Pages.** A job database seeded at size (run keys, attempts, ledger rows, a few locks
    held), an Airflow home with DAGs in its metadata DB and the auth manager initialised as
-   the api-server does. Each page is requested through the app in-process (httpx's ASGI
+   the api-server does. Each page and its JSON twin is requested through the app in-process (httpx's ASGI
    transport on an event loop: no sockets, no uvicorn) and, interleaved, its **bare
    SELECTs** are timed:
    the same statements (RecordsReader) on a connection already open, with no connection
@@ -40,16 +40,16 @@ from devtools.postgres import PostgresServer
 TITLE = "Run keys view: plugin load in a task process, page latency (p95) vs bare SELECTs"
 DIST = "airflow-provider-idempotency"
 PLUGIN_ADDED_LIMIT_MS = 5.0
-PAGE_P95_LIMIT_MS = 100.0
+PAGE_P95_LIMIT_MS = 200.0  # issue 12: each page and JSON endpoint, server time, p95
 
-# size name -> (plugin samples per variant, jobs, keys per job, DAGs, page requests)
-UI_SIZES: dict[str, tuple[int, int, int, int, int]] = {
-    "tiny": (2, 4, 30, 6, 8),
-    "small": (10, 10, 1_000, 20, 60),
-    "full": (30, 20, 5_000, 50, 200),
+# size name -> (plugin samples per variant, jobs, keys per job, DAGs, requests per page,
+# attempts per key, ledger rows per key). Full is issue 12's size: 20 jobs x 3 years of
+# daily keys (21,920 job_runs), ~200,000 attempts, ~1,000,000 ledger rows.
+UI_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "tiny": (2, 4, 30, 6, 8, 3, 3),
+    "small": (10, 10, 1_000, 20, 40, 9, 10),
+    "full": (30, 20, 1_096, 50, 120, 9, 46),
 }
-ATTEMPTS_PER_KEY = 3
-EFFECTS_PER_KEY = 3
 LOCKS_HELD = 3
 
 
@@ -115,7 +115,9 @@ def _plugin_load(result: BenchResult, samples: int) -> None:
 # ---------------------------------------------------------------- 2. pages
 
 
-def seed(dsn: str, jobs: int, keys: int, dags: int) -> list[tuple[int, str]]:
+def seed(
+    dsn: str, jobs: int, keys: int, dags: int, attempts: int = 3, effects: int = 3
+) -> list[tuple[int, str]]:
     """Run keys of ``jobs`` jobs (job_<j> belongs to dag_<j mod dags>), their attempts and
     ledger rows, one failed key in 50, one unconfirmed effect in each failed key. Returns the
     (lock key, job) of a few keys marked running, whose locks the caller holds."""
@@ -147,7 +149,7 @@ def seed(dsn: str, jobs: int, keys: int, dags: int) -> list[tuple[int, str]]:
                    r.run_id, r.task_id, a, 'worker-1', 4242, r.started_at, r.started_at
             FROM idempotency.job_runs AS r, generate_series(1, %(n)s) AS a
             """,
-            {"n": ATTEMPTS_PER_KEY},
+            {"n": attempts},
         )
         conn.execute(
             """
@@ -158,7 +160,7 @@ def seed(dsn: str, jobs: int, keys: int, dags: int) -> list[tuple[int, str]]:
                    CASE WHEN e = 1 AND r.status = 'failed' THEN 'pending' ELSE 'succeeded' END, 1
             FROM idempotency.job_runs AS r, generate_series(1, %(n)s) AS e
             """,
-            {"n": EFFECTS_PER_KEY},
+            {"n": effects},
         )
         running = conn.execute(
             """
@@ -288,6 +290,9 @@ async def _pages_loop(dsn: str, jobs: int, dags: int, requests: int, keys: int) 
     dag = f"dag_{(jobs - 1) % dags}"
     mid_key = (dt.date(2010, 1, 1) + dt.timedelta(days=keys // 2)).isoformat()
     mid_run = f"scheduled__{keys // 2}"
+    first_key = (dt.date(2010, 1, 1) + dt.timedelta(days=1)).isoformat()
+    span_end = (dt.date(2010, 1, 1) + dt.timedelta(days=min(keys, 1_096))).isoformat()
+    span = {"from": first_key[:8] + "01", "to": span_end}
     # page name -> (user, path, params, the page's bare reads)
     pages: dict[str, tuple[str, str, dict[str, str], Any]] = {
         "overview (admin)": ("admin", "/", {}, lambda r: r.overview(RunFilters())),
@@ -316,7 +321,24 @@ async def _pages_loop(dsn: str, jobs: int, dags: int, requests: int, keys: int) 
             {"job": job, "run_key": mid_key},
             lambda r: r.key(job, mid_key),
         ),
+        "calendar, a year (per-DAG user)": (
+            "restricted",
+            "/calendar",
+            {"job": job},
+            lambda r: RecordsReader(r.conn, r.schema, some).calendar(job),
+        ),
+        "calendar, 3 years": (
+            "admin",
+            "/calendar",
+            {"job": job, **span},
+            lambda r: r.calendar(job, span["from"], span["to"]),
+        ),
+        "locks held now": ("admin", "/locks", {}, lambda r: r.locks()),
     }
+    # Each page's JSON twin, with the same bare SELECTs.
+    for name, (user, path, params, bare) in list(pages.items()):
+        api = "/api" + ("/overview" if path == "/" else path)
+        pages[f"{name}, JSON"] = (user, api, params, bare)
     page_ms: dict[str, list[float]] = {name: [] for name in pages}
     bare_ms: dict[str, list[float]] = {name: [] for name in pages}
     harness_ms: list[float] = []
@@ -421,13 +443,13 @@ def __getattr__(name: str) -> Any:
 
 def run(size: Size, server: PostgresServer) -> BenchResult:
     result = BenchResult("ui", TITLE)
-    samples, jobs, keys, dags, requests = UI_SIZES[size.name]
+    samples, jobs, keys, dags, requests, attempts, effects = UI_SIZES[size.name]
     say(f"ui: plugin load, {samples} processes per variant ...")
     _plugin_load(result, samples)
     with database(server, "bench_ui") as dsn:
         say(f"ui: seeding {jobs * keys:,} run keys ...")
         t0 = time.perf_counter()
-        running = seed(dsn, jobs, keys, dags)
+        running = seed(dsn, jobs, keys, dags, attempts, effects)
         seeded_s = time.perf_counter() - t0
         migration_s = _migration_5_seconds(dsn)
         holder = hold_locks(dsn, running)
@@ -440,8 +462,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         finally:
             holder.close()
     rows_note = (
-        f"{jobs * keys:,} run keys, {jobs * keys * ATTEMPTS_PER_KEY:,} attempts, "
-        f"{jobs * keys * EFFECTS_PER_KEY:,} ledger rows, {dags} DAGs, {LOCKS_HELD} locks held"
+        f"{jobs * keys:,} run keys ({jobs} jobs x {keys:,} days), {jobs * keys * attempts:,} "
+        f"attempts, {jobs * keys * effects:,} ledger rows, {dags} DAGs, {LOCKS_HELD} locks held"
     )
     for name, samples_ms in out["page_ms"].items():
         bare = out["bare_ms"][name]
@@ -494,7 +516,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         f"{dags - denied_dags(dags)} of {dags} DAGs (the ids go to Postgres as an array)."
     )
     result.notes.append(
-        "**Targets.** A page must answer within 100 ms (p95) at this size: that is the "
+        f"**Targets.** Each page and JSON endpoint must answer within "
+        f"{PAGE_P95_LIMIT_MS:g} ms (p95) at this size (issue 12): that is the "
         "target. The app's own cost (page minus its bare SELECTs) is a figure, not a "
         "target. Measured apart on a quiet machine, for the overview: a new connection and "
         "the schema check ~7 ms (the `new connection` row), the same reads on a new backend "
@@ -504,7 +527,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "doubles while other suites load the machine. The overview is the slowest page "
         "because it reads the most: its bare SELECTs grow with the failed and interrupted "
         "keys and the keys with unconfirmed effects (counted and read through indexes, "
-        "one heap row each; 2,000 of each here, a pessimistic history)."
+        "one heap row each; one key in 50 failed here, a pessimistic history)."
     )
     result.notes.append(
         "**Connection per request, not a pool.** The app opens a connection for each page "
@@ -512,8 +535,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "api-server keeps no idle session on the job database, and every page reads the "
         "Airflow connection afresh (an edited connection, an IAM token). A pool would save "
         "the `new connection` row minus the `pool checkout` row, and the cold catalog "
-        "caches of a new backend: about 12 ms a page here, when each page is far below its "
-        "target already."
+        "caches of a new backend: about 12 ms a page on a quiet machine (the two rows "
+        "above)."
     )
     result.notes.append(
         "**Plugin load.** Airflow 3 integrates macro plugins in every task process before "

@@ -198,10 +198,9 @@ def test_admin_sees_every_record(auth_manager: Any, seeded: str) -> None:
         ("demo_dag.load", "2026-10-02", "failed"),
     ]
     assert "boom in demo_dag.load" in data["attention"][1]["details"]["last_error"]
-    assert {(u["job_name"], u["pending"], u["failed"]) for u in data["unconfirmed"]} == {
-        ("demo_dag.load", 1, 1),
-        ("secret_dag.pay", 3, 0),
-    }
+    assert {
+        (u["job_name"], u["remote_system"], u["pending"], u["failed"]) for u in data["unconfirmed"]
+    } == {("demo_dag.load", "accounting", 1, 1), ("secret_dag.pay", "accounting", 3, 0)}
     # Newest key first, then job name descending.
     dated = [(r["run_key"], r["job_name"]) for r in data["runs"] if r["run_key"].startswith("2026")]
     assert dated[:3] == [
@@ -416,6 +415,8 @@ def test_a_role_that_may_only_select_is_enough(
             ("/dags/demo_dag", {}),
             ("/dags/demo_dag/runs/r1", {}),
             ("/keys", {"job": "demo_dag.load", "run_key": "2026-10-01"}),
+            ("/calendar", {"job": "demo_dag.load"}),
+            ("/locks", {}),
         ):
             response = client.get(path, **params_)
             assert response.status_code == 200, (path, response.text[:1000])
@@ -448,3 +449,197 @@ def test_the_job_database_is_named_in_airflow_config(
     other = Client(auth_manager, "viewer", settings=Settings.from_airflow_config())
     page = other.get("/")
     assert page.status_code == 503 and "schema &#39;elsewhere&#39;" in page.text
+
+
+JSON_ENDPOINTS = (
+    ("/api/overview", {}),
+    ("/api/dags/demo_dag", {}),
+    ("/api/dags/demo_dag/runs/r1", {}),
+    ("/api/keys", {"job": "demo_dag.load", "run_key": "2026-10-01"}),
+    ("/api/calendar", {"job": "demo_dag.load"}),
+    ("/api/locks", {}),
+)
+
+
+@pytest.mark.parametrize(("path", "params"), JSON_ENDPOINTS, ids=[p for p, _ in JSON_ENDPOINTS])
+def test_every_json_endpoint_answers_401_without_a_session(
+    auth_manager: Any, seeded: str, path: str, params: dict[str, str]
+) -> None:
+    """Anonymous: each JSON endpoint answers 401 (its HTML page redirects to the login)."""
+    anonymous = Client(auth_manager, None)
+    response = anonymous.get(path, **params)
+    assert response.status_code == 401, response.text
+    assert "location" not in response.headers
+    page = anonymous.get(path.removeprefix("/api").replace("/overview", "/"), **params)
+    assert page.status_code == 303 and page.headers["location"].startswith("/auth/login?next=")
+
+
+def hold_key(
+    dsn: str, job: str, key: str, run_id: str, dag_id: str = "demo_dag"
+) -> tuple[threading.Thread, threading.Event]:
+    """A run of ``key`` in another thread, holding its lock until the event is set."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow(ctx: RunContext) -> None:
+        started.set()
+        release.wait(60)
+
+    worker = threading.Thread(
+        target=run_idempotently,
+        kwargs={
+            "connect": lambda: psycopg.connect(dsn),
+            "job_name": job,
+            "run_key": key,
+            "work": slow,
+            "trigger": Trigger("scheduled", None, dag_id, run_id, "t", 1),
+        },
+    )
+    worker.start()
+    assert started.wait(30)
+    return worker, release
+
+
+def test_calendar_colours_each_period_of_a_job(auth_manager: Any, seeded: str) -> None:
+    """A job's calendar: its days in rows of months, each completed, failed, interrupted,
+    running (locked now) or missing (a gap between its first and newest key), the counts of
+    each, the sums of its completed days' details; JSON and HTML say the same."""
+    run(seeded, "demo_dag.load", "2026-10-06", "demo_dag", run_id="r6")
+    worker, release = hold_key(seeded, "demo_dag.load", "2026-10-05", "r5")
+    client = Client(auth_manager, "viewer")
+    try:
+        cal = client.json("/api/calendar", job="demo_dag.load")["calendar"]
+        page = client.get("/calendar", job="demo_dag.load")
+    finally:
+        release.set()
+        worker.join(30)
+    assert (cal["period"], cal["first_key"], cal["last_key"]) == ("day", "2026-10-01", "2026-10-06")
+    # By default the twelve months up to the newest key's, whole.
+    assert (cal["from_key"], cal["to_key"]) == ("2025-11-01", "2026-10-31")
+    assert [r["label"] for r in cal["rows"]][::11] == ["2025-11", "2026-10"]
+    october = cal["rows"][-1]["cells"]
+    states = {c["run_key"]: c["state"] for c in october if c and c["state"] != "none"}
+    assert states == {
+        "2026-10-01": "completed",
+        "2026-10-02": "failed",
+        "2026-10-03": "interrupted",
+        "2026-10-04": "missing",
+        "2026-10-05": "running",
+        "2026-10-06": "completed",
+    }
+    assert [c["locked"] for c in october[:6]] == [False, False, False, False, True, False]
+    assert cal["rows"][3]["cells"][28:] == [None, None, None]  # February 2026 has 28 days
+    assert cal["counts"] == {
+        "completed": 2, "failed": 1, "running": 1, "interrupted": 1, "locked": 0, "missing": 1,
+    }  # fmt: skip
+    assert cal["totals"] == {"rows": 14}
+    assert cal["earlier"] is None and cal["later"] is None
+    assert page.status_code == 200
+    shown = dict(re.findall(r'data-key="([^"]+)" data-state="([^"]+)"', page.text))
+    assert shown == states
+    assert 'class="cal-running locked"' in page.text
+    # A window of one's own, and the pages around it.
+    week = client.json(
+        "/api/calendar", job="demo_dag.load", **{"from": "2026-10-02", "to": "2026-10-04"}
+    )
+    cells = [c for r in week["calendar"]["rows"] for c in r["cells"] if c]
+    assert [(c["run_key"], c["state"]) for c in cells] == [
+        ("2026-10-02", "failed"), ("2026-10-03", "interrupted"), ("2026-10-04", "missing"),
+    ]  # fmt: skip
+    assert week["calendar"]["earlier"] == ["2026-09-01", "2026-09-30"]
+    assert week["calendar"]["later"] == ["2026-11-01", "2026-11-30"]
+
+
+def test_calendar_is_reachable_and_filtered(auth_manager: Any, seeded: str) -> None:
+    """The overview lists every job with its latest completed key and links its calendar,
+    as do the DAG tab's columns and a key's page; a user barred from a DAG gets neither its
+    jobs nor their calendars; a key that names no period has no calendar."""
+    client = Client(auth_manager, "restricted")
+    jobs = client.json("/api/overview")["overview"]["jobs"]
+    assert {
+        j["job_name"]: (j["completed_key"], j["newest_key"], j["failed"], j["interrupted"])
+        for j in jobs
+    } == {
+        "demo_dag.load": ("2026-10-01", "2026-10-03", 1, 1),
+        "shared.reconcile": ("2026-10-01", "2026-10-01", 0, 0),
+        HOSTILE_JOB: (HOSTILE_KEY, HOSTILE_KEY, 0, 0),
+    }
+    calendar_href = 'href="/calendar?job=demo_dag.load"'
+    assert calendar_href in client.get("/").text
+    assert calendar_href in client.get("/dags/demo_dag").text
+    assert calendar_href in client.get("/keys", job="demo_dag.load", run_key="2026-10-01").text
+    assert client.get("/api/calendar", job="secret_dag.pay").status_code == 404
+    assert client.get("/api/calendar", job="script.job").status_code == 404
+    assert (
+        Client(auth_manager, "viewer").json("/api/calendar", job="script.job")["calendar"]["period"]
+        == "day"
+    )
+    odd = client.get("/calendar", job=HOSTILE_JOB)
+    assert odd.status_code == 200 and 'id="no-calendar"' in odd.text
+    assert "<script>alert(2)" not in odd.text and "<img src=x" not in odd.text
+
+
+@pytest.mark.parametrize(
+    ("params", "status", "says"),
+    [
+        ({"job": "no.such.job"}, 404, "Job 'no.such.job' is not recorded"),
+        ({}, 422, "job"),
+        ({"job": "demo_dag.load", "from": "2026-13-01", "to": "2026-12-01"}, 422, "not a real day"),
+        ({"job": "demo_dag.load", "from": "2026-10", "to": "2026-11"}, 422, "YYYY-MM-DD"),
+        ({"job": "demo_dag.load", "from": "2026-10-05", "to": "2026-10-01"}, 422, "comes after"),
+        (
+            {"job": "demo_dag.load", "from": "2020-01-01", "to": "2026-10-01"},
+            422,
+            "narrow the range",
+        ),
+        ({"job": "demo_dag.load", "from": "2026-10-01"}, 422, "both from and to"),
+    ],
+    ids=["unknown-job", "no-job", "not-a-day", "other-period", "reversed", "too-long", "one-end"],
+)
+def test_calendar_refuses_bad_input_clearly(
+    auth_manager: Any, seeded: str, params: dict[str, str], status: int, says: str
+) -> None:
+    """An unknown job is a 404; a malformed, reversed, too long or half range a 422 saying
+    what was wrong: as JSON, and as a page (never a stack trace)."""
+    client = Client(auth_manager, "viewer")
+    response = client.get("/api/calendar", **params)
+    assert response.status_code == status, response.text
+    assert says in json.dumps(response.json()["detail"])
+    page = client.get("/calendar", **params)
+    assert page.status_code == status
+    if params:
+        assert says.replace("'", "&#39;") in page.text and "Traceback" not in page.text
+
+
+def test_locks_page_names_each_holder_and_its_age(auth_manager: Any, seeded: str) -> None:
+    """The locks held now, each with its worker's host and pid, attempt, DAG run, task and
+    age; a user barred from a DAG does not see that DAG's locks."""
+    held = [
+        hold_key(seeded, "demo_dag.load", "2026-10-07", "r7"),
+        hold_key(seeded, "secret_dag.pay", "2026-10-02", "s2", dag_id="secret_dag"),
+    ]
+    try:
+        locks = Client(auth_manager, "viewer").json("/api/locks")["locks"]
+        page = Client(auth_manager, "viewer").get("/locks").text
+        barred = Client(auth_manager, "restricted").json("/api/locks")["locks"]
+        barred_page = Client(auth_manager, "restricted").get("/locks").text
+        with psycopg.connect(seeded) as conn:
+            ((attempt_id, pid),) = conn.execute(
+                "SELECT attempt_id, pid FROM idempotency.job_run_attempts"
+                " WHERE run_key = '2026-10-07' AND outcome = 'running'"
+            ).fetchall()
+    finally:
+        for worker, release in held:
+            release.set()
+            worker.join(30)
+    assert [(lock["job_name"], lock["run_key"]) for lock in locks] == [
+        ("demo_dag.load", "2026-10-07"), ("secret_dag.pay", "2026-10-02"),
+    ]  # fmt: skip
+    lock = locks[0]
+    assert (lock["run_id"], lock["task_id"], lock["dag_id"]) == ("r7", "t", "demo_dag")
+    assert (lock["attempt_id"], lock["worker_pid"]) == (attempt_id, pid)
+    assert lock["worker_host"] and 0 <= lock["age"] < 120
+    assert f"#{attempt_id}" in page and f"{lock['worker_host']}:{pid}" in page
+    assert [(b["job_name"], b["run_key"]) for b in barred] == [("demo_dag.load", "2026-10-07")]
+    assert "secret_dag" not in barred_page
+    assert Client(auth_manager, "viewer").json("/api/locks")["locks"] == []
+    assert 'id="no-locks"' in Client(auth_manager, "viewer").get("/locks").text

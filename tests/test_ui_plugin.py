@@ -25,6 +25,8 @@ HEAVY = (
     "jinja2",
     "psycopg",
     "airflow_idempotency.ui.app",
+    "airflow_idempotency.ui.reads",
+    "airflow_idempotency.ui.calendar",
     "airflow_idempotency.compat",
 )
 

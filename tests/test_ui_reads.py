@@ -9,7 +9,10 @@ import psycopg
 import pytest
 
 from airflow_idempotency._sql import query
+from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.run_key import RunKeyRule
 from airflow_idempotency.schema import ensure_schema
+from airflow_idempotency.ui import calendar
 from airflow_idempotency.ui.reads import RecordsReader, RunFilters, Visibility
 
 EVERY_DAG = Visibility(all_dags=True)
@@ -114,6 +117,15 @@ STATEMENTS: dict[str, dict[str, Any]] = {
     "ui_dag_keys": {"jobs": ["job_1", "job_4"], "before_key": None, "limit": 31},
     "ui_run_attempts": {"dag_id": "dag_1", "run_id": "scheduled__5", "task_id": None, "limit": 500},
     "ui_key_attempts": {"job": "job_1", "run_key": "2020-01-05", "limit": 200},
+    "ui_jobs": {"limit": 200},
+    "ui_open_by_job": {},
+    "ui_job_bounds": {"job": "job_1"},
+    "ui_job_calendar": {
+        "job": "job_1",
+        "from_key": "2020-01-01",
+        "to_key": "2020-12-31",
+        "limit": 744,
+    },  # fmt: skip
     "cli_ledger_summary": {"job": "job_1", "run_key": "2020-01-05", "all": True},
     "cli_ledger_problems": {"job": "job_1", "run_key": "2020-01-05", "limit": 50},
 }
@@ -153,3 +165,45 @@ def test_every_statement_of_the_view_reads_through_an_index(
             ).fetchall()
             read = rows_read(plan[0]["Plan"])
             assert sum(read.values()) <= 400, (name, read)
+
+
+@pytest.mark.parametrize(
+    ("newest", "window", "rows", "first_row", "columns"),
+    [
+        ("2026-10-05T03Z", ("2026-09-29T00Z", "2026-10-05T23Z"), 7, "2026-09-29", 24),
+        ("2026-10-05", ("2025-11-01", "2026-10-31"), 12, "2025-11", 31),
+        ("2026-W40", ("2024-W01", "2026-W53"), 3, "2024", 53),
+        ("2026-10", ("2017-01", "2026-12"), 10, "2017", 12),
+    ],
+    ids=["hour", "day", "week", "month"],
+)
+def test_calendar_windows_are_whole_rows_of_each_period(
+    newest: str, window: tuple[str, str], rows: int, first_row: str, columns: int
+) -> None:
+    """By default a calendar shows whole rows ending with the newest key's: a week of hours
+    (rows of UTC days), a year of days (rows of months), 3 ISO years of weeks, 10 years of
+    months; each row lists every period of its unit once, in order, and the next window
+    starts right after this one."""
+    period = RunKeyRule.for_key(newest).period
+    shown = calendar.default_window(period, newest)
+    assert (shown.from_key, shown.to_key) == window
+    grid = shown.grid()
+    assert len(grid) == rows and grid[0][0] == first_row
+    assert all(len(keys) == columns == len(calendar.columns(period)) for _, keys in grid)
+    keys = [k for _, row in grid for k in row if k is not None]
+    assert keys == sorted(set(keys)) and (keys[0], keys[-1]) == window
+    assert newest in keys
+    later = shown.shifted(rows)
+    assert later is not None
+    following = RunKeyRule(period=period).keys_between(window[1], later.from_key)
+    assert len(following) == 2  # nothing between this window's last period and the next's first
+
+
+def test_calendar_rows_have_only_real_periods() -> None:
+    """Rows of months stop at their last day, ISO years at week 52 or 53."""
+    (feb,) = calendar.window("day", "2027-02-01", "2027-02-28").grid()
+    assert feb[1][27] == "2027-02-28" and feb[1][28:] == [None, None, None]
+    short, long_ = calendar.window("week", "2025-W01", "2026-W53").grid()
+    assert short[1][-1] is None and long_[1][-1] == "2026-W53"
+    with pytest.raises(InvalidInputError, match="not a real"):
+        calendar.window("week", "2025-W53", "2025-W53")

@@ -296,6 +296,64 @@ def test_in_the_browser_operator_reads_and_reruns_a_key(
     page.screenshot(path=shots / "airflow-run-page.png")
 
 
+def test_in_the_browser_trigger_form_and_a_jobs_calendar(
+    browser: Any, stack: SignedInStack, runs: dict[str, str], shots: Path, job_dsn: str
+) -> None:
+    """Airflow's own trigger form shows the "Run key (business date)" field of
+    idempotency_params(), and the run triggered with it processes that date; then the job's
+    calendar, reached from the overview's list of jobs, shows the date done and the days
+    between it and the earlier keys as missing."""
+    page = signed_in(browser, stack, "operator")
+    page.goto(f"{stack.base_url}/dags/ui_demo")
+    page.get_by_role("button", name="Trigger").first.click()
+    dialog = page.get_by_role("dialog")
+    field = (
+        dialog.get_by_role("group")
+        .filter(has=page.get_by_text("Run key (business date)", exact=True))
+        .locator("input[type=date]")
+    )
+    field.fill("2026-10-05")
+    dialog.get_by_role("button", name="Trigger").click()
+    page.wait_for_url("**/dags/ui_demo/runs/manual__*")
+    run_id = urllib.request.unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
+    triggered = stack.wait_for_runs("ui_demo", [run_id], timeout=180)[0]
+    assert triggered.state == "success", stack.describe_runs("ui_demo", [run_id])
+    assert triggered.conf["run_key"] == "2026-10-05"
+    with psycopg.connect(job_dsn) as conn:
+        recorded = conn.execute(
+            "SELECT job_name, status, triggering_user FROM idempotency.job_runs"
+            " WHERE run_key = '2026-10-05' AND run_id = %s ORDER BY job_name",
+            (run_id,),
+        ).fetchall()
+    assert recorded == [
+        ("ui_demo.extract", "completed", "operator"),
+        ("ui_demo.load", "completed", "operator"),
+    ]
+
+    page.goto(f"{stack.base_url}/plugin/run-keys")
+    frame = view(page)
+    frame.locator("table.jobs").wait_for()
+    frame.locator("table.jobs a", has_text="ui_demo.load").first.click()
+    page.wait_for_url("**/plugin/run-keys/idempotency/calendar?job=ui_demo.load")
+    frame = view(page)
+    frame.locator("table.calendar").wait_for()
+    cells = frame.locator("table.calendar td[data-state]").evaluate_all(
+        "cells => cells.map(c => [c.dataset.key, c.dataset.state])"
+    )
+    assert cells == [
+        ["2026-10-01", "completed"],
+        ["2026-10-02", "failed"],
+        ["2026-10-03", "missing"],
+        ["2026-10-04", "missing"],
+        ["2026-10-05", "completed"],
+    ]
+    assert frame.locator("#count-missing .n").inner_text() == "2"
+    page.screenshot(path=shots / "run-keys-calendar.png")
+    frame.locator('table.calendar td[data-key="2026-10-02"] a').click()
+    frame.locator("#attempts").wait_for()
+    assert "2026-10-02 of ui_demo.load" in frame.locator("h1").inner_text()
+
+
 def test_in_the_browser_the_task_link_and_a_barred_user(
     browser: Any, stack: SignedInStack, runs: dict[str, str], shots: Path
 ) -> None:

@@ -417,16 +417,21 @@ WHERE r.status IN ('started', 'failed')
   AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]));
 
 -- name: ui_locks
--- Run locks held right now, by the attempt that holds each (job_run_attempts_running_idx).
+-- Run locks held right now, by the attempt that holds each (job_run_attempts_running_idx),
+-- with the holder's lock transaction start (held since) and its age.
 -- A lock taken a moment ago whose attempt is not recorded yet is not shown.
 SELECT att.job_name, att.run_key, r.status, a.pid AS backend_pid,
        coalesce(a.client_hostname, host(a.client_addr), 'local socket') AS client,
-       a.backend_start, att.hostname AS worker_host, att.pid AS worker_pid,
-       att.started_at AS attempt_started_at, att.dag_id, att.run_id, att.task_id, att.try_number
+       a.backend_start, a.xact_start AS held_since,
+       statement_timestamp() - coalesce(a.xact_start, att.started_at) AS age,
+       att.attempt_id, att.hostname AS worker_host, att.pid AS worker_pid,
+       att.started_at AS attempt_started_at, att.dag_id, att.run_id, att.task_id,
+       att.map_index, att.try_number, att.triggered_by, att.triggering_user
 FROM {schema}.held_run_locks() AS h
 JOIN pg_stat_activity AS a ON a.pid = h.pid
 JOIN LATERAL (
-    SELECT job_name, run_key, hostname, pid, started_at, dag_id, run_id, task_id, try_number
+    SELECT attempt_id, job_name, run_key, hostname, pid, started_at, dag_id, run_id, task_id,
+           map_index, try_number, triggered_by, triggering_user
     FROM {schema}.job_run_attempts
     WHERE lock_key = h.lock_key AND lock_backend_pid = a.pid AND outcome = 'running'
     ORDER BY attempt_id DESC
@@ -437,19 +442,19 @@ WHERE %(all_dags)s OR att.dag_id = ANY(%(dag_ids)s::text[])
 ORDER BY att.started_at;
 
 -- name: ui_unconfirmed
--- Run keys with external effects not confirmed by the remote (pending or failed), most
--- recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
+-- Run keys with external effects not confirmed by the remote (pending or failed), per
+-- remote system, most recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
 -- The keys come sorted out of the subquery, so each one's job_runs row is looked up (by
 -- primary key) only until the page is full.
-SELECT u.job_name, u.run_key, r.dag_id, u.pending, u.failed, u.last_update
+SELECT u.job_name, u.run_key, u.remote_system, r.dag_id, u.pending, u.failed, u.last_update
 FROM (
-    SELECT l.job_name, l.run_key,
+    SELECT l.job_name, l.run_key, l.remote_system,
            count(*) FILTER (WHERE l.status = 'pending') AS pending,
            count(*) FILTER (WHERE l.status = 'failed') AS failed,
            max(l.updated_at) AS last_update
     FROM {schema}.outbound_ledger AS l
     WHERE l.status <> 'succeeded'
-    GROUP BY l.job_name, l.run_key
+    GROUP BY l.job_name, l.run_key, l.remote_system
     ORDER BY last_update DESC
 ) AS u
 LEFT JOIN LATERAL (
@@ -510,6 +515,97 @@ JOIN LATERAL (
 ) AS r ON true
 WHERE %(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[])
 ORDER BY r.run_key DESC, r.job_name;
+
+-- name: ui_jobs
+-- Every job with a visible record: its newest run key and newest completed key. The job
+-- names come one index probe each (a loose index scan): of job_runs' primary key for a
+-- reader of every DAG; else of job_run_attempts_dag_job_idx, per DAG the reader may read
+-- (the jobs those DAGs ran), so that no other DAG's rows are read to skip them. The keys
+-- come from a backward scan of each job's primary-key range.
+WITH RECURSIVE every_job (job_name) AS (
+    (SELECT r.job_name FROM {schema}.job_runs AS r
+     WHERE %(all_dags)s ORDER BY r.job_name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT r.job_name FROM {schema}.job_runs AS r
+            WHERE r.job_name > every_job.job_name ORDER BY r.job_name LIMIT 1)
+    FROM every_job
+    WHERE every_job.job_name IS NOT NULL
+),
+dag_jobs (dag_id, job_name) AS (
+    SELECT d.dag_id,
+           (SELECT a.job_name FROM {schema}.job_run_attempts AS a
+            WHERE a.dag_id = d.dag_id ORDER BY a.job_name LIMIT 1)
+    FROM unnest(%(dag_ids)s::text[]) AS d (dag_id)
+    WHERE NOT %(all_dags)s
+    UNION ALL
+    SELECT dag_jobs.dag_id,
+           (SELECT a.job_name FROM {schema}.job_run_attempts AS a
+            WHERE a.dag_id = dag_jobs.dag_id AND a.job_name > dag_jobs.job_name
+            ORDER BY a.job_name LIMIT 1)
+    FROM dag_jobs
+    WHERE dag_jobs.job_name IS NOT NULL
+),
+jobs (job_name) AS (
+    SELECT every_job.job_name FROM every_job WHERE every_job.job_name IS NOT NULL
+    UNION
+    SELECT dag_jobs.job_name FROM dag_jobs WHERE dag_jobs.job_name IS NOT NULL
+)
+SELECT jobs.job_name, newest.run_key AS newest_key, newest.status AS newest_status,
+       newest.dag_id, done.run_key AS completed_key, done.completed_at
+FROM jobs
+CROSS JOIN LATERAL (
+    SELECT r.run_key, r.status, r.dag_id FROM {schema}.job_runs AS r
+    WHERE r.job_name = jobs.job_name AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+    ORDER BY r.run_key DESC LIMIT 1
+) AS newest
+LEFT JOIN LATERAL (
+    SELECT r.run_key, r.completed_at FROM {schema}.job_runs AS r
+    WHERE r.job_name = jobs.job_name AND r.status = 'completed'
+      AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+    ORDER BY r.run_key DESC LIMIT 1
+) AS done ON true
+ORDER BY jobs.job_name
+LIMIT %(limit)s;
+
+-- name: ui_open_by_job
+-- How many runs of each job are failed, running now and interrupted (job_runs_status_idx:
+-- only the runs not completed are read).
+WITH held AS MATERIALIZED (
+    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+)
+SELECT r.job_name,
+       count(*) FILTER (WHERE r.status = 'failed') AS failed,
+       count(*) FILTER (WHERE r.status = 'started'
+                        AND r.lock_key IN (SELECT held.lock_key FROM held)) AS running,
+       count(*) FILTER (WHERE r.status = 'started'
+                        AND r.lock_key NOT IN (SELECT held.lock_key FROM held)) AS interrupted
+FROM {schema}.job_runs AS r
+WHERE r.status IN ('started', 'failed')
+  AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+GROUP BY r.job_name;
+
+-- name: ui_job_bounds
+-- The first and the newest visible run key of one job (two primary-key probes).
+SELECT (SELECT r.run_key FROM {schema}.job_runs AS r
+        WHERE r.job_name = %(job)s AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+        ORDER BY r.run_key LIMIT 1) AS first_key,
+       (SELECT r.run_key FROM {schema}.job_runs AS r
+        WHERE r.job_name = %(job)s AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+        ORDER BY r.run_key DESC LIMIT 1) AS last_key;
+
+-- name: ui_job_calendar
+-- The visible job_runs rows of one job from from_key to to_key (a range of its primary key),
+-- each with whether its run lock is held now.
+WITH held AS MATERIALIZED (
+    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+)
+SELECT r.run_key, r.status, r.dag_id, r.run_id, r.attempt_count, r.updated_at, r.details,
+       r.lock_key IN (SELECT held.lock_key FROM held) AS locked
+FROM {schema}.job_runs AS r
+WHERE r.job_name = %(job)s AND r.run_key >= %(from_key)s AND r.run_key <= %(to_key)s
+  AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+ORDER BY r.run_key
+LIMIT %(limit)s;
 
 -- name: ui_run_attempts
 -- What one DAG run's tasks did (job_run_attempts_dag_run_idx), each with its key's

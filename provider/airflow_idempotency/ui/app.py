@@ -6,8 +6,11 @@ Pages (HTML, shown in Airflow's iframes) and the same data as JSON under ``/api`
   confirmed, and every run key (filters, pages);
 - ``/dags/{dag_id}`` — a DAG's run keys: run key x job, with a rerun button per key;
 - ``/dags/{dag_id}/runs/{run_id}`` — what a DAG run's idempotent tasks did (``?task_id=``);
+- ``/calendar?job=...[&from=...&to=...]`` — a job's calendar: its business periods (hours,
+  days, weeks or months, as its keys are), each coloured by its state, a window at a time;
 - ``/keys?job=...&run_key=...`` — one run key of one job: its record, the lock's holder,
-  every attempt, the outbound ledger.
+  every attempt, the outbound ledger;
+- ``/locks`` — the run locks held now: holder (host, pid, attempt, DAG run) and age.
 
 Authentication is Airflow's (the UI's ``_token`` cookie or a Bearer token); what a user sees
 is what the auth manager lets them read (:func:`visibility`), applied in SQL. Reruns are
@@ -45,7 +48,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from airflow_idempotency.exceptions import SchemaNotReadyError
+from airflow_idempotency.exceptions import InvalidInputError, SchemaNotReadyError
 from airflow_idempotency.hook import IdempotencyHook
 from airflow_idempotency.schema import DEFAULT_SCHEMA, require_readable, validate_schema_name
 from airflow_idempotency.ui import MOUNT, NAV_ROUTE
@@ -199,6 +202,37 @@ def _duration(start: dt.datetime | None, end: dt.datetime | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _age(value: dt.timedelta | None) -> str:
+    """``3 h 12 min``, ``4 min 05 s``, ``12 s``."""
+    if value is None:
+        return ""
+    seconds = int(value.total_seconds())
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days} d {hours} h"
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    if minutes:
+        return f"{minutes} min {secs:02d} s"
+    return f"{secs} s"
+
+
+def _json_default(value: Any) -> Any:
+    """What ``json.dumps`` cannot encode itself, as FastAPI's jsonable_encoder would encode
+    it (ISO timestamps, seconds for durations); records (dataclasses) one level at a time,
+    never deep-copied (``dataclasses.asdict`` and jsonable_encoder took most of a
+    calendar's time: BENCHMARKS.md)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    return jsonable_encoder(value)
+
+
 def _details(value: Any) -> str:
     return json.dumps(value, indent=1, sort_keys=True, default=str) if value else ""
 
@@ -237,6 +271,11 @@ class Links:
     def key(self, job_name: str, run_key: str) -> str:
         return self.page("/keys", job=job_name, run_key=run_key)
 
+    def calendar(
+        self, job_name: str, from_key: str | None = None, to_key: str | None = None
+    ) -> str:
+        return self.page("/calendar", job=job_name, from_=from_key, to_=to_key)
+
     def dag_tab(self, dag_id: str, **params: Any) -> str:
         return self.page(f"/dags/{quote(dag_id, safe='')}", **params)
 
@@ -262,7 +301,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(ts=_ts, details=_details, counts=_counts)
+    env.filters.update(ts=_ts, details=_details, counts=_counts, age=_age)
     env.globals.update(duration=_duration, nav_route=NAV_ROUTE)
     return env
 
@@ -305,6 +344,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return render(
             request, "error.html", 503, title="The job database refused a read", detail=detail
         )
+
+    @app.exception_handler(InvalidInputError)
+    def invalid_input(request: Request, exc: InvalidInputError) -> Response:
+        if wants_json(request):
+            return JSONResponse({"detail": str(exc)}, status_code=422)
+        return render(request, "error.html", 422, title="Not a valid request", detail=str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -374,12 +419,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "paused": dag_is_paused(dag_id) if dag_id else None,
         }
 
-    def as_json(data: dict[str, Any]) -> JSONResponse:
-        def plain(value: Any) -> Any:
-            is_record = dataclasses.is_dataclass(value) and not isinstance(value, type)
-            return dataclasses.asdict(value) if is_record else value
+    def calendar_data(
+        user: Any, job: str, from_key: str | None, to_key: str | None
+    ) -> dict[str, Any]:
+        with open_reader(settings, user) as reader:
+            found = reader.calendar(job, from_key, to_key)
+        if found is None:
+            raise not_visible(f"Job {job!r}")
+        return {"calendar": found}
 
-        return JSONResponse(jsonable_encoder({k: plain(v) for k, v in data.items()}))
+    def locks_data(user: Any) -> dict[str, Any]:
+        with open_reader(settings, user) as reader:
+            return {"locks": reader.locks()}
+
+    def as_json(data: dict[str, Any]) -> Response:
+        return Response(
+            json.dumps(data, default=_json_default, separators=(",", ":")),
+            media_type="application/json",
+        )
 
     dag_access = [Depends(requires_access_dag("GET"))]
 
@@ -438,6 +495,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         dag_id: str, run_id: str, user: GetUserDep, task_id: OptionalText = None
     ) -> Response:
         return as_json(run_data(user, dag_id, run_id, task_id))
+
+    @app.get("/calendar", response_class=HTMLResponse)
+    def calendar_page(
+        request: Request,
+        user: GetUserDep,
+        job: KeyPart,
+        from_key: FromKey = None,
+        to_key: ToKey = None,
+    ) -> Response:
+        return render(request, "calendar.html", **calendar_data(user, job, from_key, to_key))
+
+    @app.get("/api/calendar")
+    def calendar_json(
+        user: GetUserDep, job: KeyPart, from_key: FromKey = None, to_key: ToKey = None
+    ) -> Response:
+        return as_json(calendar_data(user, job, from_key, to_key))
+
+    @app.get("/locks", response_class=HTMLResponse)
+    def locks_page(request: Request, user: GetUserDep) -> Response:
+        return render(request, "locks.html", **locks_data(user))
+
+    @app.get("/api/locks")
+    def locks_json(user: GetUserDep) -> Response:
+        return as_json(locks_data(user))
 
     @app.get("/keys", response_class=HTMLResponse)
     def key_page(request: Request, user: GetUserDep, job: KeyPart, run_key: KeyPart) -> Response:

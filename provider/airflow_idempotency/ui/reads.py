@@ -20,7 +20,10 @@ import psycopg
 from psycopg.rows import dict_row
 
 from airflow_idempotency._sql import query
+from airflow_idempotency.exceptions import InvalidRunKeyError
 from airflow_idempotency.locks import run_lock_key
+from airflow_idempotency.run_key import Period, RunKeyRule
+from airflow_idempotency.ui import calendar
 
 STATEMENT_TIMEOUT = "15s"
 """Upper bound of one statement of a page (a page reads through indexes in milliseconds)."""
@@ -33,6 +36,7 @@ DAG_JOBS_LIMIT = 40
 RUN_ATTEMPTS_LIMIT = 500
 KEY_ATTEMPTS_LIMIT = 200
 KEY_EFFECTS_LIMIT = 50
+JOBS_LIMIT = 200
 
 Row = dict[str, Any]
 
@@ -84,6 +88,7 @@ class Overview:
     unconfirmed: list[Row]
     runs: list[Row]
     next_page: tuple[str, str] | None
+    jobs: list[Row] = field(default_factory=list)
 
 
 @dataclass
@@ -119,6 +124,36 @@ class KeyDetail:
     attempts_hidden: int
     effects: list[Row]
     unconfirmed: list[Row] = field(default_factory=list)
+
+
+@dataclass
+class Calendar:
+    """A job's business periods in a window, laid out in rows (:mod:`.calendar`).
+
+    ``period`` is None when the job's newest key names no period (a key from a custom
+    rule): there is no calendar then. Each cell is None where the row has no period in the
+    window, else the period's ``run_key`` and ``state``: completed, failed, running (started,
+    its lock held now), interrupted (started, nobody holds the lock), locked (held now, no
+    record yet), missing (no record, between the job's first and newest key) or none (no
+    record, outside them); with its record's fields when it has one.
+    """
+
+    job_name: str
+    period: Period | None
+    first_key: str | None
+    last_key: str | None
+    from_key: str | None = None
+    to_key: str | None = None
+    columns: list[str] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
+    earlier: tuple[str, str] | None = None
+    later: tuple[str, str] | None = None
+    other_keys: int = 0
+
+
+CALENDAR_STATES = ("completed", "failed", "running", "interrupted", "locked", "missing")
 
 
 def run_state(row: Row) -> str:
@@ -183,10 +218,56 @@ class RecordsReader:
             locks = self._rows("ui_locks")
             unconfirmed = self._rows("ui_unconfirmed", limit=UNCONFIRMED_LIMIT)
             runs = self._runs(filters, before, limit)
+            jobs = self._rows("ui_jobs", limit=JOBS_LIMIT)
+            open_by_job = {row.pop("job_name"): row for row in self._rows("ui_open_by_job")}
+        locked: dict[str, int] = {}
+        for lock in locks:
+            locked[lock["job_name"]] = locked.get(lock["job_name"], 0) + 1
+        for job in jobs:
+            job.update(
+                open_by_job.get(job["job_name"], {"failed": 0, "running": 0, "interrupted": 0})
+            )
+            job["locked"] = locked.get(job["job_name"], 0)
         counts = {name: int(value) for name, value in counted.items()}
         for row in attention:
             del row["lock_key"]
-        return Overview(attention, counts, locks, unconfirmed, *runs)
+        return Overview(attention, counts, locks, unconfirmed, *runs, jobs=jobs)
+
+    def locks(self) -> list[Row]:
+        """The run locks held now, oldest attempt first, with their holder and age."""
+        with self.snapshot():
+            return self._rows("ui_locks")
+
+    def calendar(
+        self, job_name: str, from_key: str | None = None, to_key: str | None = None
+    ) -> Calendar | None:
+        """A job's periods from ``from_key`` to ``to_key`` (both or neither: by default the
+        newest periods, :data:`.calendar.DEFAULT_ROWS` rows), or None if the reader may see
+        no record of the job. A malformed or too long range raises InvalidInputError."""
+        if (from_key is None) != (to_key is None):
+            raise InvalidRunKeyError("give both from and to (run keys), or neither")
+        with self.snapshot():
+            (bounds,) = self._rows("ui_job_bounds", job=job_name)
+            first, last = bounds["first_key"], bounds["last_key"]
+            if last is None:
+                return None
+            try:
+                period = RunKeyRule.for_key(last).period
+            except InvalidRunKeyError:
+                return Calendar(job_name, None, first, last)
+            if from_key is None or to_key is None:
+                window = calendar.default_window(period, last)
+            else:
+                window = calendar.window(period, from_key, to_key)
+            records = self._rows(
+                "ui_job_calendar",
+                job=job_name,
+                from_key=window.from_key,
+                to_key=window.to_key,
+                limit=window.rows * 62,
+            )
+            held = [lock for lock in self._rows("ui_locks") if lock["job_name"] == job_name]
+        return _calendar_of(job_name, first, last, window, records, held)
 
     def runs(
         self, filters: RunFilters, before: tuple[str, str] | None = None, limit: int = RUNS_PAGE
@@ -286,3 +367,60 @@ class RecordsReader:
             effects=effects,
             unconfirmed=unconfirmed,
         )
+
+
+def _calendar_of(
+    job_name: str,
+    first: str,
+    last: str,
+    window: calendar.Window,
+    records: list[Row],
+    held: list[Row],
+) -> Calendar:
+    by_key = {row["run_key"]: row for row in records}
+    locked = {lock["run_key"] for lock in held}
+    counts = dict.fromkeys(CALENDAR_STATES, 0)
+    totals: dict[str, float] = {}
+    shown: set[str] = set()
+    rows = []
+    for label, keys in window.grid():
+        cells: list[Row | None] = []
+        for key in keys:
+            if key is None:
+                cells.append(None)
+                continue
+            record = by_key.get(key)
+            if record is not None:
+                record["locked"] = bool(record["locked"]) or key in locked
+                cell = {**record, "state": run_state(record)}
+                shown.add(key)
+                if cell["state"] == "completed" and isinstance(record["details"], dict):
+                    for name, value in record["details"].items():
+                        if isinstance(value, int | float) and not isinstance(value, bool):
+                            totals[name] = totals.get(name, 0) + value
+            elif key in locked:
+                cell = {"run_key": key, "state": "locked", "locked": True}
+            else:
+                state = "missing" if first <= key <= last else "none"
+                cell = {"run_key": key, "state": state, "locked": False}
+            if cell["state"] in counts:
+                counts[cell["state"]] += 1
+            cells.append(cell)
+        rows.append({"label": label, "cells": cells})
+    earlier = window.shifted(-window.rows) if window.from_key > first else None
+    later = window.shifted(window.rows) if window.to_key < last else None
+    return Calendar(
+        job_name=job_name,
+        period=window.period,
+        first_key=first,
+        last_key=last,
+        from_key=window.from_key,
+        to_key=window.to_key,
+        columns=calendar.columns(window.period),
+        rows=rows,
+        counts=counts,
+        totals=totals,
+        earlier=(earlier.from_key, earlier.to_key) if earlier else None,
+        later=(later.from_key, later.to_key) if later else None,
+        other_keys=len(set(by_key) - shown),
+    )
