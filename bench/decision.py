@@ -135,6 +135,31 @@ def _sequence(steady: list[list[str]], server_ms: dict[str, float] | None = None
     return " -> ".join(parts)
 
 
+def _compare(steadies: dict[tuple[str, str], list[list[str]]]) -> str:
+    """Which round trips only one of now and before has, for each kind of call."""
+    parts = []
+    for kind, label in (("new", "a new key"), ("noop", "the no-op decision")):
+        now = [" + ".join(t) for t in steadies["3.3", kind]]
+        before = [" + ".join(t) for t in steadies["before", kind]]
+        only_now = [t for t in now if t not in before]
+        only_before = [t for t in before if t not in now]
+        verdict = (
+            "no round trip more"
+            if len(now) <= len(before)
+            else f"{len(now) - len(before)} round trip(s) more"
+        )
+        parts.append(
+            f"{label}: {len(now)} round trips now, {len(before)} before ({verdict}); only "
+            f"now: {', '.join(f'[{t}]' for t in only_now) or 'none'}; only before: "
+            f"{', '.join(f'[{t}]' for t in only_before) or 'none'}"
+        )
+    return (
+        "**Now against before, round trip by round trip** (statement names from each "
+        "checkout's queries.sql, so a statement that kept its name but changed its text "
+        "counts as the same): " + "; ".join(parts).replace("_", "\\_") + "."
+    )
+
+
 def run(size: Size, server: PostgresServer) -> BenchResult:
     result = BenchResult("decision", TITLE)
     found, missing = variants()
@@ -233,6 +258,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "then its median wait for the server in ms (seen at the proxy) |",
         "|---|---|---:|---|",
     ]
+    steadies: dict[tuple[str, str], list[list[str]]] = {}
     for v in found:
         for kind, label in (("new", "new key"), ("noop", "no-op decision")):
             seqs: list[dict[str, Any]] = []
@@ -242,6 +268,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
             for s in seqs:
                 merged[json.dumps(s["round_trips"])] += s["calls"]
             steady = json.loads(merged.most_common(1)[0][0])
+            steadies[v.name, kind] = steady
             waits: dict[str, list[float]] = {}
             for r in out[v.name]:
                 for trip, ms in r["server_ms"].get(kind, {}).items():
@@ -262,6 +289,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
             for key, n in seen.most_common()[1:]:
                 others.append(f"{v.name} {kind}, {n} call(s): {_sequence(json.loads(key))}")
     result.notes.append("\n".join(lines))
+    if "before" in figures:
+        result.notes.append(_compare(steadies))
     if others:
         result.notes.append(
             "Calls off the steady state (a `prepare` round trip is psycopg preparing a "
