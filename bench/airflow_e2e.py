@@ -36,6 +36,7 @@ import re
 import shutil
 import sqlite3
 import tempfile
+import time
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -67,6 +68,7 @@ TASKS = 3
 FIRST_DATE = dt.date(2026, 2, 2)
 RATIO_LIMIT = 1.10
 WARMUP_DATES = 2
+PASS_RETRIES = 2  # fresh windows tried after a stuck 3.3 pass
 # The task runner logs how long it took to parse the DAG file before running the task.
 _PARSE_MS = re.compile(r'"dag_file_parse_ms":\s*([0-9.]+)')
 
@@ -182,19 +184,25 @@ def _pass_retrying(
     before: Callable[[dt.date], None],
     notes: list[str],
 ) -> dict[str, float]:
-    """:func:`_pass` on ``first`` (after ``before(first)``); once more on a fresh window if
-    the stack got stuck."""
-    before(first)
-    try:
-        return _pass(stack, dag_id, first, dates)
-    except StackError as exc:
-        first_line = str(exc).splitlines()[0][:200]
-        say(f"airflow: {dag_id} pass failed ({first_line}); abandoning it, retrying once")
-        notes.append(f"One pass of {dag_id} got stuck and was redone on fresh dates: {first_line}")
-        _abandon_backfill(stack, dag_id)
-        retry = windows.take(dates)
-        before(retry)
-        return _pass(stack, dag_id, retry, dates)
+    """:func:`_pass` on ``first`` (after ``before(first)``); again on a fresh window, up to
+    ``PASS_RETRIES`` times, if the stack got stuck (SQLite's "database is locked" under load)."""
+    window = first
+    for attempt in range(PASS_RETRIES + 1):
+        before(window)
+        try:
+            return _pass(stack, dag_id, window, dates)
+        except StackError as exc:
+            if attempt == PASS_RETRIES:
+                raise
+            first_line = str(exc).splitlines()[0][:200]
+            say(f"airflow: {dag_id} pass failed ({first_line}); abandoning it, retrying")
+            notes.append(
+                f"One pass of {dag_id} got stuck and was redone on fresh dates: {first_line}"
+            )
+            _abandon_backfill(stack, dag_id)
+            time.sleep(10)  # let the scheduler settle before the next backfill create
+            window = windows.take(dates)
+    raise AssertionError("unreachable")
 
 
 def _completed_keys(dsn: str) -> int:

@@ -295,7 +295,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         result.notes.append(
             "Calls off the steady state (a `prepare` round trip is psycopg preparing a "
             "server-side statement on its fifth execution on a connection, once per "
-            "statement and connection): " + "; ".join(others) + "."
+            "statement and connection): " + "; ".join(others).replace("_", "\\_") + "."
         )
     if missing:
         result.notes.append("Left out: " + "; ".join(missing) + ".")
