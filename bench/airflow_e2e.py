@@ -68,6 +68,7 @@ TASKS = 3
 FIRST_DATE = dt.date(2026, 2, 2)
 RATIO_LIMIT = 1.10
 WARMUP_DATES = 2
+LINES_ENV = "BENCH_AIRFLOW_LINES"  # e.g. "2.11": only that line (default: both)
 PASS_RETRIES = 2  # fresh windows tried after a stuck 3.3 pass
 # The task runner logs how long it took to parse the DAG file before running the task.
 _PARSE_MS = re.compile(r'"dag_file_parse_ms":\s*([0-9.]+)')
@@ -346,14 +347,24 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
     migrate2 = 0.0
     try:
         with contextlib.ExitStack() as es:
-            dsn3 = es.enter_context(database(server, "bench_airflow"))
-            env = {"AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(dsn3)}
-            stack = es.enter_context(airflow_stack(home / "home", DAGS_FOLDER, extra_env=env))
-            say(f"airflow: 3.3 stack up in {stack.timings.get('start', 0):.0f} s")
-            for dag_id in DAG_IDS:
-                stack.unpause(dag_id)
-            lines.append(_Line3(stack, dsn3, result.notes))
-            if py2:
+            wanted = os.environ.get(LINES_ENV, f"{LINE3},{LINE2}").split(",")
+            if set(wanted) - {LINE3, LINE2}:
+                raise ValueError(f"{LINES_ENV}={','.join(wanted)}: the lines are {LINE3}, {LINE2}")
+            if LINE3 in wanted:
+                dsn3 = es.enter_context(database(server, "bench_airflow"))
+                env = {
+                    "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(dsn3)
+                }
+                stack = es.enter_context(airflow_stack(home / "home", DAGS_FOLDER, extra_env=env))
+                say(f"airflow: 3.3 stack up in {stack.timings.get('start', 0):.0f} s")
+                for dag_id in DAG_IDS:
+                    stack.unpause(dag_id)
+                lines.append(_Line3(stack, dsn3, result.notes))
+            else:
+                result.notes.append(f"Airflow 3.3 left out ({LINES_ENV}).")
+            if LINE2 not in wanted:
+                result.notes.append(f"Airflow 2.11 left out ({LINES_ENV}).")
+            elif py2:
                 dsn2 = es.enter_context(database(server, "bench_airflow2"))
                 meta2 = es.enter_context(database(server, "bench_airflow2_meta"))
                 af2 = Airflow2Home(py2, home / "home2", meta2, DAGS_FOLDER, dsn2)
