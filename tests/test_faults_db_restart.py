@@ -155,9 +155,7 @@ def test_restart_mid_run_fails_cleanly_and_the_rerun_converges(
     # in run.transaction() (during the work) and the completion write both report a lost lock.
     assert isinstance(error, LockLostError), repr(error)
     assert rows(private.dsn, "SELECT status FROM idempotency.job_runs") == [("failed",)]
-    assert rows(private.dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [
-        ("lock_lost",)
-    ]
+    assert rows(private.dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [("lock_lost",)]
 
     rerun = run_idempotently(
         connect=lambda: psycopg.connect(private.dsn),
