@@ -8,6 +8,7 @@ targets are stated for).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import importlib
 import os
@@ -22,7 +23,7 @@ from bench.report import render_markdown, render_table
 from devtools.postgres import find_server
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("overhead", "contention", "invoices", "export", "airflow_e2e", "ui")
+BENCHMARKS = ("overhead", "decision", "contention", "invoices", "export", "airflow_e2e", "ui")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,6 +38,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="write the report here (default: BENCHMARKS.md for a full run of every "
         "benchmark, none otherwise)",
     )
+    parser.add_argument(
+        "--airflow-rounds",
+        type=int,
+        metavar="N",
+        help="timed passes per DAG and line of airflow_e2e (default: the size's; fewer "
+        "when the machine is too loaded for the full run to finish in time)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     return parser.parse_args(argv)
 
@@ -44,6 +52,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     size = SIZES[args.size]
+    if args.airflow_rounds is not None:
+        if args.airflow_rounds < 1:
+            raise SystemExit("--airflow-rounds must be at least 1")
+        size = dataclasses.replace(size, airflow_rounds=args.airflow_rounds)
     command = "python3 dev.py bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     server = find_server()
     started = dt.datetime.now(dt.timezone.utc)

@@ -119,6 +119,9 @@ def render_markdown(
         "4. ledger.py: the forced rerun's claim path (see the export section).",
         "5. Migration 3: a partial index on running attempts, so naming a lock's holder "
         "never scans the attempt history.",
+        "6. Migration 5 and the `ui_*` statements: an index behind every page of the Run keys "
+        "view, and per-row lookups where a join was planned as a hash join over all of "
+        "`job_runs` (see the Run keys view section).",
         "",
         "## Tools",
         "",

@@ -1,0 +1,310 @@
+"""The decision by line and by version: round trips counted exactly, and latency.
+
+Each variant is one provider checkout run by its own interpreter
+(bench/decision_child.py):
+
+* ``3.3``: this checkout in the Airflow 3 environment (.venv, ``IDEMPOTENCY_AIRFLOW3_PYTHON``
+  or the bench's own interpreter);
+* ``2.11``: this checkout in the Airflow 2.11 environment (.venv-airflow2,
+  ``IDEMPOTENCY_AIRFLOW2_PYTHON``; left out, with a note, when it is not set up);
+* ``before``: an older checkout (``BENCH_BEFORE_CHECKOUT``: a worktree with its own .venv,
+  e.g. ``git worktree add /tmp/bench-old b86ff48 && (cd /tmp/bench-old && python3 dev.py
+  setup)``; left out when not set), to show what a change did to the round trips.
+
+Rounds: each variant runs once per round in a fresh process, the order rotating from round
+to round, so that every variant meets the same machine over the same minutes. In each
+process: ``run_idempotently`` with no-op work on a pool of two connections (a new key, then
+the same key again: the no-op decision, then a SELECT 1), then the same calls counted
+through a proxy that reads the wire protocol. Each variant has its own database (the
+versions' schemas differ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULT_PREFIX, BenchResult, Size, at_most, database, median, percentile
+from devtools.postgres import PostgresServer
+
+TITLE = "The decision by Airflow line and before/after: round trips (counted) and latency"
+CHILD = Path(__file__).resolve().parent / "decision_child.py"
+BEFORE_ENV = "BENCH_BEFORE_CHECKOUT"
+LIMIT_MS = 2.0  # the overhead benchmark's target, for the pool variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    label: str
+    python: str
+    checkout: str
+
+
+def variants() -> tuple[list[Variant], list[str]]:
+    """The variants that can run here, and why any other is left out."""
+    here = str(Path(__file__).resolve().parent.parent)
+    found = [
+        Variant(
+            "3.3",
+            "Airflow 3.3 env, this checkout",
+            os.environ.get("IDEMPOTENCY_AIRFLOW3_PYTHON", sys.executable),
+            here,
+        )
+    ]
+    missing = []
+    py2 = os.environ.get("IDEMPOTENCY_AIRFLOW2_PYTHON", "")
+    if py2 and Path(py2).exists():
+        found.append(Variant("2.11", "Airflow 2.11 env, this checkout", py2, here))
+    else:
+        missing.append("2.11 left out: no .venv-airflow2 (`python3 dev.py setup --airflow 2`)")
+    before = os.environ.get(BEFORE_ENV, "")
+    if before:
+        py = Path(before) / ".venv" / "bin" / "python"
+        if not py.exists():
+            raise RuntimeError(f"{BEFORE_ENV}={before}: no {py} (run `python3 dev.py setup` there)")
+        commit = subprocess.run(
+            ["git", "-C", before, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        found.append(
+            Variant("before", f"before: {commit or before}, Airflow 3 env", str(py), before)
+        )
+    else:
+        missing.append(f"before/after left out: {BEFORE_ENV} not set (module doc)")
+    return found, missing
+
+
+def _child(variant: Variant, dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    args = {"dsn": dsn, "calls": calls, "counted": counted, "round_no": round_no}
+    proc = subprocess.run(
+        [variant.python, str(CHILD), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        env=env,
+        cwd="/",
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
+            if not Path(result["provider"]).is_relative_to(variant.checkout):
+                raise RuntimeError(
+                    f"{variant.name}: imported the provider from {result['provider']}"
+                )
+            return result
+    raise RuntimeError(
+        f"{variant.name} child exited {proc.returncode} without a result\n"
+        f"--- stderr:\n{proc.stderr[-4000:]}"
+    )
+
+
+def _trips(values: list[int]) -> tuple[int, str]:
+    """The count of the steady state (most frequent), and the spread if there is one."""
+    counts = Counter(values)
+    mode = counts.most_common(1)[0][0]
+    other = {k: n for k, n in sorted(counts.items()) if k != mode}
+    spread = (
+        "every call"
+        if not other
+        else ", ".join(f"{n} call(s) {k}" for k, n in other.items()) + " (see notes)"
+    )
+    return mode, spread
+
+
+def _sequence(steady: list[list[str]], server_ms: dict[str, float] | None = None) -> str:
+    """``[BEGIN] 0.09 -> [acquire_run_lock] 0.35 -> ...``: each round trip's statements and,
+    if known, the median time it waited for the server (ms, at the proxy)."""
+    parts = []
+    for trip in steady:
+        text = " + ".join(trip)
+        ms = (server_ms or {}).get(text)
+        parts.append(f"[{text}]" + (f" {ms:.2f}" if ms is not None else ""))
+    return " -> ".join(parts)
+
+
+def _compare(steadies: dict[tuple[str, str], list[list[str]]]) -> str:
+    """Which round trips only one of now and before has, for each kind of call."""
+    parts = []
+    for kind, label in (("new", "a new key"), ("noop", "the no-op decision")):
+        now = [" + ".join(t) for t in steadies["3.3", kind]]
+        before = [" + ".join(t) for t in steadies["before", kind]]
+        only_now = [t for t in now if t not in before]
+        only_before = [t for t in before if t not in now]
+        verdict = (
+            "no round trip more"
+            if len(now) <= len(before)
+            else f"{len(now) - len(before)} round trip(s) more"
+        )
+        parts.append(
+            f"{label}: {len(now)} round trips now, {len(before)} before ({verdict}); only "
+            f"now: {', '.join(f'[{t}]' for t in only_now) or 'none'}; only before: "
+            f"{', '.join(f'[{t}]' for t in only_before) or 'none'}"
+        )
+    return (
+        "**Now against before, round trip by round trip** (statement names from each "
+        "checkout's queries.sql, so a statement that kept its name but changed its text "
+        "counts as the same): " + "; ".join(parts).replace("_", "\\_") + "."
+    )
+
+
+def run(size: Size, server: PostgresServer) -> BenchResult:
+    result = BenchResult("decision", TITLE)
+    found, missing = variants()
+    rounds = 1 if size.name == "tiny" else 3
+    calls = max(10, size.overhead_runs // rounds)
+    counted = 3 if size.name == "tiny" else 20
+    out: dict[str, list[dict[str, Any]]] = {v.name: [] for v in found}
+    with contextlib.ExitStack() as stack:
+        dsns = [
+            stack.enter_context(database(server, f"bench_decision_{v.name.replace('.', '')}"))
+            for v in found
+        ]
+        for round_no in range(rounds):
+            for j in range(len(found)):
+                k = (j + round_no) % len(found)
+                out[found[k].name].append(_child(found[k], dsns[k], calls, counted, round_no))
+
+    def pooled(name: str, kind: str) -> list[float]:
+        return [x for r in out[name] for x in r["samples"][kind]]
+
+    def trips(name: str, kind: str) -> list[int]:
+        return [x for r in out[name] for x in r["trips"][kind]]
+
+    checks = {n: (trips(n, "select_1"), trips(n, "pipeline_3")) for n in out}
+    for name, (one, three) in checks.items():
+        if set(one) != {1} or set(three) != {1}:
+            raise RuntimeError(f"{name}: the counter saw SELECT 1 as {one}, a pipeline as {three}")
+    figures: dict[str, dict[str, float]] = {}
+    for v in found:
+        new, noop, rtt = (pooled(v.name, k) for k in ("new", "noop", "rtt"))
+        new_trips, new_spread = _trips(trips(v.name, "new"))
+        noop_trips, noop_spread = _trips(trips(v.name, "noop"))
+        figures[v.name] = {
+            "new": median(new),
+            "noop": median(noop),
+            "new_trips": new_trips,
+            "noop_trips": noop_trips,
+        }
+        limit = v.name != "before"  # the target is this checkout's
+        result.add(
+            f"{v.name}: new key, pool, median",
+            median(new),
+            "ms",
+            f"<= {LIMIT_MS:g} ms" if limit else "",
+            at_most(median(new), LIMIT_MS) if limit else None,
+            f"p99 {percentile(new, 99):.2f} ms; {v.label}",
+        )
+        result.add(
+            f"{v.name}: no-op decision, pool, median",
+            median(noop),
+            "ms",
+            f"<= {LIMIT_MS:g} ms" if limit else "",
+            at_most(median(noop), LIMIT_MS) if limit else None,
+            f"p99 {percentile(noop, 99):.2f} ms",
+        )
+        result.add(
+            f"{v.name}: SELECT 1 round trip, median",
+            median(rtt),
+            "ms",
+            note="the same processes' floor unit",
+        )
+        result.add(f"{v.name}: round trips, new key", new_trips, "", note=new_spread)
+        result.add(f"{v.name}: round trips, no-op decision", noop_trips, "", note=noop_spread)
+
+    def ratio(a: str, b: str, kind: str, label: str) -> None:
+        value = figures[a][kind] / figures[b][kind]
+        result.add(label, value, "x", note="medians of the same rounds")
+
+    if "2.11" in figures:
+        ratio("2.11", "3.3", "new", "ratio 2.11 / 3.3, new key")
+        ratio("2.11", "3.3", "noop", "ratio 2.11 / 3.3, no-op decision")
+    if "before" in figures:
+        for kind, label in (("new", "new key"), ("noop", "no-op decision")):
+            ratio("3.3", "before", kind, f"ratio now / before, {label}")
+            now, before = figures["3.3"][f"{kind}_trips"], figures["before"][f"{kind}_trips"]
+            result.add(
+                f"round trips now - before, {label}",
+                now - before,
+                "",
+                "<= 0",
+                now - before <= 0,
+                f"{now:g} now, {before:g} before",
+            )
+
+    lines = [
+        f"{rounds} round(s); in each, one fresh process per variant (order rotating), "
+        f"{calls} new keys + {calls} no-op decisions + {calls} SELECT 1 after a warm-up, "
+        f"interleaved per iteration, on a pool of 2 connections; then {counted} of each "
+        "counted through the wire-protocol proxy of bench/decision_child.py (a round trip = "
+        "the client sends while nothing it asked for is outstanding, until the ReadyForQuery "
+        "of its last Sync or Query; pipelined statements count once). The counter checks "
+        "itself in every process: a SELECT 1 counts 1, three pipelined SELECTs count 1. "
+        "Medians pool every round's samples.",
+        "",
+        "| variant | call | round trips (steady state) | statements, one [ ] per round trip, "
+        "then its median wait for the server in ms (seen at the proxy) |",
+        "|---|---|---:|---|",
+    ]
+    steadies: dict[tuple[str, str], list[list[str]]] = {}
+    for v in found:
+        for kind, label in (("new", "new key"), ("noop", "no-op decision")):
+            seqs: list[dict[str, Any]] = []
+            for r in out[v.name]:
+                seqs.extend(r["statements"].get(kind, []))
+            merged: Counter[str] = Counter()
+            for s in seqs:
+                merged[json.dumps(s["round_trips"])] += s["calls"]
+            steady = json.loads(merged.most_common(1)[0][0])
+            steadies[v.name, kind] = steady
+            waits: dict[str, list[float]] = {}
+            for r in out[v.name]:
+                for trip, ms in r["server_ms"].get(kind, {}).items():
+                    waits.setdefault(trip, []).append(ms)
+            server_ms = {trip: median(ms) for trip, ms in waits.items()}
+            lines.append(
+                f"| {v.label} | {label} | {len(steady)} | {_sequence(steady, server_ms)} |".replace(
+                    "_", "\\_"
+                )
+            )
+    others = []
+    for v in found:
+        for kind in ("new", "noop"):
+            seen: Counter[str] = Counter()
+            for r in out[v.name]:
+                for s in r["statements"].get(kind, []):
+                    seen[json.dumps(s["round_trips"])] += s["calls"]
+            for key, n in seen.most_common()[1:]:
+                others.append(f"{v.name} {kind}, {n} call(s): {_sequence(json.loads(key))}")
+    result.notes.append("\n".join(lines))
+    if "before" in figures:
+        result.notes.append(_compare(steadies))
+    if others:
+        result.notes.append(
+            "Calls off the steady state (a `prepare` round trip is psycopg preparing a "
+            "server-side statement on its fifth execution on a connection, once per "
+            "statement and connection): " + "; ".join(others).replace("_", "\\_") + "."
+        )
+    if missing:
+        result.notes.append("Left out: " + "; ".join(missing) + ".")
+    result.notes.append(
+        "Load average is in the machine line at the top; "
+        + "; ".join(
+            f"{v.name} SELECT 1 median {statistics.median(pooled(v.name, 'rtt')):.3f} ms"
+            for v in found
+        )
+        + " (the same floor for every variant means they met the same machine)."
+    )
+    return result
