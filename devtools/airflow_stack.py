@@ -773,8 +773,13 @@ class AirflowStack:
         self.last_backfill_id = backfill_id
         # Normally one backfill; after a half-made one (see _create_backfill), its runs too.
         runs: dict[str, RunResult] = {}
-        for made in range(before + 1, backfill_id + 1):
-            runs.update((r.run_id, r) for r in self.backfill_runs(made))
+        # Backfill ids are shared by every DAG: only this DAG's backfills in that range.
+        made = self.query(
+            "SELECT id FROM backfill WHERE dag_id = ? AND id > ? AND id <= ? ORDER BY id",
+            (dag_id, before, backfill_id),
+        )
+        for (made_id,) in made:
+            runs.update((r.run_id, r) for r in self.backfill_runs(made_id))
         run_ids = list(runs)
         remaining = max(1.0, timeout - (time.monotonic() - t0))
         self.wait_for_runs(dag_id, run_ids, remaining)
