@@ -125,7 +125,7 @@ STATEMENTS: dict[str, dict[str, Any]] = {
         "from_key": "2020-01-01",
         "to_key": "2020-12-31",
         "limit": 744,
-    },  # fmt: skip
+    },
     "cli_ledger_summary": {"job": "job_1", "run_key": "2020-01-05", "all": True},
     "cli_ledger_problems": {"job": "job_1", "run_key": "2020-01-05", "limit": 50},
 }
