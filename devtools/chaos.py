@@ -104,13 +104,22 @@ CRASH_POINTS = (
     "invoices.after_commit",
     "totals.after_delete",
 )
-BROKEN = {
-    # The ledger's claim statement returns confirmed keys too: they are sent again.
-    "skip-confirmed": (
-        "WHERE k.status IS DISTINCT FROM 'succeeded'\n   OR k.stored_fingerprint <> "
-        "k.request_fingerprint;",
-        "WHERE true;",
-    ),
+BROKEN: dict[str, list[tuple[str, str, str]]] = {
+    # The ledger no longer skips confirmed keys: its claim statement returns them too, and
+    # the Python safety net that would still skip them is gone. (file, old text, new text)
+    "skip-confirmed": [
+        (
+            "sql/queries.sql",
+            "WHERE k.status IS DISTINCT FROM 'succeeded'\n   OR k.stored_fingerprint <> "
+            "k.request_fingerprint;",
+            "WHERE true;",
+        ),
+        (
+            "ledger.py",
+            'elif status == "succeeded":\n                summary.skipped_existing += 1',
+            "elif False:\n                summary.skipped_existing += 1",
+        ),
+    ],
 }
 TERMINAL = frozenset({"success", "failed"})
 
@@ -255,17 +264,31 @@ class Chaos:
         """A patched copy of the provider for ``--broken``; its folder, for PYTHONPATH."""
         if not self.args.broken:
             return None
-        old, new = BROKEN[self.args.broken]
         target = self.workdir / "broken"
         shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(ROOT / "provider" / "airflow_idempotency", target / "airflow_idempotency")
-        queries = target / "airflow_idempotency" / "sql" / "queries.sql"
-        text = queries.read_text(encoding="utf-8")
-        if old not in text:
-            raise SystemExit(f"--broken {self.args.broken}: the statement to patch is not found")
-        queries.write_text(text.replace(old, new, 1), encoding="utf-8")
+        package = target / "airflow_idempotency"
+        shutil.copytree(ROOT / "provider" / "airflow_idempotency", package)
+        for name, old, new in BROKEN[self.args.broken]:
+            text = (package / name).read_text(encoding="utf-8")
+            if old not in text:
+                raise SystemExit(f"--broken {self.args.broken}: {name} has no {old!r} to patch")
+            (package / name).write_text(text.replace(old, new, 1), encoding="utf-8")
         say(f"BROKEN BUILD: {self.args.broken} (patched copy in {target})")
         return str(target)
+
+    def check_broken_is_used(self, folder: str) -> None:
+        """The stack's processes import the patched copy, not this checkout's provider."""
+        import subprocess
+
+        found = subprocess.run(
+            [sys.executable, "-c", "import airflow_idempotency as p; print(p.__file__)"],
+            env=self.stack.env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if not found.startswith(folder):
+            raise SystemExit(f"--broken: the stack would import {found}, not the copy in {folder}")
 
     def start_service(self) -> None:
         from devtools.accounting import run_accounting_service
@@ -938,6 +961,8 @@ class Chaos:
                 "PYTHONPATH": os.pathsep.join(pythonpath),
             }
             self.stack = AirflowStack(self.workdir / "airflow", DAGS_FOLDER, env)
+            if broken:
+                self.check_broken_is_used(broken)
             try:
                 self.stack.start(300)
                 for dag_id in (FINALIZE, *RECONCILE_DAGS):
@@ -1005,6 +1030,66 @@ def recomputed_without_force(attempts: list[tuple[Any, ...]]) -> list[Any]:
     return bad
 
 
+CHAOS_BEGIN = "<!-- chaos:begin -->"
+CHAOS_END = "<!-- chaos:end -->"
+
+
+def render_markdown(summary: dict[str, Any], command: str) -> str:
+    """The chaos section of FAULTS.md for one run's summary."""
+
+    def counts(data: Any) -> str:
+        return ", ".join(f"{k} {v}" for k, v in dict(data or {}).items()) or "none"
+
+    violations = summary.get("violations") or []
+    checks = dict(summary.get("invariant_checks") or {})
+    lines = [
+        CHAOS_BEGIN,
+        "## Chaos (devtools/chaos.py)",
+        "",
+        "Seeded, overlapping actions and independent faults against the real Airflow 3 stack, "
+        "a private PostgreSQL and the accounting service; the invariants are checked at "
+        "every quiescent point and after a final convergence pass. Written by "
+        "`python3 dev.py chaos --faults-md FAULTS.md` (kept when `python3 dev.py faults` "
+        "rewrites the rest of this file).",
+        "",
+        f"- Command: `{command}`",
+        f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        f"{summary.get('minutes')} min; seed **{summary.get('seed')}**; "
+        f"**{summary.get('steps')} steps**; dates {', '.join(summary.get('dates') or [])}, "
+        f"{summary.get('orders_per_date')} orders each"
+        + (f"; BROKEN BUILD `{summary['broken']}`" if summary.get("broken") else ""),
+        f"- Actions by kind: {counts(summary.get('actions'))}",
+        f"- Faults by kind: {counts(summary.get('faults'))}",
+        f"- Fault outcomes: {counts(summary.get('fault_results'))}",
+        f"- Crash points claimed (a worker SIGKILLed there): "
+        f"{len(summary.get('crashes_claimed') or [])} "
+        f"({counts(Counter(summary.get('crashes_claimed') or []))})",
+        f"- Attempts by outcome: {counts(summary.get('attempt_outcomes'))}",
+        f"- Quiescent points: {summary.get('quiescent_points')}",
+        f"- Result: **{len(violations)} violation(s)**"
+        + (f": {', '.join(violations)}" if violations else ""),
+        "",
+        "| invariant | times checked |",
+        "|---|---:|",
+        *(f"| {name} | {n} |" for name, n in checks.items()),
+        "",
+        CHAOS_END,
+    ]
+    return "\n".join(lines)
+
+
+def write_faults_md(path: Path, section: str) -> None:
+    """Replace (or append) the chaos section of ``path``."""
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if CHAOS_BEGIN in text and CHAOS_END in text:
+        head, rest = text.split(CHAOS_BEGIN, 1)
+        tail = rest.split(CHAOS_END, 1)[1]
+        text = head + section + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
@@ -1027,9 +1112,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workdir", type=Path, default=ROOT / ".chaos")
     parser.add_argument("--summary", type=Path, default=None, help="write the summary JSON here")
+    parser.add_argument(
+        "--faults-md", type=Path, default=None, help="write the summary into this FAULTS.md"
+    )
+    parser.add_argument(
+        "--from-summary",
+        type=Path,
+        default=None,
+        help="with --faults-md: render a summary JSON written earlier instead of running",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.dates < 1 or args.orders < 1 or args.overlap < 1:
         parser.error("--steps, --dates, --orders and --overlap must be at least 1")
+    if args.from_summary:
+        if not args.faults_md:
+            parser.error("--from-summary needs --faults-md")
+        saved = json.loads(args.from_summary.read_text(encoding="utf-8"))
+        write_faults_md(args.faults_md, render_markdown(saved, saved.get("command", "")))
+        return 0
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1, 10**6)
     chaos = Chaos(args)
@@ -1039,9 +1139,14 @@ def main(argv: list[str] | None = None) -> int:
     except ChaosFailure:
         code = 1
     summary = chaos.summary_safe()
+    summary["command"] = "python3 dev.py chaos " + " ".join(
+        a for a in (argv if argv is not None else sys.argv[1:])
+    )
     print("chaos summary: " + json.dumps(summary, default=str), flush=True)
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    if args.faults_md:
+        write_faults_md(args.faults_md, render_markdown(summary, summary["command"]))
     return code
 
 
