@@ -114,3 +114,24 @@ def test_broken_ledger_is_caught_within_100_steps(tmp_path: Path) -> None:
     caught = re.search(r"CHAOS INVARIANT VIOLATION at step (\d+)", out)
     assert caught and int(caught.group(1)) <= 100
     assert "confirmed effect never sent again" in summary["violations"]
+
+
+def test_faults_md_section_is_replaced_and_kept_by_the_fault_report(tmp_path: Path) -> None:
+    """The chaos section of FAULTS.md is replaced by the next chaos run and survives
+    `python3 dev.py faults` rewriting the rest of the file."""
+    from devtools.chaos import render_markdown, write_faults_md
+    from devtools.fault_report import keep_chaos_section
+
+    path = tmp_path / "FAULTS.md"
+    path.write_text("# Fault scenarios\n\nrows\n", encoding="utf-8")
+    first = {"seed": 1, "steps": 3, "violations": [], "invariant_checks": {"x": 2}}
+    write_faults_md(path, render_markdown(first, "python3 dev.py chaos --seed 1"))
+    second = {**first, "seed": 2, "steps": 500, "actions": {"force": 40}}
+    write_faults_md(path, render_markdown(second, "python3 dev.py chaos --seed 2"))
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("# Fault scenarios\n\nrows\n") and text.count("## Chaos") == 1
+    assert "seed **2**" in text and "**500 steps**" in text and "force 40" in text
+    assert "| x | 2 |" in text and "seed **1**" not in text
+    regenerated = keep_chaos_section(path, "# Fault scenarios\n\nnew rows\n")
+    assert regenerated.startswith("# Fault scenarios\n\nnew rows\n")
+    assert "seed **2**" in regenerated and regenerated.count("## Chaos") == 1
