@@ -7,7 +7,9 @@ restarted), the example accounting service on it, and a real Airflow 3 stack (sc
 dag-processor, api-server) with the example DAGs of ``dags/``: ``finalize_invoices`` and
 the pasted-twice pair ``daily_reconciliation`` / ``daily_reconciliation_pasted_twice``.
 
-Each step draws from the seed one action over a few business dates, and independently
+Each step draws from the seed one action over a few business dates (a window of
+``--dates`` that moves on by one date every ``--new-date-every`` steps, so that first-time
+work keeps happening under the faults), and independently
 (with probability ``--fault-rate``) one fault. An action runs in its own thread and the next
 step starts after a short random pause, so actions overlap (at most ``--overlap`` at once).
 
@@ -205,7 +207,11 @@ class Chaos:
         self.seed: int = args.seed
         self.rng = random.Random(self.seed)
         self.workdir: Path = args.workdir.resolve()
-        self.dates = [FIRST_DATE + dt.timedelta(days=i) for i in range(args.dates)]
+        # A window of --dates business dates moves on by one date every --new-date-every
+        # steps: every date gets first-time work (its first export) under the faults, not
+        # only the first few minutes of a long run.
+        count = args.dates + (args.steps // args.new_date_every if args.new_date_every else 0)
+        self.dates = [FIRST_DATE + dt.timedelta(days=i) for i in range(count)]
         self.events: list[Event] = []
         self.lock = threading.Lock()
         self.t0 = time.monotonic()
@@ -371,16 +377,23 @@ class Chaos:
             )
         ]
 
+    def window(self, step: int) -> list[dt.date]:
+        """The business dates actions of ``step`` draw from."""
+        start = step // self.args.new_date_every if self.args.new_date_every else 0
+        start = min(start, len(self.dates) - self.args.dates)
+        return self.dates[start : start + self.args.dates]
+
     def plan_action(self, step: int) -> tuple[str, dict[str, Any]]:
         """Draw the next action and its parameters from the seed (nothing is done yet)."""
         kind = self.rng.choices(list(ACTIONS), weights=list(ACTIONS.values()))[0]
-        day = self.rng.choice(self.dates)
+        window = self.window(step)
+        day = self.rng.choice(window)
         params: dict[str, Any] = {"day": day}
         if kind == "manual_date":
             params["at"] = f"{self.rng.randrange(1, 24):02d}:{self.rng.randrange(60):02d}:00"
         elif kind == "backfill":
-            i = self.dates.index(day)
-            params["last"] = self.dates[min(len(self.dates) - 1, i + self.rng.randrange(3))]
+            i = window.index(day)
+            params["last"] = window[min(len(window) - 1, i + self.rng.randrange(3))]
             params["reprocess"] = self.rng.choice(["none", "completed"])
         elif kind in ("clear_run", "clear_task"):
             params["pick"] = self.rng.random()
@@ -873,7 +886,7 @@ class Chaos:
             "seed": self.seed,
             "steps": self.steps_done,
             "minutes": round((time.monotonic() - self.t0) / 60, 1),
-            "dates": [d.isoformat() for d in self.dates],
+            "dates": [d.isoformat() for d in sorted(self.touched)],
             "orders_per_date": self.args.orders,
             "broken": self.args.broken,
             "actions": dict(sorted(self.actions_by_kind.items())),
@@ -1041,6 +1054,7 @@ def render_markdown(summary: dict[str, Any], command: str) -> str:
         return ", ".join(f"{k} {v}" for k, v in dict(data or {}).items()) or "none"
 
     violations = summary.get("violations") or []
+    dates = list(summary.get("dates") or [])
     checks = dict(summary.get("invariant_checks") or {})
     lines = [
         CHAOS_BEGIN,
@@ -1055,8 +1069,9 @@ def render_markdown(summary: dict[str, Any], command: str) -> str:
         f"- Command: `{command}`",
         f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"{summary.get('minutes')} min; seed **{summary.get('seed')}**; "
-        f"**{summary.get('steps')} steps**; dates {', '.join(summary.get('dates') or [])}, "
-        f"{summary.get('orders_per_date')} orders each"
+        f"**{summary.get('steps')} steps**; {len(dates)} business dates touched"
+        + (f" ({dates[0]} .. {dates[-1]})" if dates else "")
+        + f", {summary.get('orders_per_date')} orders each"
         + (f"; BROKEN BUILD `{summary['broken']}`" if summary.get("broken") else ""),
         f"- Actions by kind: {counts(summary.get('actions'))}",
         f"- Faults by kind: {counts(summary.get('faults'))}",
@@ -1095,7 +1110,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--minutes", type=float, default=30.0, help="stop drawing steps after this")
-    parser.add_argument("--dates", type=int, default=4, help="business dates from 2026-10-01")
+    parser.add_argument(
+        "--dates", type=int, default=4, help="business dates in play at once, from 2026-10-01"
+    )
+    parser.add_argument(
+        "--new-date-every",
+        type=int,
+        default=10,
+        help="steps after which the window of dates moves on by one date (0: never)",
+    )
     parser.add_argument("--orders", type=int, default=30, help="orders per business date")
     parser.add_argument("--overlap", type=int, default=3, help="actions in flight at most")
     parser.add_argument("--max-gap", type=float, default=4.0, help="seconds between steps, at most")
@@ -1124,6 +1147,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.dates < 1 or args.orders < 1 or args.overlap < 1:
         parser.error("--steps, --dates, --orders and --overlap must be at least 1")
+    if args.new_date_every < 0 or args.check_every < 1:
+        parser.error("--new-date-every must not be negative, --check-every at least 1")
     if args.from_summary:
         if not args.faults_md:
             parser.error("--from-summary needs --faults-md")
