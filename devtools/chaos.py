@@ -50,6 +50,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -1105,6 +1106,10 @@ def write_faults_md(path: Path, section: str) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def _terminate(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
@@ -1157,6 +1162,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1, 10**6)
+    # SIGTERM (a CI timeout, a test's clean-up) unwinds like Ctrl-C: the stack, the service
+    # and the private server are stopped by the finally blocks, none is left behind.
+    signal.signal(signal.SIGTERM, _terminate)
     chaos = Chaos(args)
     code = 0
     try:

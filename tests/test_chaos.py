@@ -70,12 +70,19 @@ def run_chaos(tmp_path: Path, *args: str, timeout: float) -> tuple[int, str, dic
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), str(ROOT / "dags"), env.get("PYTHONPATH")) if p
     )
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "devtools.chaos", *args, "--workdir", str(tmp_path / "chaos"),
          "--summary", str(summary)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    out = proc.stdout + proc.stderr
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except BaseException:
+        # SIGTERM: the runner stops its stack, service and server; SIGKILL would leak them.
+        proc.terminate()
+        out, _ = proc.communicate(timeout=120)
+        print(out[-20000:])
+        raise
     print(out[-20000:])
     data = json.loads(summary.read_text()) if summary.exists() else {}
     return proc.returncode, out, data
