@@ -972,6 +972,7 @@ class Chaos:
                     {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": options}
                 ),
                 "AIRFLOW_IDEMPOTENCY_FAULT_DIR": str(self.fault_dir),
+                "AIRFLOW__CORE__PARALLELISM": str(self.args.parallelism),
                 "PYTHONPATH": os.pathsep.join(pythonpath),
             }
             self.stack = AirflowStack(self.workdir / "airflow", DAGS_FOLDER, env)
@@ -1132,6 +1133,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fault-rate", type=float, default=0.6, help="chance of a fault per step")
     parser.add_argument("--action-timeout", type=float, default=420.0)
+    parser.add_argument(
+        "--parallelism", type=int, default=4, help="task instances Airflow runs at once"
+    )
     parser.add_argument(
         "--broken",
         choices=sorted(BROKEN),
