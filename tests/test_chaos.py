@@ -89,6 +89,7 @@ def run_chaos(tmp_path: Path, *args: str, timeout: float) -> tuple[int, str, dic
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1100)  # the run's own limit is 900 s; typically 4-6 minutes
 def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     """About 45 overlapping actions with faults on the real stack: every invariant holds at
     every quiescent point and after convergence."""
@@ -108,6 +109,7 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1700)  # the run's own limit is 1500 s; caught after a few minutes
 def test_broken_ledger_is_caught_within_100_steps(tmp_path: Path) -> None:
     """The same runner against a provider copy whose ledger resends confirmed keys: an
     invariant fails (a confirmed effect sent again) before step 100."""
