@@ -907,13 +907,22 @@ class Chaos:
                     " GROUP BY 1 ORDER BY 1"
                 )
             ),
+            # Summed over every instance of the service (it restarts), from its own tables.
             "remote": {
-                k: v
-                for k, v in self.service.stats().items()
-                if k in ("requests", "replays", "invoices")
-            }
-            if self.service
-            else {},
+                **dict(
+                    self.db_rows(
+                        "SELECT name, sum(value)::bigint FROM accounting.request_counters"
+                        " GROUP BY 1 ORDER BY 1"
+                    )
+                ),
+                "invoices": self.db_rows("SELECT count(*) FROM accounting.invoices")[0][0],
+            },
+            "ledger_calls": dict(
+                self.db_rows(
+                    "SELECT status, sum(call_count)::bigint FROM idempotency.outbound_ledger"
+                    " GROUP BY 1 ORDER BY 1"
+                )
+            ),
         }
 
     # ---------------------------------------------------------------- the whole run
@@ -1082,6 +1091,11 @@ def render_markdown(summary: dict[str, Any], command: str) -> str:
         f"{len(summary.get('crashes_claimed') or [])} "
         f"({counts(Counter(summary.get('crashes_claimed') or []))})",
         f"- Attempts by outcome: {counts(summary.get('attempt_outcomes'))}",
+        *(
+            [f"- Accounting service (all its instances): {counts(summary['remote'])}"]
+            if summary.get("remote")
+            else []
+        ),
         f"- Quiescent points: {summary.get('quiescent_points')}",
         f"- Result: **{len(violations)} violation(s)**"
         + (f": {', '.join(violations)}" if violations else ""),
