@@ -12,6 +12,7 @@ into it, syncing the locked packages, installing this checkout), then runs:
     python3 dev.py cli ARGS         the airflow-idempotency CLI
     python3 dev.py bench [ARGS]     the benchmarks (figures and ratios, BENCHMARKS.md)
     python3 dev.py faults [ARGS]    the fault scenarios and their report (FAULTS.md)
+    python3 dev.py chaos [ARGS]     seeded random actions and faults, checked against invariants
 
 Airflow: 3.x by default (.venv/, requirements/lock.txt). `--airflow 2` right after the
 command uses Airflow 2.11 instead (.venv-airflow2/, requirements/lock-airflow2.txt), e.g.
@@ -152,7 +153,7 @@ def main(argv: list[str]) -> None:
     if command in ("help", "-h", "--help"):
         print(__doc__)
         return
-    if command not in ("setup", "test", "demo", "lint", "cli", "bench", "faults"):
+    if command not in ("setup", "test", "demo", "lint", "cli", "bench", "faults", "chaos"):
         print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
         raise SystemExit(2)
     line = LINES["3"]
@@ -174,6 +175,8 @@ def main(argv: list[str]) -> None:
         exec_in_venv(line, ["-m", "bench", *rest])
     elif command == "faults":
         exec_in_venv(line, ["-m", "devtools.fault_report", *rest])
+    elif command == "chaos":
+        exec_in_venv(line, ["-m", "devtools.chaos", *rest])
 
 
 if __name__ == "__main__":

@@ -242,6 +242,18 @@ def render(
     return "\n".join(out)
 
 
+def keep_chaos_section(path: Path, report: str) -> str:
+    """``report`` with the chaos section of the existing ``path`` (devtools/chaos.py writes
+    it from a long run, which this command does not repeat) appended."""
+    from devtools.chaos import CHAOS_BEGIN, CHAOS_END
+
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    if CHAOS_BEGIN not in old or CHAOS_END not in old:
+        return report
+    section = CHAOS_BEGIN + old.split(CHAOS_BEGIN, 1)[1].split(CHAOS_END, 1)[0] + CHAOS_END
+    return report.rstrip("\n") + "\n\n" + section + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="default FAULTS.md")
@@ -283,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         versions=postgres_versions(),
         load=(load_start, load_end),
     )
+    report = keep_chaos_section(args.output, report)
     args.output.write_text(report, encoding="utf-8")
     print(f"wrote {args.output} ({len(cases)} scenarios, pytest exit status {exit_code})")
     return exit_code
