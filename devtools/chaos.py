@@ -363,30 +363,15 @@ class Chaos:
         """Start again a stack component that died (the scheduler dies now and then on
         SQLite's "database is locked" under this load): an infrastructure failure of the
         test stack, logged, not an invariant of the provider."""
-        import subprocess
-
-        args = {
-            "api-server": ["api-server", "--host", "127.0.0.1", "--port", str(self.stack.port)],
-            "scheduler": ["scheduler", "--skip-serve-logs"],
-            "dag-processor": ["dag-processor"],
-        }
+        revivable = ("api-server", "scheduler", "dag-processor")
         with self.revive_lock:
             for name, proc in list(self.stack.procs.items()):
-                if proc.poll() is None or name not in args:
+                if proc.poll() is None or name not in revivable:
                     continue
                 self.log(Event(self.steps_done, "revive", name, time.monotonic()))
                 say(f"airflow {name} exited ({proc.returncode}): starting it again")
                 self.revived[name] += 1
-                with open(self.stack.log_path(name), "ab") as log:
-                    self.stack.procs[name] = subprocess.Popen(
-                        [sys.executable, "-m", "airflow", *args[name]],
-                        env=self.stack.env,
-                        cwd=self.stack.home,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+                self.stack.start_component(name)
 
     def wait_runs(self, run_ids: list[tuple[str, str]], timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -1018,7 +1003,19 @@ class Chaos:
                 "AIRFLOW__CORE__PARALLELISM": str(self.args.parallelism),
                 "PYTHONPATH": os.pathsep.join(pythonpath),
             }
-            self.stack = AirflowStack(self.workdir / "airflow", DAGS_FOLDER, env)
+            metadata = contextlib.ExitStack()
+            metadata_dsn = None
+            if self.args.airflow_db == "postgres":
+                # Airflow's metadata on the shared server, not the private one the faults
+                # restart: the scheduler on SQLite died of "database is locked" in long runs.
+                from devtools.postgres import find_server, temporary_database
+
+                metadata_dsn = metadata.enter_context(
+                    temporary_database(find_server(), "idem_chaos_airflow")
+                )
+            self.stack = AirflowStack(
+                self.workdir / "airflow", DAGS_FOLDER, env, metadata_dsn=metadata_dsn
+            )
             if broken:
                 self.check_broken_is_used(broken)
             try:
@@ -1033,6 +1030,7 @@ class Chaos:
                 with contextlib.suppress(Exception):
                     self.final_summary = self.summary()
                 self.stack.stop()
+                metadata.close()
         finally:
             self.stop_service()
             self.pg.stop()
@@ -1190,6 +1188,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(BROKEN),
         default=None,
         help="run against a deliberately broken copy of the provider",
+    )
+    parser.add_argument(
+        "--airflow-db",
+        choices=("postgres", "sqlite"),
+        default="postgres",
+        help="Airflow's metadata database: a temporary database on the PostgreSQL server "
+        "the tests use (default), or SQLite in the work folder",
     )
     parser.add_argument("--workdir", type=Path, default=ROOT / ".chaos")
     parser.add_argument("--summary", type=Path, default=None, help="write the summary JSON here")
