@@ -101,13 +101,15 @@ def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
         link.cut()
         cut_at = time.monotonic()
         # The successor runs on this side, rescheduling every second while the key is held.
-        successor = start_worker(
-            airflow_home,
-            "core_slow_job",
-            DAY,
-            local,
-            {"IDEM_TEST_ON_LOCKED": "reschedule", "IDEM_TEST_WRITE_AFTER_HOLD": "1"},
+        # Its output goes to a file: it logs ~1.5 kB a second, which fills a pipe nobody
+        # reads within a minute and then blocks it (seen: it hung before the lock was freed).
+        successor_log = tmp_path / "successor.log"
+        successor_env = private_airflow_env(airflow_home, local, TEST_DAGS, home=tmp_path / "s")
+        successor_env.update(
+            {"IDEM_TEST_ON_LOCKED": "reschedule", "IDEM_TEST_WRITE_AFTER_HOLD": "1"}
         )
+        with successor_log.open("w") as log:
+            successor = dags_test(successor_env, "core_slow_job", DAY, output=log)
         wait_until(
             lambda: advisory_locks(local) == 0 or None,
             timeout=BOUND + 30,
@@ -115,17 +117,30 @@ def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
             what="the lock to be freed",
         )
         freed = time.monotonic() - cut_at
-        wait_until(
-            lambda: (
-                rows(local, "SELECT status FROM idempotency.job_runs") == [("completed",)] or None
-            ),
-            timeout=120,
-            interval=0.2,
-            what="the successor to complete the key",
-        )
+        try:
+            wait_until(
+                lambda: (
+                    rows(local, "SELECT status FROM idempotency.job_runs") == [("completed",)]
+                    or None
+                ),
+                timeout=120,
+                interval=0.2,
+                what="the successor to complete the key",
+            )
+        except AssertionError as exc:
+            kill_group(successor)
+            out_s = successor_log.read_text(errors="replace")
+            attempts = rows(
+                local,
+                "SELECT attempt_id, pid, outcome, error FROM idempotency.job_run_attempts"
+                " ORDER BY attempt_id",
+            )
+            raise AssertionError(
+                f"{exc}\nattempts: {attempts}\nthe successor's output:\n{out_s[-6000:]}"
+            ) from None
         taken_over = time.monotonic() - cut_at
-        out_s, _ = successor.communicate(timeout=120)
-        assert successor.returncode == 0, out_s[-3000:]
+        successor.wait(timeout=120)
+        assert successor.returncode == 0, successor_log.read_text(errors="replace")[-3000:]
         link.restore()
         release.touch()
         out_v, _ = victim.communicate(timeout=180)
