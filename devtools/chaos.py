@@ -71,6 +71,7 @@ FINALIZE_TASKS = ("create_invoices", "rebuild_totals", "export_invoices", "recon
 # The jobs every touched date must have completed after convergence. reconcile_export runs
 # only with force_reconcile (and then always forced), so it is not one of them.
 JOBS = (*(f"{FINALIZE}.{t}" for t in FINALIZE_TASKS[:3]), "daily_reconciliation")
+RECONCILE_JOB = f"{FINALIZE}.{FINALIZE_TASKS[3]}"
 FIRST_DATE = dt.date(2026, 10, 1)
 
 ACTIONS: dict[str, int] = {  # kind -> weight
@@ -866,6 +867,14 @@ class Chaos:
             todo = [
                 d for d in keys if any(status.get((j, d.isoformat())) != "completed" for j in JOBS)
             ]
+            # A forced reconcile that crashed left its key started (and its attempt running):
+            # only another forced reconcile runs that job again, so convergence does one.
+            reconcile = {
+                d
+                for d in keys
+                if status.get((RECONCILE_JOB, d.isoformat())) not in (None, "completed")
+            }
+            todo = sorted(set(todo) | reconcile)
             if not todo:
                 return
             runs = []
@@ -873,8 +882,11 @@ class Chaos:
                 event = self.log(
                     Event(self.steps_done, "converge", f"{day} round {round_}", time.monotonic())
                 )
+                conf: dict[str, Any] = {"run_key": day.isoformat()}
+                if day in reconcile:
+                    conf["force_reconcile"] = True
                 made = [
-                    self.trigger(FINALIZE, None, {"run_key": day.isoformat()}),
+                    self.trigger(FINALIZE, None, conf),
                     self.trigger(RECONCILE_DAGS[0], None, {"run_key": day.isoformat()}),
                 ]
                 event.run_ids = [m for m in made if m is not None]
