@@ -68,9 +68,12 @@ def sqlalchemy_url(dsn: str, driver: str = "postgresql+psycopg2") -> str:
     user = quote(str(params.get("user", "postgres")), safe="")
     password = params.get("password")
     auth = f"{user}:{quote(str(password), safe='')}" if password else user
-    host = params.get("host", "127.0.0.1")
-    port = params.get("port", "5432")
-    return f"{driver}://{auth}@{host}:{port}/{quote(str(params.get('dbname', 'postgres')))}"
+    host = str(params.get("host", "127.0.0.1"))
+    port = str(params.get("port", "5432"))
+    dbname = quote(str(params.get("dbname", "postgres")))
+    if host.startswith("/"):  # a Unix socket folder (the embedded server): a query parameter
+        return f"{driver}://{auth}@/{dbname}?host={quote(host, safe='/')}&port={port}"
+    return f"{driver}://{auth}@{host}:{port}/{dbname}"
 
 
 def celery_env(metadata_dsn: str, broker_url: str = REDIS_URL) -> dict[str, str]:
