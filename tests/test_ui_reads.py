@@ -110,7 +110,6 @@ STATEMENTS: dict[str, dict[str, Any]] = {
         "limit": 51,
     },
     "ui_attention": {"limit": 20},
-    "ui_open_counts": {},
     "ui_locks": {},
     "ui_unconfirmed": {"limit": 20},
     "ui_dag_jobs": {"dag_id": "dag_1", "limit": 40},

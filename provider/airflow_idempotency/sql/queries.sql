@@ -402,20 +402,6 @@ FROM (
 ORDER BY o.updated_at DESC
 LIMIT %(limit)s;
 
--- name: ui_open_counts
--- How many runs are failed, running now and interrupted (job_runs_status_idx).
-WITH held AS MATERIALIZED (
-    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
-)
-SELECT count(*) FILTER (WHERE r.status = 'failed') AS failed,
-       count(*) FILTER (WHERE r.status = 'started'
-                        AND r.lock_key IN (SELECT held.lock_key FROM held)) AS running,
-       count(*) FILTER (WHERE r.status = 'started'
-                        AND r.lock_key NOT IN (SELECT held.lock_key FROM held)) AS interrupted
-FROM {schema}.job_runs AS r
-WHERE r.status IN ('started', 'failed')
-  AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]));
-
 -- name: ui_locks
 -- Run locks held right now, by the attempt that holds each (job_run_attempts_running_idx),
 -- with the holder's lock transaction start (held since) and its age.

@@ -214,7 +214,6 @@ class RecordsReader:
         """The overview: open runs (with counts), held locks, unconfirmed effects, run keys."""
         with self.snapshot():
             attention = _with_state(self._rows("ui_attention", limit=ATTENTION_LIMIT))
-            (counted,) = self._rows("ui_open_counts")
             locks = self._rows("ui_locks")
             unconfirmed = self._rows("ui_unconfirmed", limit=UNCONFIRMED_LIMIT)
             runs = self._runs(filters, before, limit)
@@ -228,7 +227,11 @@ class RecordsReader:
                 open_by_job.get(job["job_name"], {"failed": 0, "running": 0, "interrupted": 0})
             )
             job["locked"] = locked.get(job["job_name"], 0)
-        counts = {name: int(value) for name, value in counted.items()}
+        # The page's totals are the per-job counts summed (one statement, one snapshot).
+        counts = {
+            name: sum(int(row[name]) for row in open_by_job.values())
+            for name in ("failed", "running", "interrupted")
+        }
         for row in attention:
             del row["lock_key"]
         return Overview(attention, counts, locks, unconfirmed, *runs, jobs=jobs)
