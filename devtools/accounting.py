@@ -100,9 +100,15 @@ class AccountingService:
 
 @contextlib.contextmanager
 def run_accounting_service(
-    dsn: str, *, port: int | None = None, workers: int = 1, **faults: Any
+    dsn: str,
+    *,
+    port: int | None = None,
+    workers: int = 1,
+    host: str = "127.0.0.1",
+    **faults: Any,
 ) -> Iterator[AccountingService]:
-    """Run ``python -m accounting_service`` against ``dsn`` until the block ends.
+    """Run ``python -m accounting_service`` against ``dsn`` until the block ends (listening on
+    ``host``: another address than loopback lets a worker in a network namespace reach it).
 
     ``faults`` are start-up fault settings (``fail_rate=0.5``, ``seed=7``, ...). With
     ``port=None`` the service binds a free port itself and reports it, so there is no
@@ -111,6 +117,7 @@ def run_accounting_service(
     _check_fault_names(faults)
     command = [sys.executable, "-m", "accounting_service", "--dsn", dsn]
     command += ["--port", str(0 if port is None else port), "--workers", str(workers)]
+    command += ["--host", host]
     for name, value in faults.items():
         command += ["--" + name.replace("_", "-"), str(value)]
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:

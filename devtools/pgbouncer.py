@@ -73,8 +73,16 @@ def _upstream(server: PostgresServer) -> dict[str, str]:
     return params
 
 
-def _ini(port: int, folder: Path, pool_mode: str, pool_size: int, upstream: dict[str, str]) -> str:
+def _ini(
+    port: int,
+    folder: Path,
+    pool_mode: str,
+    pool_size: int,
+    upstream: dict[str, str],
+    settings: dict[str, str],
+) -> str:
     target = " ".join(f"{k}={v}" for k, v in upstream.items())
+    extra = "".join(f"{name} = {value}\n" for name, value in settings.items())
     return f"""[databases]
 * = {target}
 
@@ -92,14 +100,20 @@ logfile = {folder}/pgbouncer.log
 pidfile = {folder}/pgbouncer.pid
 admin_users = postgres
 server_check_delay = 0
-"""
+{extra}"""
 
 
 @contextlib.contextmanager
 def run_pgbouncer(
-    server: PostgresServer, pool_mode: str, pool_size: int = 2
+    server: PostgresServer,
+    pool_mode: str,
+    pool_size: int = 2,
+    settings: dict[str, str] | None = None,
 ) -> Iterator[PgBouncer]:
-    """Start PgBouncer as ``nobody`` in ``pool_mode`` in front of ``server``; stop it after."""
+    """Start PgBouncer as ``nobody`` in ``pool_mode`` in front of ``server``; stop it after.
+
+    ``settings``: more ``[pgbouncer]`` settings, e.g. ``{"query_wait_timeout": "4"}``.
+    """
     if pool_mode not in POOL_MODES:
         raise ValueError(f"pool_mode must be one of {POOL_MODES}, not {pool_mode!r}")
     if not installed():
@@ -109,7 +123,8 @@ def run_pgbouncer(
     upstream = _upstream(server)
     user = upstream.get("user", "postgres")
     (folder / "users.txt").write_text(f'"{user}" ""\n')
-    (folder / "pgbouncer.ini").write_text(_ini(port, folder, pool_mode, pool_size, upstream))
+    ini = _ini(port, folder, pool_mode, pool_size, upstream, settings or {})
+    (folder / "pgbouncer.ini").write_text(ini)
     if os.geteuid() == 0:  # pgbouncer refuses to run as root
         subprocess.run(["chown", "-R", "nobody:nogroup", str(folder)], check=True)
         os.chmod(folder, 0o755)

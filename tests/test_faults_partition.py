@@ -217,3 +217,218 @@ def test_a_cut_off_worker_notices_within_the_bound(
     assert rows(local, "SELECT status FROM idempotency.job_runs") == [("completed",)]
     assert [phase for _, phase in work_log(local)] == ["start", "start"]
     figures(f"link cut before a commit: the worker gave up and exited {noticed:.1f} s later")
+
+
+def backends_from(dsn: str, address: str) -> list[tuple[Any, ...]]:
+    """The server's backends of clients at ``address`` (the cut-off side): state, xid."""
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            "SELECT state, backend_xid IS NOT NULL FROM pg_stat_activity"
+            " WHERE host(client_addr) = %s",
+            (address,),
+        ).fetchall()
+
+
+def start_successor(
+    airflow_home: Path, dsn: str, tmp_path: Path, dag_id: str, **env: str
+) -> tuple[subprocess.Popen[str], Path]:
+    """`airflow dags test DAG_ID` on this side of the link, rescheduling while the key is held
+    (its output in a file: a pipe nobody reads would fill up and block it)."""
+    log_path = tmp_path / f"successor-{dag_id}.log"
+    successor_env = private_airflow_env(airflow_home, dsn, TEST_DAGS, home=tmp_path / "s")
+    successor_env.update({"IDEM_TEST_ON_LOCKED": "reschedule", **env})
+    with log_path.open("w") as log:
+        return dags_test(successor_env, dag_id, DAY, output=log), log_path
+
+
+def wait_completed(dsn: str, successor: subprocess.Popen[str], log_path: Path) -> None:
+    try:
+        wait_until(
+            lambda: (
+                rows(dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)] or None
+            ),
+            timeout=BOUND + 90,
+            interval=0.2,
+            what="the successor to complete the key",
+        )
+    except AssertionError as exc:
+        kill_group(successor)
+        attempts = rows(
+            dsn,
+            "SELECT attempt_id, pid, outcome, error FROM idempotency.job_run_attempts"
+            " ORDER BY attempt_id",
+        )
+        out = log_path.read_text(errors="replace")[-6000:]
+        raise AssertionError(
+            f"{exc}\nattempts: {attempts}\nthe successor's output:\n{out}"
+        ) from None
+
+
+def test_a_cut_inside_a_work_transaction_holding_row_locks_ends_within_the_bound(
+    link: netns.Link, server: tuple[netns.TcpPostgres, str], airflow_home: Path, tmp_path: Path
+) -> None:
+    """Link cut while the worker's work transaction holds a row lock (and its transaction id):
+    the server ends that transaction within the bound, as it frees the lock, so a successor
+    that updates the same row takes the key over and completes it; when the link returns, the
+    cut-off worker's COMMIT is refused and nothing it wrote lands."""
+    pg, name = server
+    local, remote = pg.local_dsn(name), pg.dsn(name)
+    with psycopg.connect(local, autocommit=True) as conn:
+        conn.execute("CREATE TABLE public.counter (id int PRIMARY KEY, n int NOT NULL, by_pid int)")
+        conn.execute("INSERT INTO public.counter VALUES (1, 0, NULL)")
+    release = tmp_path / "release"
+    victim = cut_off_worker(
+        link,
+        airflow_home,
+        remote,
+        tmp_path,
+        IDEM_TEST_HOLD_FILE=str(release),
+        IDEM_TEST_HOLD_MAX="600",
+        IDEM_TEST_UPDATE_COUNTER="1",
+        IDEM_TEST_HOLD_IN_TRANSACTION="1",
+    )
+    successor = None
+    try:
+        wait_until(
+            lambda: ("idle in transaction", True) in backends_from(local, link.ns_ip),
+            timeout=120,
+            what="the worker's work transaction to hold its row lock",
+        )
+        link.cut()
+        cut_at = time.monotonic()
+        successor, log_path = start_successor(
+            airflow_home, local, tmp_path, "core_slow_job", IDEM_TEST_UPDATE_COUNTER="1"
+        )
+        wait_until(
+            lambda: backends_from(local, link.ns_ip) == [] or None,
+            timeout=BOUND + 30,
+            interval=0.2,
+            what="the cut-off worker's backends (the work transaction's too) to end",
+        )
+        ended = time.monotonic() - cut_at
+        wait_completed(local, successor, log_path)
+        taken_over = time.monotonic() - cut_at
+        successor.wait(timeout=120)
+        assert successor.returncode == 0, log_path.read_text(errors="replace")[-3000:]
+        link.restore()
+        release.touch()
+        out_v, _ = victim.communicate(timeout=180)
+    finally:
+        release.touch()
+        link.restore()
+        kill_group(victim)
+        if successor is not None:
+            kill_group(successor)
+    assert ended <= BOUND, ended
+    assert victim.returncode == 1 and "LockLostError" in out_v, out_v[-3000:]
+    assert rows(local, "SELECT n, by_pid FROM public.counter") == [(1, successor.pid)]
+    attempts = rows(
+        local, "SELECT pid, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id"
+    )
+    assert attempts[0] == (victim.pid, "lock_lost") and attempts[-1] == (successor.pid, "completed")
+    assert advisory_locks(local) == 0
+    figures(
+        f"link cut inside a work transaction holding a row lock: the server ended it (and "
+        f"every backend of the cut-off worker) {ended:.1f} s after the cut (bound {BOUND} s); "
+        f"a successor updating the same row completed the key {taken_over:.1f} s after the "
+        "cut; the cut-off worker's COMMIT was refused after the link returned, 0 rows of it"
+    )
+
+
+def test_a_cut_during_a_ledger_batch_leaves_nothing_the_cut_off_worker_sent(
+    link: netns.Link, server: tuple[netns.TcpPostgres, str], airflow_home: Path, tmp_path: Path
+) -> None:
+    """Link cut while the worker's ledger has a batch's claim open (20 effects confirmed, the
+    next 20 claimed and not committed): the server ends the claim within the bound, a successor
+    sends the remaining effects under the same keys and completes; the remote holds one
+    invoice per key, and nothing the cut-off worker sent lands after the successor started."""
+    from devtools.accounting import run_accounting_service
+
+    pg, name = server
+    local, remote = pg.local_dsn(name), pg.dsn(name)
+    release = tmp_path / "release"
+    successor = None
+    with run_accounting_service(local, host=link.host_ip) as service:
+        victim = cut_off_worker(
+            link,
+            airflow_home,
+            remote,
+            tmp_path,
+            IDEM_TEST_HOLD_FILE=str(release),
+            IDEM_TEST_HOLD_MAX="600",
+            IDEM_TEST_HOLD_AT_EFFECT="41",
+            IDEM_TEST_REMOTE_URL=service.url,
+        )
+        try:
+            wait_until(
+                lambda: (
+                    rows(local, "SELECT to_regclass('idempotency.outbound_ledger') IS NOT NULL")[0][
+                        0
+                    ]
+                    and rows(
+                        local,
+                        "SELECT count(*) FILTER (WHERE status = 'succeeded') FROM idempotency.outbound_ledger",
+                    )
+                    == [(20,)]
+                    and ("idle in transaction", True) in backends_from(local, link.ns_ip)
+                ),
+                timeout=120,
+                what="20 effects confirmed and the next batch's claim open",
+            )
+            link.cut()
+            cut_at = time.monotonic()
+            successor, log_path = start_successor(
+                airflow_home, local, tmp_path, "core_export_job", IDEM_TEST_REMOTE_URL=service.url
+            )
+            wait_until(
+                lambda: backends_from(local, link.ns_ip) == [] or None,
+                timeout=BOUND + 30,
+                interval=0.2,
+                what="the cut-off worker's backends (its open claim's too) to end",
+            )
+            ended = time.monotonic() - cut_at
+            wait_completed(local, successor, log_path)
+            taken_over = time.monotonic() - cut_at
+            successor.wait(timeout=120)
+            assert successor.returncode == 0, log_path.read_text(errors="replace")[-3000:]
+            requests_after_successor = service.stats()
+            link.restore()
+            release.touch()
+            out_v, _ = victim.communicate(timeout=180)
+            time.sleep(1)  # anything late would have arrived by now
+            invoices = service.invoices("core_export:")
+            requests_at_end = service.stats()
+        finally:
+            release.touch()
+            link.restore()
+            kill_group(victim)
+            if successor is not None:
+                kill_group(successor)
+    assert ended <= BOUND, ended
+    assert victim.returncode == 1 and "LockLostError" in out_v, out_v[-3000:]
+    keys = [invoice["idempotency_key"] for invoice in invoices]
+    assert len(keys) == 200 and len(set(keys)) == 200, len(keys)
+    assert rows(
+        local, "SELECT status, count(*) FROM idempotency.outbound_ledger GROUP BY status"
+    ) == [("succeeded", 200)]
+    ((successor_attempt,),) = rows(
+        local, "SELECT attempt_id FROM idempotency.job_run_attempts WHERE outcome = 'completed'"
+    )
+    # Every effect but the first batch (the cut-off worker's, confirmed before the cut) was
+    # claimed and confirmed by the successor: the open claim of the cut-off worker never landed.
+    first_batch = [f"core_export:2026-10-01:{i}" for i in range(1, 21)]
+    with psycopg.connect(local) as conn:
+        others = conn.execute(
+            "SELECT count(*) FROM idempotency.outbound_ledger"
+            " WHERE last_attempt_id <> %s AND NOT (idempotency_key = ANY(%s))",
+            (successor_attempt, first_batch),
+        ).fetchone()
+    assert others == (0,)
+    assert requests_at_end["requests"] == requests_after_successor["requests"]
+    figures(
+        f"link cut with a ledger batch's claim open (20 of 200 effects confirmed): the server "
+        f"ended the claim {ended:.1f} s after the cut (bound {BOUND} s); a successor sent the "
+        f"other 180 under the same keys and completed {taken_over:.1f} s after the cut; the "
+        "remote holds 200 invoices, one per key, and received no request after the successor "
+        "finished"
+    )

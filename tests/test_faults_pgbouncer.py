@@ -27,10 +27,12 @@ import pytest
 
 from airflow_helpers import FAILED, SUCCESS, load_dag_bag, run_dag, scheduled_logical_date
 from airflow_idempotency import ConfigurationError, RunContext, RunLockedError, run_idempotently
-from airflow_idempotency.locks import SharedSessionError, run_lock_key
+from airflow_idempotency.exceptions import SharedSessionError
+from airflow_idempotency.locks import run_lock_key
 from devtools import pgbouncer
 from devtools.airflow_env import DAGS_FOLDER, airflow_connection_json
 from devtools.postgres import PostgresServer
+from fault_support import figures
 from workers import kill_group, start_worker, wait_until
 
 D = "2026-10-01"
@@ -318,3 +320,108 @@ def test_session_pooling_one_key_runs_once(pg_server: PostgresServer, pg_dsn: st
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
         " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     ) == [(0,)]
+
+
+POOL_SIZE = 3
+POOL_WAIT = 4  # PgBouncer's query_wait_timeout, seconds
+
+
+def concurrent_runs(
+    dsn: str, runs: int, holders: int
+) -> list[tuple[str, BaseException | None, float]]:
+    """``runs`` runs of distinct keys at once through ``dsn``. Each opens its work connection
+    only once ``holders`` runs hold their lock transactions (each pinning one server
+    connection), so the pool is as full as it gets; returns (key, error, seconds) per run."""
+    import time
+
+    arrived = threading.Barrier(holders)
+    local = threading.local()
+
+    def connect() -> psycopg.Connection[Any]:
+        local.opened = getattr(local, "opened", 0) + 1
+        if local.opened == 2:  # the work connection: its lock transaction is open
+            arrived.wait(30)
+        return psycopg.connect(dsn)
+
+    def work(run: RunContext) -> None:
+        for _ in range(2):
+            with run.transaction() as cur:
+                cur.execute("SELECT pg_sleep(0.2)")
+
+    results: list[tuple[str, BaseException | None, float]] = []
+
+    def one(key: str) -> None:
+        began = time.monotonic()
+        try:
+            run_idempotently(connect=connect, job_name="pooled", run_key=key, work=work)
+            results.append((key, None, time.monotonic() - began))
+        except BaseException as exc:
+            results.append((key, exc, time.monotonic() - began))
+
+    threads = [threading.Thread(target=one, args=(f"k{i}",)) for i in range(runs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a run did not finish"
+    return sorted(results)
+
+
+@pytest.mark.parametrize(
+    ("runs", "completes"),
+    [(POOL_SIZE - 1, True), (POOL_SIZE, False), (POOL_SIZE + 1, False)],
+    ids=["below", "at", "above"],
+)
+def test_pool_sizing_runs_below_the_pool_complete_and_others_fail_bounded(
+    pg_server: PostgresServer, pg_dsn: str, runs: int, completes: bool
+) -> None:
+    """Transaction pooling with default_pool_size 3 and query_wait_timeout 4 s: 2 runs at once
+    complete (N runs need N + 1 server connections: one pinned each by its lock, one shared
+    by their statements); 3 or 4 at once cannot all make progress, and every run ends within
+    the pool's wait timeout, failing with PoolExhaustedError naming the sizing rule (its
+    attempt recorded), never a silent stall; each key then completes on a retry."""
+    from airflow_idempotency.exceptions import PoolExhaustedError
+    from airflow_idempotency.schema import ensure_schema
+
+    with psycopg.connect(pg_dsn, autocommit=True) as direct:
+        ensure_schema(direct)
+    settings = {"query_wait_timeout": str(POOL_WAIT)}
+    with pgbouncer.run_pgbouncer(pg_server, "transaction", POOL_SIZE, settings) as bouncer:
+        dsn = bouncer.dsn(dbname(pg_dsn))
+        results = concurrent_runs(dsn, runs, holders=min(runs, POOL_SIZE))
+        failed = [(key, exc) for key, exc, _ in results if exc is not None]
+        slowest = max(seconds for _, _, seconds in results)
+        if completes:
+            assert failed == [], failed
+        else:
+            assert failed, "every run completed: the pool was not exhausted"
+            assert all(isinstance(exc, PoolExhaustedError) for _, exc in failed), failed
+            assert all("N tasks need at least N + 1" in str(exc) for _, exc in failed)
+            assert slowest <= POOL_WAIT + 6, slowest
+            recorded = rows(
+                pg_dsn,
+                "SELECT run_key FROM idempotency.job_run_attempts WHERE outcome = 'failed'"
+                " AND error LIKE '%%query_wait_timeout%%' ORDER BY run_key",
+            )
+            # a run refused before its lock transaction began has nothing to record it with
+            assert len(recorded) >= len(failed) - max(0, runs - POOL_SIZE), recorded
+            for key, _ in failed:  # a retry (one at a time) completes it
+                run_idempotently(
+                    connect=connect_through(dsn),
+                    job_name="pooled",
+                    run_key=key,
+                    work=lambda r: None,
+                )
+    assert rows(
+        pg_dsn, "SELECT count(*) FROM idempotency.job_runs WHERE status <> 'completed'"
+    ) == [(0,)]
+    assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_runs") == [(runs,)]
+    figures(
+        f"pool of {POOL_SIZE}, {runs} runs at once: "
+        + (
+            f"all completed, slowest {slowest:.1f} s"
+            if completes
+            else f"{len(failed)} failed with PoolExhaustedError after at most {slowest:.1f} s "
+            f"(query_wait_timeout {POOL_WAIT} s), then completed on a retry"
+        )
+    )

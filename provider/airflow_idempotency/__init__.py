@@ -42,11 +42,10 @@ if TYPE_CHECKING:
         post_json,
     )
     from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
-    from airflow_idempotency.records import Trigger
+    from airflow_idempotency.records import RunOptions, Trigger
     from airflow_idempotency.run_context import RunContext
     from airflow_idempotency.run_key import RunKeyRule
     from airflow_idempotency.runner import (
-        RunOptions,
         RunOutcome,
         RunResult,
         run_idempotently,
@@ -58,7 +57,7 @@ _EXPORTS = {
     "idempotent_run_task": "decorator",
     "IdempotencyHook": "hook",
     "RunContext": "run_context",
-    "RunOptions": "runner",
+    "RunOptions": "records",
     "RunOutcome": "runner",
     "RunResult": "runner",
     "run_idempotently": "runner",

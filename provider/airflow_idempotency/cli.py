@@ -338,16 +338,11 @@ def cmd_reset(args: argparse.Namespace) -> int:
             )
         # In the lock transaction: the reset attempt and the reset itself commit together.
         trigger = Trigger(triggered_by="cli", triggering_user=os.environ.get("USER"))
-        attempt_id = records.insert_attempt(
-            conn,
-            args.schema,
-            job_name=args.job,
-            run_key=args.run_key,
-            lock_key=lock_key,
-            outcome="reset",
-            trigger=trigger,
-            lock=lock,
-            error=args.reason,
+        reset = records.RunRecords(
+            args.schema, records.RunIdentity(args.job, args.run_key, trigger)
+        )
+        attempt_id = reset.insert_attempt(
+            conn, "reset", lock=lock, options=records.RunOptions(), error=args.reason
         )
         fetch(
             conn,

@@ -7,8 +7,9 @@ What each means for a task (mapped to Airflow's failures in one place,
   retry cannot help, so the task fails without retrying;
 - :class:`RunLockedError`: another execution holds the key; the operator's ``on_locked``
   policy decides (reschedule, fail or skip);
-- :class:`LockLostError` and :class:`RemoteCallError`: this try could not finish; a retry
-  (or a rerun) converges, so Airflow's retries apply;
+- :class:`LockLostError`, :class:`WorkConflictError`, :class:`PoolExhaustedError` and
+  :class:`RemoteCallError`: this try could not finish; a retry (or a rerun) converges, so
+  Airflow's retries apply;
 - :class:`TransientRemoteError` and :class:`PermanentRemoteError`: raised by a ledger
   sender to classify one external call; the ledger handles them.
 """
@@ -50,6 +51,10 @@ class SchemaError(ConfigurationError):
     """The bookkeeping schema is newer than this code: upgrade the provider on this worker."""
 
 
+class SharedSessionError(ConfigurationError):
+    """The lock connection's server session is shared with other clients."""
+
+
 class SchemaNotReadyError(ConfigurationError):
     """A reader found the bookkeeping schema missing or older than this code (it never migrates).
 
@@ -72,6 +77,14 @@ class RunLockedError(IdempotencyError):
 
 class LockLostError(IdempotencyError):
     """The lock session ended while the run was in progress: this attempt may not finish."""
+
+
+class PoolExhaustedError(IdempotencyError):
+    """A connection pooler had no server connection for the run in time: size its pool up."""
+
+
+class WorkConflictError(IdempotencyError):
+    """The work's transaction lost a serialization conflict or a deadlock and was rolled back."""
 
 
 class RemoteCallError(IdempotencyError):

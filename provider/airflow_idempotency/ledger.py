@@ -15,7 +15,7 @@ and a request. :meth:`OutboundLedger.send_all` processes a stream of effects in 
    ``failed`` with the reason for a permanent refusal, ``pending`` when retries ran out.
 
 The claim of each batch is fenced: it commits only while this run still holds its lock
-(checked after the statement, just before the commit).
+(:meth:`~airflow_idempotency.run_context.RunContext.fenced_transaction`).
 A crash anywhere leaves ``pending`` rows, which the rerun sends again under the same key,
 so the remote (which deduplicates by key) acts once.
 """
@@ -492,10 +492,11 @@ class OutboundLedger:
         keys confirmed for this very request) and what ``meanwhile`` returned or raised.
 
         In pipeline mode a statement is sent at once and its result read later, so the
-        claim runs on the server while ``meanwhile`` runs here. The fencing check comes
-        after the claim, just before the commit: the transaction commits only if the lock
-        is still held then (otherwise it rolls back, claim included). The transaction stays
-        open while ``meanwhile`` runs (pulling the next batch: normally a few ms).
+        claim runs on the server while ``meanwhile`` runs here. The claim is a fenced
+        transaction (:meth:`RunContext.fenced_transaction`): its first statement checks the
+        lock and holds the key's fence, and its COMMIT fails if the lock was lost meanwhile
+        (the claim is then rolled back). The transaction stays open while ``meanwhile`` runs
+        (pulling the next batch: normally a few ms).
         """
         params = {
             "keys": batch.keys,
@@ -511,12 +512,14 @@ class OutboundLedger:
                 cursor = conn.execute(query("ledger_classify_batch", self.run.schema), params)
                 upcoming = _attempt(meanwhile)
                 return cursor.fetchall(), upcoming
-        with pipeline:
-            with conn.transaction():
-                cursor = conn.execute(query("ledger_claim_batch", self.run.schema), params)
-                upcoming = _attempt(meanwhile)
-                self.run.assert_lock_held(conn)  # fencing: no claim commits once the lock is gone
-            rows = cursor.fetchall()
+        try:
+            with pipeline:
+                with self.run.fenced_transaction(conn):  # no claim commits once the lock is gone
+                    cursor = conn.execute(query("ledger_claim_batch", self.run.schema), params)
+                    upcoming = _attempt(meanwhile)
+                rows = cursor.fetchall()
+        except psycopg.Error as exc:
+            raise self.run.translate_error(exc, conn) from exc
         crash_point("ledger.after_claim")
         return rows, upcoming
 

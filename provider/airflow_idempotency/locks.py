@@ -14,7 +14,12 @@ functions; Postgres shows such a key in ``pg_locks`` as ``classid`` = high 32 bi
   schema_migration" + 0x00 + schema)``, taken with ``pg_advisory_xact_lock`` while the
   bookkeeping schema is created or migrated (schema.py);
 - **named locks**, :func:`named_lock_key`: ``sha256(b"airflow_idempotency.named" + 0x00 +
-  name)``, for anything else that must be serialised, e.g. the example DAGs' schema DDL.
+  name)``, for anything else that must be serialised, e.g. the example DAGs' schema DDL;
+- **fence keys**: a run lock's key split into two ``int4`` halves, i.e. the ``(int4, int4)``
+  form of the advisory-lock functions (``objsubid`` = 2, a space apart from every key above).
+  Taken SHARED by each fenced transaction of the attempt that holds the run lock and EXCLUSIVE
+  by a successor's start, so that a takeover waits until the previous attempt's transactions
+  have ended (migration 0006, :mod:`airflow_idempotency.run_context`).
 
 The families hash different prefixes, so a key of one family colliding with another's is
 as unlikely as any two SHA-256 values sharing 64 bits; even then two holders would only
@@ -35,7 +40,12 @@ from dataclasses import dataclass
 import psycopg
 
 from airflow_idempotency._sql import query
-from airflow_idempotency.exceptions import ConfigurationError
+from airflow_idempotency.exceptions import (
+    ConfigurationError,
+    IdempotencyError,
+    PoolExhaustedError,
+    SharedSessionError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +106,10 @@ class RunLock:
         return {"lock_key": self.lock_key, "lock_backend_pid": self.backend_pid}
 
 
-class SharedSessionError(ConfigurationError):
-    """The lock connection's server session is shared with other clients."""
-
-
-# What PgBouncer answers a transaction block in pool_mode=statement.
+# What PgBouncer answers a transaction block in pool_mode=statement, and what it says when a
+# client waited query_wait_timeout for a server connection (it then closes the connection).
 _STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
+_POOL_WAIT = "query_wait_timeout"
 
 
 @contextlib.contextmanager
@@ -124,11 +132,17 @@ def hold_run_lock(
     table, so it holds no lock but the advisory one, and it takes no snapshot between
     statements: it does not hold back vacuum however long the run is (BENCHMARKS.md).
 
+    The transaction is READ COMMITTED whatever the database's or role's default
+    (``default_transaction_isolation``): under REPEATABLE READ its first statement would fix a
+    snapshot for the whole run (holding back vacuum), and the completion would read job_runs as
+    it was before this run's own start.
+
     ``conn`` must be in autocommit mode, idle, and dedicated to the lock while the block
     runs. Raises :class:`SharedSessionError` when the session already held the key before
-    trying it (a session-level lock left on a pooled server connection by another client)
-    and a :class:`ConfigurationError` when the connection cannot hold a transaction (a
-    pooler in statement mode).
+    trying it (a session-level lock left on a pooled server connection by another client),
+    a :class:`ConfigurationError` when the connection cannot hold a transaction (a pooler in
+    statement mode) and a :class:`PoolExhaustedError` when the pooler had no server
+    connection for it (:func:`pooler_refusal`).
     """
     if not conn.autocommit or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         raise ValueError("hold_run_lock needs an idle connection in autocommit mode")
@@ -140,11 +154,11 @@ def hold_run_lock(
     try:
         # BEGIN on its own round trip: pipelined with the lock statement, a pooler's refusal
         # of the transaction (statement mode) would reach psycopg only as a closed connection.
-        conn.execute("BEGIN")
+        conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         row = conn.execute(query("acquire_run_lock", schema), params).fetchone()
     except psycopg.Error as exc:
         _end(conn, "ROLLBACK")
-        refusal = refusal_of_statement_pooling(exc)
+        refusal = pooler_refusal(exc)
         if refusal is None:
             raise
         raise refusal from exc
@@ -168,21 +182,36 @@ def hold_run_lock(
     _end(conn, "COMMIT")
 
 
-def refusal_of_statement_pooling(exc: psycopg.Error) -> ConfigurationError | None:
-    """The error to raise when ``exc`` is a pooler refusing a transaction, else ``None``."""
-    if _STATEMENT_POOLING not in str(exc):
-        return None
-    return ConfigurationError(
-        "the job database connection goes through a pooler in statement mode (PgBouncer "
-        f"said: {str(exc).strip()}). The run lock and the run records need transactions: "
-        "connect directly, or use pool_mode = transaction or session for this database."
-    )
+def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
+    """The error to raise when ``exc`` is a connection pooler refusing the provider's work,
+    else ``None``: a pooler in statement mode refusing a transaction (a configuration that
+    cannot work), or PgBouncer's ``query_wait_timeout`` (its pool is exhausted: every server
+    connection was busy for that long)."""
+    text = str(exc).strip()
+    if _STATEMENT_POOLING in text:
+        return ConfigurationError(
+            "the job database connection goes through a pooler in statement mode (PgBouncer "
+            f"said: {text}). The run lock and the run records need transactions: "
+            "connect directly, or use pool_mode = transaction or session for this database."
+        )
+    if text == _POOL_WAIT:
+        return PoolExhaustedError(
+            "the connection pooler gave this connection no server connection within its "
+            "query_wait_timeout (PgBouncer said: query_wait_timeout): the pool of this "
+            "database and user is exhausted. Each running idempotent task keeps one server "
+            "connection for its run lock for the whole run, and needs another one, briefly, "
+            "for each statement of its work: default_pool_size must be larger than the number "
+            "of idempotent tasks that run at once against this database (N tasks need at "
+            "least N + 1; see the README's pool sizing). Nothing was committed by the waiting "
+            "statement; a retry converges once the pool has room."
+        )
+    return None
 
 
 def server_keepalive_settings(conn: psycopg.Connection) -> dict[str, str]:
-    """The server-side TCP settings of the lock transaction: the client's own libpq values
-    (from the Airflow connection), else :data:`DEAD_PEER_DEFAULTS`; seconds, and ms for
-    ``tcp_user_timeout``."""
+    """The server-side TCP settings of the provider's transactions (the lock transaction, each
+    fenced transaction, each start): the client's own libpq values (from the Airflow
+    connection), else :data:`DEAD_PEER_DEFAULTS`; seconds, and ms for ``tcp_user_timeout``."""
     given = conn.info.get_parameters()
     return {
         name: str(given.get(name) or DEAD_PEER_DEFAULTS[name])

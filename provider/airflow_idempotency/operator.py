@@ -35,10 +35,10 @@ from airflow_idempotency.exceptions import (
 from airflow_idempotency.hook import IdempotencyHook
 from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE
 from airflow_idempotency.locks import ON_LOCKED_ENV
-from airflow_idempotency.records import Trigger
+from airflow_idempotency.records import RunOptions, Trigger
 from airflow_idempotency.run_context import RunContext
 from airflow_idempotency.run_key import ResolvedRunKey, RunKeyRule, check_text, resolve_run_key
-from airflow_idempotency.runner import RunOptions, RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunOutcome, run_idempotently
 from airflow_idempotency.schema import DEFAULT_SCHEMA
 
 OnLocked = Literal["reschedule", "fail", "skip"]

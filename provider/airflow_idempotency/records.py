@@ -1,8 +1,9 @@
 """The durable run records: ``job_runs`` (one row per job and run key) and
-``job_run_attempts`` (one row per execution, whatever it did).
+``job_run_attempts`` (one row per execution, whatever it did), and the values that name a run:
+:class:`RunIdentity` (job, run key, lock key, trigger) and :class:`RunOptions`.
 
-All functions take the bookkeeping ``schema`` (validated by the caller); every statement
-names its tables with it, so no connection's search_path matters.
+:class:`RunRecords` writes the records of one run in the bookkeeping ``schema`` (validated by
+the caller); every statement names its tables with it, so no connection's search_path matters.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from airflow_idempotency._sql import query
-from airflow_idempotency.locks import RunLock
+from airflow_idempotency._transactions import in_one_transaction
+from airflow_idempotency.locks import RunLock, run_lock_key, server_keepalive_settings
 
 _HOSTNAME = socket.gethostname()
 
@@ -39,6 +41,32 @@ class Trigger:
     task_id: str | None = None
     try_number: int | None = None
     map_index: int | None = None
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Per-run switches. ``force`` reruns a completed key; ``dry_run`` rolls everything back."""
+
+    force: bool = False
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Which run this is: the job, the run key (and so its lock key), who triggered it."""
+
+    job_name: str
+    run_key: str
+    trigger: Trigger = field(default_factory=Trigger)
+    lock_key: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lock_key", run_lock_key(self.job_name, self.run_key))
+
+    @property
+    def key_params(self) -> dict[str, Any]:
+        """Query parameters naming the run: job_name, run_key, lock_key."""
+        return {"job_name": self.job_name, "run_key": self.run_key, "lock_key": self.lock_key}
 
 
 @dataclass(frozen=True)
@@ -73,56 +101,6 @@ def run_record(row: dict[str, Any] | None) -> RunRecord | None:
     return RunRecord(**row) if row else None
 
 
-def _attempt_params(
-    job_name: str, run_key: str, lock_key: int, trigger: Trigger, lock: RunLock | None, force: bool
-) -> dict[str, Any]:
-    """The columns every attempt row gets: who, which key, which worker, which lock session."""
-    return {
-        "job_name": job_name,
-        "run_key": run_key,
-        "lock_key": lock_key,
-        "triggered_by": trigger.triggered_by,
-        "triggering_user": trigger.triggering_user,
-        "dag_id": trigger.dag_id,
-        "run_id": trigger.run_id,
-        "task_id": trigger.task_id,
-        "try_number": trigger.try_number,
-        "map_index": trigger.map_index,
-        "hostname": _HOSTNAME,
-        "pid": os.getpid(),
-        "lock_backend_pid": lock.backend_pid if lock else None,
-        "force": force,
-    }
-
-
-def insert_attempt(
-    conn: psycopg.Connection,
-    schema: str,
-    *,
-    job_name: str,
-    run_key: str,
-    lock_key: int,
-    outcome: AttemptOutcome,
-    trigger: Trigger,
-    lock: RunLock | None,
-    force: bool = False,
-    dry_run: bool = False,
-    error: str | None = None,
-    details: dict[str, Any] | None = None,
-    and_commit: bool = False,
-) -> int:
-    """Record one execution; an outcome other than ``running`` is recorded as finished.
-
-    ``and_commit`` sends ``COMMIT`` in the same round trip (ending the caller's
-    transaction: the lock transaction of a no-op or a refused run).
-    """
-    params = _attempt_params(job_name, run_key, lock_key, trigger, lock, force)
-    params.update(outcome=outcome, dry_run=dry_run, error=error, details=Jsonb(details or {}))
-    row = _execute(conn, query("insert_attempt", schema), params, and_commit).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def _execute(
     conn: psycopg.Connection, statement: str, params: dict[str, Any], and_commit: bool
 ) -> psycopg.Cursor[Any]:
@@ -135,88 +113,131 @@ def _execute(
     return cursor
 
 
-def start_attempt(
-    conn: psycopg.Connection,
-    schema: str,
-    *,
-    job_name: str,
-    run_key: str,
-    lock_key: int,
-    trigger: Trigger,
-    lock: RunLock,
-    force: bool = False,
-) -> tuple[int, int, int]:
-    """Record a running attempt and mark (job_name, run_key) started by it, in one statement.
+class RunRecords:
+    """The records of one run (:class:`RunIdentity`) in ``schema``, written through any
+    connection the caller gives: the lock transaction's, the work's, a fresh one."""
 
-    Any other attempt of the key still marked running is closed as abandoned (the caller
-    holds the lock, so its worker died). Returns (attempt id, attempt count of the key,
-    attempts closed as abandoned).
-    """
-    params = _attempt_params(job_name, run_key, lock_key, trigger, lock, force)
-    row = conn.execute(query("start_attempt", schema), params).fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1]), int(row[2])
+    def __init__(self, schema: str, run: RunIdentity) -> None:
+        self.schema = schema
+        self.run = run
 
+    def _attempt_params(self, lock: RunLock | None, options: RunOptions) -> dict[str, Any]:
+        """The columns every attempt row gets: who, which key, which worker, which lock session."""
+        trigger = self.run.trigger
+        return {
+            **self.run.key_params,
+            "triggered_by": trigger.triggered_by,
+            "triggering_user": trigger.triggering_user,
+            "dag_id": trigger.dag_id,
+            "run_id": trigger.run_id,
+            "task_id": trigger.task_id,
+            "try_number": trigger.try_number,
+            "map_index": trigger.map_index,
+            "hostname": _HOSTNAME,
+            "pid": os.getpid(),
+            "lock_backend_pid": lock.backend_pid if lock else None,
+            "force": options.force,
+        }
 
-def finish_attempt(
-    conn: psycopg.Connection,
-    schema: str,
-    attempt_id: int,
-    outcome: AttemptOutcome,
-    *,
-    error: str | None = None,
-    details: dict[str, Any] | None = None,
-) -> None:
-    """Record how an execution ended."""
-    conn.execute(
-        query("finish_attempt", schema),
-        {
+    def insert_attempt(
+        self,
+        conn: psycopg.Connection,
+        outcome: AttemptOutcome,
+        *,
+        lock: RunLock | None,
+        options: RunOptions,
+        error: str | None = None,
+        details: dict[str, Any] | None = None,
+        and_commit: bool = False,
+    ) -> int:
+        """Record one execution; an outcome other than ``running`` is recorded as finished.
+
+        ``and_commit`` sends ``COMMIT`` in the same round trip (ending the caller's
+        transaction: the lock transaction of a no-op or a refused run).
+        """
+        params = self._attempt_params(lock, options)
+        params.update(
+            outcome=outcome, dry_run=options.dry_run, error=error, details=Jsonb(details or {})
+        )
+        row = _execute(conn, query("insert_attempt", self.schema), params, and_commit).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def start_attempt(
+        self, conn: psycopg.Connection, lock: RunLock, options: RunOptions
+    ) -> tuple[int, int, int]:
+        """Record a running attempt and mark the run started by it (a dry run only records
+        the attempt), in one READ COMMITTED transaction sent in one round trip.
+
+        It first takes the key over from the fence (``fence_take_over``, migration 0006): it
+        waits until every fenced transaction of an earlier attempt has ended, so no write of
+        a previous attempt can commit after this start. Any other attempt of the key still
+        marked running is closed as abandoned (the caller holds the lock, so its worker
+        died). Returns (attempt id, attempt count of the key, attempts closed as abandoned);
+        a dry run's count is 0.
+        """
+        params = self._attempt_params(lock, options)
+        take_over = (
+            query("fence_take_over", self.schema),
+            {**params, **server_keepalive_settings(conn)},
+        )
+        if options.dry_run:
+            params.update(outcome="running", dry_run=True, error=None, details=Jsonb({}))
+            record = (query("insert_attempt", self.schema), params)
+        else:
+            record = (query("start_attempt", self.schema), params)
+        *_, cursor = in_one_transaction(conn, [take_over, record])
+        row = cursor.fetchone()
+        assert row is not None
+        return (int(row[0]), 0, 0) if options.dry_run else (int(row[0]), int(row[1]), int(row[2]))
+
+    def finish_attempt(
+        self,
+        conn: psycopg.Connection,
+        attempt_id: int,
+        outcome: AttemptOutcome,
+        *,
+        error: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        """Record how an execution ended."""
+        conn.execute(
+            query("finish_attempt", self.schema),
+            {
+                "attempt_id": attempt_id,
+                "outcome": outcome,
+                "error": error,
+                "details": Jsonb(details or {}),
+            },
+        )
+
+    def complete_attempt(
+        self,
+        conn: psycopg.Connection,
+        attempt_id: int,
+        lock: RunLock,
+        counts: dict[str, Any],
+        *,
+        and_commit: bool = False,
+    ) -> bool:
+        """Mark the run and the attempt completed; ``False`` (nothing written) when this
+        attempt no longer owns the run or its lock.
+
+        Must run in the lock transaction, on the lock connection: the statement checks that
+        this very session still holds the advisory lock (fencing). Its COMMIT
+        (``and_commit``: in the same round trip) records the completion and releases the
+        lock at one instant.
+        """
+        params = {
+            **self.run.key_params,
             "attempt_id": attempt_id,
-            "outcome": outcome,
-            "error": error,
-            "details": Jsonb(details or {}),
-        },
-    )
+            "details": Jsonb(counts),
+            **lock.params,
+        }
+        cursor = _execute(conn, query("complete_attempt", self.schema), params, and_commit)
+        return cursor.fetchone() is not None
 
-
-def complete_attempt(
-    conn: psycopg.Connection,
-    schema: str,
-    *,
-    job_name: str,
-    run_key: str,
-    attempt_id: int,
-    lock: RunLock,
-    counts: dict[str, Any],
-    and_commit: bool = False,
-) -> bool:
-    """Mark the run and the attempt completed; ``False`` (nothing written) when this attempt
-    no longer owns the run or its lock.
-
-    Must run in the lock transaction, on the lock connection: the statement checks that
-    this very session still holds the advisory lock (fencing). Its COMMIT (``and_commit``:
-    in the same round trip) records the completion and releases the lock at one instant.
-    """
-    params = {
-        "job_name": job_name,
-        "run_key": run_key,
-        "attempt_id": attempt_id,
-        "details": Jsonb(counts),
-        **lock.params,
-    }
-    cursor = _execute(conn, query("complete_attempt", schema), params, and_commit)
-    return cursor.fetchone() is not None
-
-
-def mark_failed(
-    conn: psycopg.Connection,
-    schema: str,
-    *,
-    job_name: str,
-    run_key: str,
-    attempt_id: int,
-    error: str,
-) -> bool:
-    """Mark the run failed, if ``attempt_id`` still owns it."""
-    params = {"job_name": job_name, "run_key": run_key, "attempt_id": attempt_id, "error": error}
-    return conn.execute(query("mark_failed", schema), params).fetchone() is not None
+    def mark_failed(self, conn: psycopg.Connection, attempt_id: int, error: str) -> bool:
+        """Mark the run failed, if ``attempt_id`` still owns it."""
+        params = {**self.run.key_params, "attempt_id": attempt_id, "error": error}
+        return conn.execute(query("mark_failed", self.schema), params).fetchone() is not None

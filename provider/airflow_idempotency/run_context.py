@@ -6,14 +6,24 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg import IsolationLevel
 
-from airflow_idempotency.exceptions import LockLostError
-from airflow_idempotency.locks import RunLock, lock_is_held
+from airflow_idempotency._sql import query
+from airflow_idempotency._transactions import begin_statement, explicit_transaction
+from airflow_idempotency.crashpoints import crash_point
+from airflow_idempotency.exceptions import InvalidInputError, LockLostError, WorkConflictError
+from airflow_idempotency.locks import (
+    RunLock,
+    lock_is_held,
+    pooler_refusal,
+    server_keepalive_settings,
+)
 from airflow_idempotency.metrics import NO_METRICS, Metrics
-from airflow_idempotency.records import Trigger
+from airflow_idempotency.records import RunIdentity, RunOptions
 
 ConnectionFactory = Callable[[], AbstractContextManager[psycopg.Connection]]
 """Opens a new connection: ``lambda: psycopg.connect(dsn)``, or a pool's ``connection``."""
@@ -48,6 +58,21 @@ class RunLogger:
         self._emit(logging.ERROR, msg, args)
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything about a run that is known before it starts: which run it is and its
+    switches, where its records live (``connect``, ``schema``), and where it reports (its
+    logger and metrics, and the Airflow task context when an operator runs it)."""
+
+    run: RunIdentity
+    options: RunOptions
+    connect: ConnectionFactory
+    schema: str
+    logger: Any  # a stdlib logger, or Airflow's structlog task logger
+    metrics: Metrics = NO_METRICS
+    airflow_context: Any = None
+
+
 class RunContext:
     """What ``work`` receives: the identity of the run and access to Postgres.
 
@@ -65,34 +90,26 @@ class RunContext:
 
     def __init__(
         self,
+        spec: RunSpec,
         *,
-        job_name: str,
-        run_key: str,
         attempt_id: int,
-        dry_run: bool,
-        force: bool,
-        trigger: Trigger,
-        schema: str,
         lock: RunLock,
         connection: psycopg.Connection,
-        connect: ConnectionFactory,
-        logger: RunLogger,
-        airflow_context: Any = None,
-        metrics: Metrics = NO_METRICS,
+        log: RunLogger,
     ) -> None:
-        self.job_name = job_name
-        self.run_key = run_key
+        self.job_name = spec.run.job_name
+        self.run_key = spec.run.run_key
         self.attempt_id = attempt_id
-        self.dry_run = dry_run
-        self.force = force
-        self.trigger = trigger
-        self.schema = schema
-        self.log = logger
-        self.airflow_context = airflow_context
-        self.metrics = metrics
+        self.dry_run = spec.options.dry_run
+        self.force = spec.options.force
+        self.trigger = spec.run.trigger
+        self.schema = spec.schema
+        self.log = log
+        self.airflow_context = spec.airflow_context
+        self.metrics = spec.metrics
         self._lock = lock
         self._conn = connection
-        self._connect = connect
+        self._connect = spec.connect
 
     @property
     def connection(self) -> psycopg.Connection:
@@ -104,25 +121,96 @@ class RunContext:
         return self._conn
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[psycopg.Cursor[Any]]:
-        """A transaction on the work connection, committed only if the lock is still held.
+    def transaction(
+        self, *, isolation_level: IsolationLevel | None = None, read_only: bool = False
+    ) -> Iterator[psycopg.Cursor[Any]]:
+        """A fenced transaction on the work connection (see :meth:`fenced_transaction`).
 
-        The fencing check runs inside the transaction just before the commit, so an
-        attempt that lost its lock cannot commit more writes.
+        ``isolation_level`` (``psycopg.IsolationLevel``) defaults to the database's default;
+        REPEATABLE READ and SERIALIZABLE work is safe, and a serialization failure (or a
+        deadlock) raises :class:`~airflow_idempotency.exceptions.WorkConflictError`, which a
+        retry resolves. ``read_only`` begins it READ ONLY. In a dry run the whole work is one
+        transaction, so these two have no effect there.
         """
         conn = self._conn
         try:
-            with conn.transaction(), conn.cursor() as cur:
+            with (
+                self.fenced_transaction(conn, isolation_level=isolation_level, read_only=read_only),
+                conn.cursor() as cur,
+            ):
                 yield cur
-                self.assert_lock_held(conn)
-        except psycopg.OperationalError as exc:
-            if not (conn.closed or conn.broken):
-                raise  # e.g. a deadlock or a cancelled statement: the session is fine
-            raise LockLostError(
+                crash_point("transaction.before_commit")
+        except psycopg.Error as exc:
+            raise self.translate_error(exc, conn) from exc
+
+    @contextlib.contextmanager
+    def fenced_transaction(
+        self,
+        conn: psycopg.Connection,
+        *,
+        isolation_level: IsolationLevel | None = None,
+        read_only: bool = False,
+    ) -> Iterator[None]:
+        """A transaction on ``conn`` (a connection of this run) that is fenced:
+
+        - its first statement (sent with its BEGIN: no extra round trip) checks that this
+          attempt's lock session still holds the run lock, and holds the key's fence lock
+          until the transaction ends, so a successor taking the key over waits for it;
+        - its COMMIT fails (and nothing it wrote lands) if the run lock was lost meanwhile:
+          a statement sent with the COMMIT arms a check that runs at COMMIT, after the
+          transaction's own deferred triggers;
+        - the server drops it within the dead-peer bound if this worker is cut off.
+
+        Raises psycopg errors; :meth:`translate_error` names them (the fence's refusal is
+        SQLSTATE ``IF001``). Inside a dry run's transaction it is a savepoint.
+        """
+        params = self._fence_params(conn)
+        enter = (query("fence_enter", self.schema), params)
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            try:
+                begin = begin_statement(isolation_level, read_only)
+            except ValueError as exc:
+                raise InvalidInputError(f"unknown isolation level {isolation_level!r}") from exc
+            arm = (query("fence_arm", self.schema), params)
+            with explicit_transaction(conn, begin, enter, arm):
+                yield
+        else:  # a dry run's transaction, rolled back in the end: nothing to arm
+            with conn.transaction():
+                conn.execute(*enter)
+                yield
+
+    def _fence_params(self, conn: psycopg.Connection) -> dict[str, Any]:
+        return {
+            **self._lock.params,
+            "attempt_id": self.attempt_id,
+            **server_keepalive_settings(conn),
+        }
+
+    def translate_error(self, exc: psycopg.Error, conn: psycopg.Connection) -> BaseException:
+        """The error to raise for ``exc``, raised by a fenced transaction on ``conn``."""
+        refusal = pooler_refusal(exc)
+        if refusal is not None:
+            return refusal
+        if fence_refused(exc):
+            return LockLostError(
+                f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
+                f"attempt {self.attempt_id} (its session, backend pid {self._lock.backend_pid}, "
+                f"ended), so its transaction did not commit ({_first_line(exc)}). A rerun "
+                "will pick the key up again."
+            )
+        if isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):
+            return WorkConflictError(
+                f"job {self.job_name!r} run_key {self.run_key!r}: the work's transaction "
+                f"conflicted with a concurrent one and was rolled back ({_first_line(exc)}). "
+                "Nothing of it committed; a retry converges."
+            )
+        if isinstance(exc, psycopg.OperationalError) and (conn.closed or conn.broken):
+            return LockLostError(
                 f"job {self.job_name!r} run_key {self.run_key!r} lost its connection to the job "
-                f"database ({str(exc).strip()}): this transaction did not commit, and this "
+                f"database ({_first_line(exc)}): this transaction did not commit, and this "
                 "attempt cannot know whether it still holds its lock. A rerun converges."
-            ) from exc
+            )
+        return exc  # e.g. a cancelled statement or a constraint: the session is fine
 
     def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
         """Whether this run's lock session still holds the lock (checked from ``conn``)."""
@@ -142,15 +230,50 @@ class RunContext:
         return autocommit_connection(self._connect)
 
 
-@contextlib.contextmanager
-def autocommit_connection(connect: ConnectionFactory) -> Iterator[psycopg.Connection]:
-    """A new connection from ``connect`` in autocommit mode, for the provider's own statements.
+FENCE_SQLSTATE = "IF001"
+"""What the fence raises (migration 0006): this attempt's run lock is no longer held."""
 
-    Server-side prepared statements are off: behind a pooler in transaction mode the next
-    statement may run on another server connection, where a statement psycopg prepared
-    would be missing, or be another client's of the same name.
+
+def fence_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is the fence refusing a transaction."""
+    seen: BaseException | None = exc
+    for _ in range(10):  # a chain of causes, never a cycle in practice; bounded anyway
+        if seen is None:
+            return False
+        if isinstance(seen, psycopg.Error) and seen.sqlstate == FENCE_SQLSTATE:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+@contextlib.contextmanager
+def autocommit_connection(
+    connect: ConnectionFactory, *, work: bool = False
+) -> Iterator[psycopg.Connection]:
+    """A new connection from ``connect`` in autocommit mode, for the provider's own statements
+    (``work``: the run's work connection, whose transactions get the isolation level the work
+    asks for; the provider's own transactions on it begin explicitly READ COMMITTED).
+
+    The provider's own connections are READ COMMITTED whatever the database's default (see
+    :mod:`airflow_idempotency._transactions`). Server-side prepared statements are off: behind
+    a pooler in transaction mode the next statement may run on another server connection,
+    where a statement psycopg prepared would be missing, or be another client's of the same
+    name. The connection's own settings are put back when the block ends (a pool's
+    connection goes back as it came).
     """
     with connect() as conn:
+        saved = (conn.autocommit, conn.prepare_threshold, conn.isolation_level)
         conn.autocommit = True
         conn.prepare_threshold = None
-        yield conn
+        if not work:
+            conn.isolation_level = IsolationLevel.READ_COMMITTED
+        try:
+            yield conn
+        finally:
+            idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            if not conn.closed and idle:
+                conn.autocommit, conn.prepare_threshold, conn.isolation_level = saved

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -43,19 +44,32 @@ from airflow_idempotency import metrics, records
 from airflow_idempotency._sql import query
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
-from airflow_idempotency.locks import RunLock, hold_run_lock, run_lock_key
+from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
 from airflow_idempotency.metrics import NO_METRICS, Metrics
-from airflow_idempotency.records import AttemptOutcome, RunRecord, Trigger
+from airflow_idempotency.records import (
+    AttemptOutcome,
+    RunIdentity,
+    RunOptions,
+    RunRecord,
+    RunRecords,
+    Trigger,
+)
 from airflow_idempotency.run_context import (
     ConnectionFactory,
     RunContext,
     RunLogger,
+    RunSpec,
     autocommit_connection,
 )
 from airflow_idempotency.run_key import check_text
 from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, validate_schema_name
 
+__all__ = ["RunContext", "RunOptions", "RunOutcome", "RunResult", "Work", "run_idempotently"]
+
 log = logging.getLogger("airflow_idempotency")
+
+START_WAIT_WARNING = 10
+"""Seconds after which a start that is still waiting says why it may be waiting."""
 
 Work = Callable[[RunContext], Mapping[str, Any] | None]
 
@@ -66,14 +80,6 @@ class RunOutcome(str, enum.Enum):
     COMPLETED = "completed"
     NOOP = "noop"
     DRY_RUN = "dry_run"
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Per-run switches. ``force`` reruns a completed key; ``dry_run`` rolls everything back."""
-
-    force: bool = False
-    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,67 +175,72 @@ def run_idempotently(
     ``metrics`` receives the counters and timers of :mod:`airflow_idempotency.metrics`
     (the operator passes Airflow's).
     """
-    return _Run(
-        connect=connect,
-        job_name=job_name,
-        run_key=run_key,
-        work=work,
+    job_name = check_text(job_name, "job name")
+    run_key = check_text(run_key, "run key")
+    spec = RunSpec(
+        run=RunIdentity(job_name, run_key, trigger),
         options=options,
-        trigger=trigger,
-        schema=schema,
-        airflow_context=airflow_context,
-        logger=logger,
+        connect=connect,
+        schema=validate_schema_name(schema),
+        logger=logger or log,
         metrics=metrics,
-    ).execute()
+        airflow_context=airflow_context,
+    )
+    return _Run(spec, work).execute()
 
 
 class _Run:
     """One call of :func:`run_idempotently`; its methods are the steps of the module doc."""
 
-    def __init__(
-        self,
-        *,
-        connect: ConnectionFactory,
-        job_name: str,
-        run_key: str,
-        work: Work,
-        options: RunOptions,
-        trigger: Trigger,
-        schema: str,
-        airflow_context: Any,
-        logger: logging.Logger | None,
-        metrics: Metrics,
-    ) -> None:
-        self.job_name = check_text(job_name, "job name")
-        self.run_key = check_text(run_key, "run key")
-        self.schema = validate_schema_name(schema)
-        self.connect = connect
+    def __init__(self, spec: RunSpec, work: Work) -> None:
+        self.spec = spec
         self.work = work
-        self.options = options
-        self.trigger = trigger
-        self.airflow_context = airflow_context
-        self.lock_key = run_lock_key(job_name, run_key)
-        self.log = RunLogger(logger or log, job_name, run_key)
-        self.metrics = metrics
+        self.records = RunRecords(spec.schema, spec.run)
+        self.log = RunLogger(spec.logger, spec.run.job_name, spec.run.run_key)
         self.attempt_id: int | None = None
         self.began = time.monotonic()
 
+    @property
+    def job_name(self) -> str:
+        return self.spec.run.job_name
+
+    @property
+    def run_key(self) -> str:
+        return self.spec.run.run_key
+
+    @property
+    def options(self) -> RunOptions:
+        return self.spec.options
+
+    @property
+    def schema(self) -> str:
+        return self.spec.schema
+
     def _count(self, outcome: str) -> None:
-        metrics.run_outcome(self.metrics, outcome, self.job_name)
+        metrics.run_outcome(self.spec.metrics, outcome, self.job_name)
 
     def _decided(self) -> None:
         """The decision is taken (refuse, no-op, or run the work): time it."""
-        metrics.run_timing(self.metrics, "decision", time.monotonic() - self.began, self.job_name)
-
-    @property
-    def _ids(self) -> dict[str, Any]:
-        return {"job_name": self.job_name, "run_key": self.run_key, "lock_key": self.lock_key}
+        elapsed = time.monotonic() - self.began
+        metrics.run_timing(self.spec.metrics, "decision", elapsed, self.job_name)
 
     def execute(self) -> RunResult:
-        with autocommit_connection(self.connect) as lock_conn:
+        try:
+            return self._execute()
+        except psycopg.Error as exc:
+            refusal = pooler_refusal(exc)
+            if refusal is None:
+                raise
+            raise refusal from exc
+
+    def _execute(self) -> RunResult:
+        with autocommit_connection(self.spec.connect) as lock_conn:
             ensure_schema(lock_conn, self.schema)
             with hold_run_lock(
-                lock_conn, self.lock_key, schema=self.schema, application_name=_application_name()
+                lock_conn,
+                self.spec.run.lock_key,
+                schema=self.schema,
+                application_name=_application_name(),
             ) as lock:
                 if lock is None:
                     refusal = self._record_lock_held(lock_conn)
@@ -244,20 +255,16 @@ class _Run:
     # -- 1. lock (when another session holds it) ------------------------------------------
 
     def _record_lock_held(self, conn: psycopg.Connection) -> RunLockedError:
-        holder = _describe_holder(conn, self.schema, self.lock_key)
+        holder = _describe_holder(conn, self.schema, self.spec.run.lock_key)
         message = (
             f"job {self.job_name!r} run_key {self.run_key!r} is locked by another execution: "
             f"{_format_holder(holder)}"
         )
-        self.log.attempt = records.insert_attempt(
+        self.log.attempt = self.records.insert_attempt(
             conn,
-            self.schema,
-            **self._ids,
-            outcome="lock_held",
-            trigger=self.trigger,
+            "lock_held",
             lock=None,
-            force=self.options.force,
-            dry_run=self.options.dry_run,
+            options=self.options,
             error=message,
             details={"holder": json.loads(json.dumps(holder, default=str))},
             and_commit=True,
@@ -288,14 +295,11 @@ class _Run:
 
     def _noop(self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord) -> RunResult:
         completed_at = existing.completed_at.isoformat() if existing.completed_at else None
-        self.attempt_id = records.insert_attempt(
+        self.attempt_id = self.records.insert_attempt(
             conn,
-            self.schema,
-            **self._ids,
-            outcome="noop",
-            trigger=self.trigger,
+            "noop",
             lock=lock,
-            dry_run=self.options.dry_run,
+            options=self.options,
             details={"completed_at": completed_at},
             and_commit=True,
         )
@@ -323,8 +327,8 @@ class _Run:
             raise
         if self.options.dry_run:
             assert self.attempt_id is not None
-            records.finish_attempt(
-                lock_conn, self.schema, self.attempt_id, "dry_run", details={"counts": counts}
+            self.records.finish_attempt(
+                lock_conn, self.attempt_id, "dry_run", details={"counts": counts}
             )
             self.log.info("dry run finished, rolled back: %s", counts)
             self._count("dry_run")
@@ -341,7 +345,7 @@ class _Run:
     ) -> dict[str, Any]:
         """Record the attempt on a new work connection, then run the work with it."""
         with contextlib.ExitStack() as stack:  # closes the connection, rolls back a dry run
-            conn = stack.enter_context(autocommit_connection(self.connect))
+            conn = stack.enter_context(autocommit_connection(self.spec.connect, work=True))
             if conn is lock_conn:
                 raise ValueError(
                     "connect() returned the lock connection again: it must open (or lend "
@@ -355,19 +359,7 @@ class _Run:
                 stack.enter_context(conn.transaction(force_rollback=True))
             assert self.attempt_id is not None
             ctx = RunContext(
-                job_name=self.job_name,
-                run_key=self.run_key,
-                attempt_id=self.attempt_id,
-                dry_run=self.options.dry_run,
-                force=self.options.force,
-                trigger=self.trigger,
-                schema=self.schema,
-                lock=lock,
-                connection=conn,
-                connect=self.connect,
-                logger=self.log,
-                airflow_context=self.airflow_context,
-                metrics=self.metrics,
+                self.spec, attempt_id=self.attempt_id, lock=lock, connection=conn, log=self.log
             )
             self._decided()
             started = time.monotonic()
@@ -375,40 +367,41 @@ class _Run:
                 return _jsonable_counts(self.work(ctx))
             finally:
                 elapsed = time.monotonic() - started
-                metrics.run_timing(self.metrics, "work", elapsed, self.job_name)
+                metrics.run_timing(self.spec.metrics, "work", elapsed, self.job_name)
 
     def _start(self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord | None) -> None:
-        """Record this execution, committed at once (the lock transaction stays open)."""
+        """Record this execution, committed at once (the lock transaction stays open).
+
+        The start takes the key over from the fence first: it waits until no transaction of
+        an earlier attempt is still open (records.start_attempt).
+        """
+        waiting = threading.Timer(START_WAIT_WARNING, self._warn_start_waits)
+        waiting.daemon = True
+        waiting.start()
+        try:
+            self.attempt_id, count, abandoned = self.records.start_attempt(conn, lock, self.options)
+        finally:
+            waiting.cancel()
+        self.log.attempt = self.attempt_id
         if self.options.dry_run:
-            self.attempt_id = records.insert_attempt(
-                conn,
-                self.schema,
-                **self._ids,
-                outcome="running",
-                trigger=self.trigger,
-                lock=lock,
-                force=self.options.force,
-                dry_run=True,
-            )
-            self.log.attempt = self.attempt_id
             self.log.info(
                 "dry run: work runs in a transaction that is rolled back; job_runs untouched"
             )
             return
-        self.attempt_id, count, abandoned = records.start_attempt(
-            conn,
-            self.schema,
-            **self._ids,
-            trigger=self.trigger,
-            lock=lock,
-            force=self.options.force,
-        )
         if abandoned:
             self._count("takeover")
-        self.log.attempt = self.attempt_id
         previous = existing.status if existing else "new"
         self.log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
         crash_point("runner.after_started")
+
+    def _warn_start_waits(self) -> None:
+        self.log.warning(
+            "the start has waited %d s for the job database: either a transaction of an earlier "
+            "attempt of this key is still open (a worker cut off from the database: the server "
+            "ends it within the dead-peer bound, about a minute), or a connection pooler has no "
+            "server connection free (its pool is exhausted: see the README's pool sizing)",
+            START_WAIT_WARNING,
+        )
 
     # -- 5. fenced completion ---------------------------------------------------------------
 
@@ -418,14 +411,11 @@ class _Run:
         """Mark the run completed in the lock transaction and commit: one instant for both."""
         assert self.attempt_id is not None
         try:
-            done = records.complete_attempt(
+            done = self.records.complete_attempt(
                 lock_conn,
-                self.schema,
-                job_name=self.job_name,
-                run_key=self.run_key,
-                attempt_id=self.attempt_id,
-                lock=lock,
-                counts=counts,
+                self.attempt_id,
+                lock,
+                counts,
                 and_commit=True,  # the completion and the lock's release, at one instant
             )
             if not done:
@@ -453,6 +443,24 @@ class _Run:
 
     # -- 6. failure -------------------------------------------------------------------------
 
+    def _record_refused_start(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
+        """A start that a pooler refused (its pool exhausted) is recorded as a failed attempt,
+        in the lock transaction (which has its server connection), naming the cause."""
+        refusal = pooler_refusal(exc) if isinstance(exc, psycopg.Error) else None
+        if refusal is None or lock_conn.closed or lock_conn.broken:
+            return
+        self.log.error("%s", refusal)
+        self._count("failed")
+        with contextlib.suppress(psycopg.Error):
+            self.log.attempt = self.records.insert_attempt(
+                lock_conn,
+                "failed",
+                lock=None,
+                options=self.options,
+                error=str(refusal),
+                and_commit=True,
+            )
+
     def _fail(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
         """Mark the attempt (and, unless dry run, the run) failed; never mask ``exc``.
 
@@ -461,8 +469,9 @@ class _Run:
         a fresh session instead; mark_failed only touches the run if this attempt still
         owns it, so a successor is never overwritten.
         """
-        if self.attempt_id is None:
-            return  # nothing was recorded yet (the start itself failed)
+        if self.attempt_id is None:  # the start itself failed: nothing was recorded yet
+            self._record_refused_start(lock_conn, exc)
+            return
         attempt_id = self.attempt_id
         outcome: AttemptOutcome = "lock_lost" if isinstance(exc, LockLostError) else "failed"
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:4000]
@@ -470,16 +479,9 @@ class _Run:
         self._count(outcome)
 
         def write(conn: psycopg.Connection) -> None:
-            records.finish_attempt(conn, self.schema, attempt_id, outcome, error=error)
+            self.records.finish_attempt(conn, attempt_id, outcome, error=error)
             if not self.options.dry_run:
-                records.mark_failed(
-                    conn,
-                    self.schema,
-                    job_name=self.job_name,
-                    run_key=self.run_key,
-                    attempt_id=attempt_id,
-                    error=error,
-                )
+                self.records.mark_failed(conn, attempt_id, error)
 
         if not (lock_conn.closed or lock_conn.broken):
             try:
@@ -496,8 +498,8 @@ class _Run:
                 with contextlib.suppress(psycopg.Error):
                     lock_conn.execute("ROLLBACK")
         try:
-            with autocommit_connection(self.connect) as conn, conn.transaction():
-                write(conn)
+            with autocommit_connection(self.spec.connect) as conn, conn.transaction():
+                write(conn)  # READ COMMITTED: autocommit_connection pins it
         except (psycopg.Error, IdempotencyError) as record_exc:
             self.log.warning(
                 "could not record the failure (%s); job_runs may still say started", record_exc

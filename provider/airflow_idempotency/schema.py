@@ -17,7 +17,7 @@ from psycopg import sql
 
 from airflow_idempotency._sql import latest_migration, migrations
 from airflow_idempotency.exceptions import InvalidInputError, SchemaError, SchemaNotReadyError
-from airflow_idempotency.locks import migration_lock_key, refusal_of_statement_pooling
+from airflow_idempotency.locks import migration_lock_key, pooler_refusal
 
 DEFAULT_SCHEMA = "idempotency"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -103,7 +103,7 @@ def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int
     try:
         _migrate(conn, schema, target)
     except psycopg.Error as exc:
-        refusal = refusal_of_statement_pooling(exc)
+        refusal = pooler_refusal(exc)
         if refusal is None:
             raise
         raise refusal from exc

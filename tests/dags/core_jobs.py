@@ -9,12 +9,27 @@ from __future__ import annotations
 import datetime as dt
 import os
 import time
+from collections.abc import Iterator
 
 import pendulum
 from airflow.providers.common.compat.sdk import DAG
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from airflow_idempotency import IdempotentRunOperator, RunContext, idempotency_params
+from airflow_idempotency import (
+    Effect,
+    IdempotentRunOperator,
+    OutboundLedger,
+    RunContext,
+    idempotency_params,
+    post_json,
+)
+
+
+def _hold(file: str | None) -> None:
+    """Wait until ``file`` exists (at most IDEM_TEST_HOLD_MAX seconds)."""
+    deadline = time.monotonic() + float(os.environ.get("IDEM_TEST_HOLD_MAX", "120"))
+    while file and not os.path.exists(file) and time.monotonic() < deadline:
+        time.sleep(0.1)  # keep the lock (and whatever else) until the test says so
 
 
 def slow_work(run: RunContext) -> dict[str, int]:
@@ -31,10 +46,16 @@ def slow_work(run: RunContext) -> dict[str, int]:
             "INSERT INTO public.work_log (run_key, pid) VALUES (%s, %s)", (run.run_key, os.getpid())
         )
     time.sleep(float(os.environ.get("IDEM_TEST_SLEEP", "0")))
-    hold = os.environ.get("IDEM_TEST_HOLD_FILE")
-    deadline = time.monotonic() + float(os.environ.get("IDEM_TEST_HOLD_MAX", "120"))
-    while hold and not os.path.exists(hold) and time.monotonic() < deadline:
-        time.sleep(0.1)  # keep the lock until the test says so
+    if os.environ.get("IDEM_TEST_UPDATE_COUNTER"):
+        # A row lock held by an open transaction (public.counter is made by the test); with
+        # IDEM_TEST_HOLD_IN_TRANSACTION the hold happens before this transaction commits.
+        with run.transaction() as cur:
+            cur.execute(
+                "UPDATE public.counter SET n = n + 1, by_pid = %s WHERE id = 1", (os.getpid(),)
+            )
+            if os.environ.get("IDEM_TEST_HOLD_IN_TRANSACTION"):
+                _hold(os.environ.get("IDEM_TEST_HOLD_FILE"))
+    _hold(os.environ.get("IDEM_TEST_HOLD_FILE"))
     if os.environ.get("IDEM_TEST_WRITE_AFTER_HOLD"):
         # A fenced write at the end: it commits only if this run still holds its lock.
         with run.transaction() as cur:
@@ -60,4 +81,39 @@ with DAG(
         on_locked=os.environ.get("IDEM_TEST_ON_LOCKED", "reschedule"),  # type: ignore[arg-type]
         reschedule_interval=dt.timedelta(seconds=1),
         lock_timeout=dt.timedelta(seconds=float(os.environ.get("IDEM_TEST_LOCK_TIMEOUT", "3600"))),
+    )
+
+
+def export_work(run: RunContext) -> dict[str, int]:
+    """Send IDEM_TEST_EFFECTS effects to the accounting service at IDEM_TEST_REMOTE_URL through
+    the ledger, 20 a batch; with IDEM_TEST_HOLD_AT_EFFECT=N, producing effect N waits for
+    IDEM_TEST_HOLD_FILE, while the claim of the batch before it is still open."""
+    count = int(os.environ.get("IDEM_TEST_EFFECTS", "200"))
+    hold_at = int(os.environ.get("IDEM_TEST_HOLD_AT_EFFECT", "0"))
+
+    def effects() -> Iterator[Effect]:
+        for i in range(1, count + 1):
+            if i == hold_at:
+                _hold(os.environ.get("IDEM_TEST_HOLD_FILE"))
+            yield Effect(f"core_export:{run.run_key}:{i}", {"n": i, "run_key": run.run_key})
+
+    ledger = OutboundLedger(run, "accounting", batch_size=20, concurrency=4, timeout=5)
+    summary = ledger.send_all(
+        effects(), post_json("/api/invoices"), base_url=os.environ["IDEM_TEST_REMOTE_URL"]
+    )
+    return summary.as_counts("exports")
+
+
+with DAG(
+    dag_id="core_export_job",
+    schedule=CronTriggerTimetable("0 0 * * *", timezone="UTC"),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    params=idempotency_params(),
+):
+    IdempotentRunOperator(
+        task_id="export",
+        python_callable=export_work,
+        on_locked=os.environ.get("IDEM_TEST_ON_LOCKED", "reschedule"),  # type: ignore[arg-type]
+        reschedule_interval=dt.timedelta(seconds=1),
     )

@@ -7,12 +7,13 @@
 -- transaction, which began when the run did, and now() is the start of the transaction.
 
 -- name: acquire_run_lock
--- The first statement of the lock transaction (locks.hold_run_lock). It tries the run lock for the length of this transaction, names the
--- session in pg_stat_activity, lifts idle_in_transaction_session_timeout, and sets the
--- server side's TCP keepalives and user timeout so that the server drops a worker cut off
--- by the network (and so its lock) within a bounded time, not Linux's two hours. Every
--- setting is transaction-local (SET LOCAL): nothing outlives it on a pooled server
--- connection. (On a unix socket the TCP settings do nothing.)
+-- The first statement of the lock transaction (locks.hold_run_lock), which runs READ COMMITTED
+-- whatever the database's default: it takes no snapshot between statements, so it holds back no
+-- vacuum however long the run, and its completion reads the start the work connection committed.
+-- It tries the run lock for the length of this transaction, names the session in
+-- pg_stat_activity, lifts idle_in_transaction_session_timeout and (PostgreSQL 17+)
+-- transaction_timeout, and bounds a dead peer (bound_dead_peer, migration 6). Every setting is
+-- transaction-local: nothing outlives it on a pooled server connection.
 -- already_held is read first (the MATERIALIZED CTE is scanned before the SELECT list runs):
 -- a session that already holds the key before this transaction tried it is shared with
 -- another client (a session-level lock left on a pooled server connection), and taking the
@@ -28,10 +29,11 @@ SELECT before.already_held,
        pg_backend_pid() AS backend_pid,
        set_config('application_name', %(application_name)s, true) AS application_name,
        set_config('idle_in_transaction_session_timeout', '0', true) AS idle_timeout,
-       set_config('tcp_keepalives_idle', %(keepalives_idle)s, true) AS keepalives_idle,
-       set_config('tcp_keepalives_interval', %(keepalives_interval)s, true) AS keepalives_interval,
-       set_config('tcp_keepalives_count', %(keepalives_count)s, true) AS keepalives_count,
-       set_config('tcp_user_timeout', %(tcp_user_timeout)s, true) AS tcp_user_timeout
+       -- CASE evaluates lazily: older servers do not know the setting and would refuse it
+       CASE WHEN current_setting('server_version_num')::integer >= 170000
+            THEN set_config('transaction_timeout', '0', true) END AS transaction_timeout,
+       {schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s,
+                                %(keepalives_count)s, %(tcp_user_timeout)s) AS dead_peer
 FROM before;
 
 -- name: run_lock_holder
@@ -74,6 +76,26 @@ SELECT EXISTS (
     WHERE h.lock_key = %(lock_key)s AND h.pid = %(lock_backend_pid)s
 ) AS held;
 
+-- name: fence_enter
+-- The first statement of every fenced transaction (RunContext.transaction(), the ledger's claims):
+-- see migration 6. Raises SQLSTATE IF001 when this attempt's lock session no longer holds the
+-- run lock; bounds a dead peer for the rest of the transaction.
+SELECT {schema}.fence_enter(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s),
+       {schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s,
+                                %(keepalives_count)s, %(tcp_user_timeout)s);
+
+-- name: fence_arm
+-- The last statement before COMMIT of a read-write fenced transaction (sent with the COMMIT):
+-- arms the commit-time check of migration 6.
+SELECT {schema}.fence_arm(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s);
+
+-- name: fence_take_over
+-- The first statement of an attempt's start: waits until every fenced transaction of the key's
+-- previous attempts has ended, and forgets their arms (migration 6).
+SELECT {schema}.fence_take_over(%(lock_key)s),
+       {schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s,
+                                %(keepalives_count)s, %(tcp_user_timeout)s);
+
 -- name: get_run
 SELECT job_name, run_key, status, triggered_by, triggering_user, dag_id, run_id, task_id,
        attempt_count, current_attempt_id, started_at, completed_at, updated_at, details
@@ -84,11 +106,11 @@ WHERE job_name = %(job_name)s AND run_key = %(run_key)s;
 INSERT INTO {schema}.job_run_attempts (
     job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
     dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
-    force, dry_run, finished_at, error, details
+    force, dry_run, started_at, finished_at, error, details
 ) VALUES (
     %(job_name)s, %(run_key)s, %(lock_key)s, %(outcome)s, %(triggered_by)s, %(triggering_user)s,
     %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s, %(map_index)s, %(hostname)s, %(pid)s,
-    %(lock_backend_pid)s, %(force)s, %(dry_run)s,
+    %(lock_backend_pid)s, %(force)s, %(dry_run)s, statement_timestamp(),
     CASE WHEN %(outcome)s = 'running' THEN NULL ELSE statement_timestamp() END,
     %(error)s, %(details)s
 )
@@ -118,11 +140,12 @@ WITH attempt AS (
     INSERT INTO {schema}.job_run_attempts (
         job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
         dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
-        force, dry_run, details
+        force, dry_run, started_at, details
     ) VALUES (
         %(job_name)s, %(run_key)s, %(lock_key)s, 'running', %(triggered_by)s,
         %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s,
-        %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false, DEFAULT
+        %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false,
+        statement_timestamp(), DEFAULT
     )
     RETURNING attempt_id
 ),
@@ -187,6 +210,10 @@ attempt AS (
     SET outcome = 'completed', finished_at = statement_timestamp(), error = NULL,
         details = details || jsonb_build_object('counts', %(details)s)
     WHERE attempt_id = %(attempt_id)s AND EXISTS (SELECT 1 FROM run)
+),
+-- the commit-time checks of this attempt's fenced transactions are spent (migration 6)
+disarmed AS (
+    DELETE FROM {schema}.fence_arms WHERE lock_key = %(lock_key)s AND EXISTS (SELECT 1 FROM run)
 )
 SELECT completed_at FROM run;
 
