@@ -58,11 +58,18 @@ def in_one_transaction(
     *,
     begin: str = READ_COMMITTED,
 ) -> list[psycopg.Cursor[Any]]:
-    """Run ``statements`` in one transaction on an idle autocommit connection, sent together
-    with its BEGIN and COMMIT (one round trip); return their cursors, results fetched."""
+    """Run ``statements`` in one transaction on an idle autocommit connection: its BEGIN on a
+    round trip of its own, then the statements and the COMMIT sent together; return their
+    cursors, results fetched.
+
+    The BEGIN goes alone because it is where a connection pooler makes a client wait for a
+    server connection: when its wait times out (PgBouncer's ``query_wait_timeout``) it sends
+    its error and closes the connection, and in pipeline mode libpq reports only the closed
+    connection, not the pooler's error (see ``locks.pooler_refusal``).
+    """
     try:
+        conn.execute(begin)
         with pipelined(conn):
-            conn.execute(begin)
             cursors = [conn.execute(statement, params) for statement, params in statements]
             conn.execute("COMMIT")
     except BaseException:

@@ -167,7 +167,8 @@ class RunRecords:
         self, conn: psycopg.Connection, lock: RunLock, options: RunOptions
     ) -> tuple[int, int, int]:
         """Record a running attempt and mark the run started by it (a dry run only records
-        the attempt), in one READ COMMITTED transaction sent in one round trip.
+        the attempt), in one READ COMMITTED transaction (two round trips: its BEGIN, then the
+        rest with the COMMIT).
 
         It first takes the key over from the fence (``fence_take_over``, migration 0006): it
         waits until every fenced transaction of an earlier attempt has ended, so no write of

@@ -208,7 +208,9 @@ class RunContext:
             return LockLostError(
                 f"job {self.job_name!r} run_key {self.run_key!r} lost its connection to the job "
                 f"database ({_first_line(exc)}): this transaction did not commit, and this "
-                "attempt cannot know whether it still holds its lock. A rerun converges."
+                "attempt cannot know whether it still holds its lock. A rerun converges. (A "
+                "connection pooler whose pool is exhausted also closes connections, after its "
+                "query_wait_timeout: see the README's pool sizing.)"
             )
         return exc  # e.g. a cancelled statement or a constraint: the session is fine
 
