@@ -66,12 +66,17 @@ def work_log(dsn: str) -> list[tuple[int, str]]:
 
 
 def cut_off_worker(
-    link: netns.Link, airflow_home: Path, dsn: str, tmp_path: Path, **env: str
+    link: netns.Link,
+    airflow_home: Path,
+    dsn: str,
+    tmp_path: Path,
+    dag_id: str = "core_slow_job",
+    **env: str,
 ) -> subprocess.Popen[str]:
-    """`airflow dags test core_slow_job` inside the namespace, reaching the job DB over the link."""
+    """`airflow dags test DAG_ID` inside the namespace, reaching the job DB over the link."""
     worker_env = private_airflow_env(airflow_home, dsn, TEST_DAGS, home=tmp_path / "cut-off")
     worker_env.update(env)
-    return dags_test(worker_env, "core_slow_job", DAY, prefix=link.run_prefix())
+    return dags_test(worker_env, dag_id, DAY, prefix=link.run_prefix())
 
 
 def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
@@ -229,6 +234,13 @@ def backends_from(dsn: str, address: str) -> list[tuple[Any, ...]]:
         ).fetchall()
 
 
+def in_transaction(backends: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The backends that are inside a transaction: an idle session (here the work
+    connection's, between its transactions) holds no lock, row or snapshot, and the server
+    keeps it until the kernel's own keepalive gives up."""
+    return [backend for backend in backends if backend[0] != "idle"]
+
+
 def start_successor(
     airflow_home: Path, dsn: str, tmp_path: Path, dag_id: str, **env: str
 ) -> tuple[subprocess.Popen[str], Path]:
@@ -303,7 +315,7 @@ def test_a_cut_inside_a_work_transaction_holding_row_locks_ends_within_the_bound
             lambda: backends_from(local, link.ns_ip) == [] or None,
             timeout=BOUND + 30,
             interval=0.2,
-            what="the cut-off worker's backends (the work transaction's too) to end",
+            what="the cut-off worker's backends (each was inside a transaction) to end",
         )
         ended = time.monotonic() - cut_at
         wait_completed(local, successor, log_path)
@@ -354,37 +366,47 @@ def test_a_cut_during_a_ledger_batch_leaves_nothing_the_cut_off_worker_sent(
             airflow_home,
             remote,
             tmp_path,
+            "core_export_job",
             IDEM_TEST_HOLD_FILE=str(release),
             IDEM_TEST_HOLD_MAX="600",
             IDEM_TEST_HOLD_AT_EFFECT="41",
             IDEM_TEST_REMOTE_URL=service.url,
         )
-        try:
-            wait_until(
-                lambda: (
-                    rows(local, "SELECT to_regclass('idempotency.outbound_ledger') IS NOT NULL")[0][
-                        0
-                    ]
-                    and rows(
-                        local,
-                        "SELECT count(*) FILTER (WHERE status = 'succeeded') FROM idempotency.outbound_ledger",
-                    )
-                    == [(20,)]
-                    and ("idle in transaction", True) in backends_from(local, link.ns_ip)
-                ),
-                timeout=120,
-                what="20 effects confirmed and the next batch's claim open",
+
+        def claim_open() -> bool:
+            ledger = "SELECT to_regclass('idempotency.outbound_ledger') IS NOT NULL"
+            confirmed = "SELECT count(*) FILTER (WHERE status = 'succeeded') FROM idempotency.outbound_ledger"
+            # the open claim holds a transaction id (in pipeline mode, with no Sync sent yet,
+            # its backend shows "active", not "idle in transaction")
+            return bool(
+                rows(local, ledger)[0][0]
+                and rows(local, confirmed) == [(20,)]
+                and any(xid for _, xid in backends_from(local, link.ns_ip))
             )
+
+        try:
+            try:
+                wait_until(claim_open, timeout=120, what="20 confirmed, the next claim open")
+            except AssertionError as exc:
+                kill_group(victim)
+                out, _ = victim.communicate(timeout=30)
+                statuses = rows(
+                    local, "SELECT status, count(*) FROM idempotency.outbound_ledger GROUP BY 1"
+                )
+                raise AssertionError(
+                    f"{exc}\nledger: {statuses}\nbackends: {backends_from(local, link.ns_ip)}"
+                    f"\nthe worker's output:\n{out[-5000:]}"
+                ) from None
             link.cut()
             cut_at = time.monotonic()
             successor, log_path = start_successor(
                 airflow_home, local, tmp_path, "core_export_job", IDEM_TEST_REMOTE_URL=service.url
             )
             wait_until(
-                lambda: backends_from(local, link.ns_ip) == [] or None,
+                lambda: in_transaction(backends_from(local, link.ns_ip)) == [] or None,
                 timeout=BOUND + 30,
                 interval=0.2,
-                what="the cut-off worker's backends (its open claim's too) to end",
+                what="the cut-off worker's transactions (its open claim's too) to end",
             )
             ended = time.monotonic() - cut_at
             wait_completed(local, successor, log_path)
