@@ -16,7 +16,7 @@ into it, syncing the locked packages, installing this checkout), then runs:
 
 Airflow: the main line, 3.3, by default (.venv/, requirements/lock.txt). `--airflow LINE`
 right after the command uses another line, each with its own venv and lock file:
-`2` (Airflow 2.11: .venv-airflow2/, requirements/lock-airflow2.txt), `3.0`, `3.1`, `3.2`
+`2` (Airflow 2.11: .venv-airflow2/, requirements/lock-airflow2.txt), `3.1`, `3.2`
 (.venv-airflow3.N/, requirements/lock-airflow3.N.txt), `3.3` (= the default), or `floors`
 (the lowest versions pyproject.toml declares for the providers: .venv-floors/,
 requirements/lock-floors.txt), e.g. `python3 dev.py test --airflow 2` or
@@ -57,7 +57,6 @@ LINES = {
     "3.3": Line("Airflow 3.3", ".venv", "lock.txt"),
     "3.2": Line("Airflow 3.2", ".venv-airflow3.2", "lock-airflow3.2.txt"),
     "3.1": Line("Airflow 3.1", ".venv-airflow3.1", "lock-airflow3.1.txt"),
-    "3.0": Line("Airflow 3.0", ".venv-airflow3.0", "lock-airflow3.0.txt"),
     "2": Line("Airflow 2.11", ".venv-airflow2", "lock-airflow2.txt"),
     "floors": Line("the declared floors", ".venv-floors", "lock-floors.txt"),
 }

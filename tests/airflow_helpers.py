@@ -62,12 +62,10 @@ def register(dag: DAG) -> None:
     bag.bag_dag(dag)
     if compat.AIRFLOW_V_3_2_PLUS:
         sync_bag_to_db(bag, "dags-folder", None)
-    elif compat.AIRFLOW_V_3_1_PLUS:
+    else:  # 3.1
         from airflow.models.dagbag import sync_bag_to_db as sync_31
 
         sync_31(bag, "dags-folder", None)
-    else:  # 3.0: a method of the bag
-        bag.sync_to_db("dags-folder", None)
 
 
 def run_dag(dag: DAG, logical_date: Any = _ARG_NOT_SET, conf: dict[str, Any] | None = None) -> Any:

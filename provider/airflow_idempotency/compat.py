@@ -1,4 +1,4 @@
-"""Every difference between the Airflow lines this provider supports (2.11, 3.0 to 3.3).
+"""Every difference between the Airflow lines this provider supports (2.11, 3.1 to 3.3).
 
 The official providers' ``version_compat.py`` habit: names come from
 ``airflow.providers.common.compat.sdk`` where it maps them, and the few things it does not
@@ -42,7 +42,7 @@ AIRFLOW_V_3_2_PLUS = AIRFLOW_VERSION >= (3, 2, 0)
 
 if AIRFLOW_V_3_2_PLUS:
     from airflow.sdk.exceptions import AirflowRescheduleException
-else:  # 2.11 to 3.1 keep it in core (their task runners catch that one); common-compat
+else:  # 2.11 and 3.1 keep it in core (their task runners catch that one); common-compat
     # does not map it
     from airflow.exceptions import AirflowRescheduleException
 
@@ -154,18 +154,9 @@ def dag_bag(dags_folder: str | None = None) -> Any:
         from airflow.dag_processing.dagbag import BundleDagBag
 
         return BundleDagBag(dag_folder=str(folder), bundle_path=folder, bundle_name="dags-folder")
-    if AIRFLOW_V_3_1_PLUS:
-        from airflow.models.dagbag import BundleDagBag  # type: ignore[no-redef]
+    from airflow.models.dagbag import BundleDagBag  # type: ignore[no-redef]  # 3.1
 
-        return BundleDagBag(dag_folder=str(folder), bundle_path=folder)
-    import sys
-
-    from airflow.models.dagbag import DagBag
-
-    # 3.0 has no BundleDagBag: what its DAG processor does before parsing a bundle's file.
-    if str(folder) not in sys.path:
-        sys.path.append(str(folder))
-    return DagBag(dag_folder=str(folder), bundle_path=folder, include_examples=False)
+    return BundleDagBag(dag_folder=str(folder), bundle_path=folder)
 
 
 def load_dag(dag_id: str, dags_folder: str | None = None) -> Any:
@@ -188,9 +179,13 @@ def backfill_logical_dates(
     (from the DAG's own timetable); Airflow 3 also leaves out runs whose interval has not
     ended yet."""
     if AIRFLOW_V_3_0_PLUS:
-        from airflow.serialization.serialized_objects import DagSerialization
-
-        scheduler_dag = DagSerialization.from_dict(DagSerialization.to_dict(dag))
+        if AIRFLOW_V_3_2_PLUS:
+            from airflow.serialization.serialized_objects import DagSerialization as serializer
+        else:  # 3.1: the scheduler's DAG is the SerializedDAG itself
+            from airflow.serialization.serialized_objects import (  # type: ignore[assignment]
+                SerializedDAG as serializer,
+            )
+        scheduler_dag = serializer.from_dict(serializer.to_dict(dag))
         now = datetime.datetime.now(datetime.timezone.utc)
         return [
             info.logical_date
