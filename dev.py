@@ -14,9 +14,13 @@ into it, syncing the locked packages, installing this checkout), then runs:
     python3 dev.py faults [ARGS]    the fault scenarios and their report (FAULTS.md)
     python3 dev.py chaos [ARGS]     seeded random actions and faults, checked against invariants
 
-Airflow: 3.x by default (.venv/, requirements/lock.txt). `--airflow 2` right after the
-command uses Airflow 2.11 instead (.venv-airflow2/, requirements/lock-airflow2.txt), e.g.
-`python3 dev.py test --airflow 2` or `python3 dev.py setup --airflow 2`.
+Airflow: the main line, 3.3, by default (.venv/, requirements/lock.txt). `--airflow LINE`
+right after the command uses another line, each with its own venv and lock file:
+`2` (Airflow 2.11: .venv-airflow2/, requirements/lock-airflow2.txt), `3.1`, `3.2`
+(.venv-airflow3.N/, requirements/lock-airflow3.N.txt), `3.3` (= the default), or `floors`
+(the lowest versions pyproject.toml declares for the providers: .venv-floors/,
+requirements/lock-floors.txt), e.g. `python3 dev.py test --airflow 2` or
+`python3 dev.py setup --airflow 3.1`. docs/airflow-lines.md says what each line gets.
 
 PostgreSQL: IDEMPOTENCY_PG_DSN if set, else a server on 127.0.0.1:5432, else an embedded
 server started from the `pgserver` wheel (data in .pgdata/). IDEMPOTENCY_PG=embedded
@@ -50,9 +54,14 @@ class Line:
 
 
 LINES = {
-    "3": Line("Airflow 3", ".venv", "lock.txt"),
+    "3.3": Line("Airflow 3.3", ".venv", "lock.txt"),
+    "3.2": Line("Airflow 3.2", ".venv-airflow3.2", "lock-airflow3.2.txt"),
+    "3.1": Line("Airflow 3.1", ".venv-airflow3.1", "lock-airflow3.1.txt"),
     "2": Line("Airflow 2.11", ".venv-airflow2", "lock-airflow2.txt"),
+    "floors": Line("the declared floors", ".venv-floors", "lock-floors.txt"),
 }
+# Other names of the same lines.
+ALIASES = {"3": "3.3", "2.11": "2"}
 
 
 def say(message: str) -> None:
@@ -143,7 +152,7 @@ def exec_in_venv(line: Line, args: list[str]) -> None:
     # Tests that need the other line's environment (a worker of each, side by side) find it
     # here; it exists once `python3 dev.py setup --airflow 2` has run.
     env.setdefault("IDEMPOTENCY_AIRFLOW2_PYTHON", str(LINES["2"].python))
-    env.setdefault("IDEMPOTENCY_AIRFLOW3_PYTHON", str(LINES["3"].python))
+    env.setdefault("IDEMPOTENCY_AIRFLOW3_PYTHON", str(LINES["3.3"].python))
     os.chdir(ROOT)
     os.execve(str(line.python), [str(line.python), *args], env)
 
@@ -156,12 +165,17 @@ def main(argv: list[str]) -> None:
     if command not in ("setup", "test", "demo", "lint", "cli", "bench", "faults", "chaos"):
         print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
         raise SystemExit(2)
-    line = LINES["3"]
+    line = LINES["3.3"]
     if rest[:1] == ["--airflow"]:
-        if rest[1:2] not in (["2"], ["3"]):
-            print("--airflow takes 2 (Airflow 2.11) or 3 (Airflow 3.x)", file=sys.stderr)
+        name = ALIASES.get(rest[1], rest[1]) if rest[1:] else ""
+        if name not in LINES:
+            print(
+                f"--airflow takes one of {', '.join(LINES)} (2 is Airflow 2.11, 3 is 3.3), "
+                f"not {rest[1] if rest[1:] else 'nothing'!r}",
+                file=sys.stderr,
+            )
             raise SystemExit(2)
-        line, rest = LINES[rest[1]], rest[2:]
+        line, rest = LINES[name], rest[2:]
     setup(line)
     if command == "test":
         exec_in_venv(line, ["-m", "pytest", *rest])

@@ -12,6 +12,7 @@ from airflow.providers.common.compat.sdk import DAG
 from airflow.timetables.trigger import CronTriggerTimetable
 from airflow.utils.state import DagRunState
 
+from airflow_idempotency import compat
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
 
 _ARG_NOT_SET = object()
@@ -41,26 +42,30 @@ def scheduled_logical_date(business_date: str, at: str = "01:00") -> str:
 
 def load_dag_bag(folder: Path) -> Any:
     """The DagBag of ``folder``, as the line's DAG processor builds it."""
-    if AIRFLOW_V_3_0_PLUS:
-        from airflow.dag_processing.dagbag import BundleDagBag
-
-        return BundleDagBag(dag_folder=str(folder), bundle_path=folder, bundle_name="dags-folder")
-    from airflow.models.dagbag import DagBag
-
-    return DagBag(dag_folder=str(folder), include_examples=False)
+    return compat.dag_bag(str(folder))
 
 
 def register(dag: DAG) -> None:
-    """Serialize ``dag`` into the metadata DB (Airflow 3's dag.test only runs serialized DAGs)."""
+    """Serialize ``dag`` into the metadata DB (Airflow 3's dag.test only runs serialized DAGs).
+
+    Airflow's own modules for it moved between the 3.x lines (apache/airflow PR #55139)."""
     if not AIRFLOW_V_3_0_PLUS:
         return
     from airflow.dag_processing.bundles.manager import DagBundlesManager
-    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
 
     DagBundlesManager().sync_bundles_to_db()
+    if compat.AIRFLOW_V_3_2_PLUS:
+        from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+    else:
+        from airflow.models.dagbag import DagBag  # type: ignore[no-redef]
     bag = DagBag(dag_folder=os.devnull, collect_dags=False)
     bag.bag_dag(dag)
-    sync_bag_to_db(bag, "dags-folder", None)
+    if compat.AIRFLOW_V_3_2_PLUS:
+        sync_bag_to_db(bag, "dags-folder", None)
+    else:  # 3.1
+        from airflow.models.dagbag import sync_bag_to_db as sync_31
+
+        sync_31(bag, "dags-folder", None)
 
 
 def run_dag(dag: DAG, logical_date: Any = _ARG_NOT_SET, conf: dict[str, Any] | None = None) -> Any:

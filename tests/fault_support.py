@@ -17,14 +17,17 @@ from typing import Any
 
 import psycopg
 
-from devtools.airflow_env import DAGS_FOLDER
+from devtools.airflow_env import AIRFLOW_2, DAGS_FOLDER
 from devtools.workers import connection_env, dags_test, kill_group
 from workers import private_airflow_env
 
 __all__ = ["connection_env", "kill_group"]  # the scenarios import them from here too
 
 D = "2026-10-01"  # the business date of every finalize_invoices scenario
-FIRE = "2026-10-02T01:00:00+00:00"  # the scheduled run that processes it
+# The scheduled run that processes it: its cron string ("0 1 * * *") is Airflow 3's
+# CronTriggerTimetable (the run fired at D+1 01:00, offset -1) and Airflow 2's
+# CronDataIntervalTimetable (logical date = the interval's start, D 01:00).
+FIRE = "2026-10-01T01:00:00+00:00" if AIRFLOW_2 else "2026-10-02T01:00:00+00:00"
 JOBS = ("create_invoices", "rebuild_totals", "export_invoices")
 
 

@@ -2,7 +2,8 @@
 
 Each scenario gets its own job database (150 orders of 2026-10-01, seed 7) and its own
 accounting service. A real ``airflow dags test`` worker runs the scheduled run of
-2026-10-02 01:00 with ``AIRFLOW_IDEMPOTENCY_CRASH_AT`` set and dies at the point; a second
+2026-10-02 01:00 (2026-10-01 01:00 on Airflow 2.11: fault_support.FIRE) with
+``AIRFLOW_IDEMPOTENCY_CRASH_AT`` set and dies at the point; a second
 worker reruns the same date with no faults. The rerun must leave exactly the state of an
 uninterrupted run of the same seed in another database (the reference), row for row,
 without one duplicate and without resending an export the ledger had confirmed.
@@ -36,7 +37,11 @@ from fault_support import (
     spawn_worker,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("airflow_home")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.both_airflow_lines,
+    pytest.mark.usefixtures("airflow_home"),
+]
 
 ORDERS = 150
 BATCH = 20  # small batches, so that "mid batch" and "later batch" points exist

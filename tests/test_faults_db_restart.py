@@ -206,6 +206,7 @@ def test_server_down_at_the_start_fails_fast(private: PrivateServer) -> None:
     assert done.outcome is RunOutcome.COMPLETED
 
 
+@pytest.mark.both_airflow_lines
 def test_airflow_export_survives_a_database_restart(tmp_path: Path, airflow_home: Path) -> None:
     """finalize_invoices loses its database (job tables, ledger and the accounting service's store) mid-export: the task try fails, Airflow's retry completes it, and the state is that of a clean run."""
     from devtools.accounting import run_accounting_service

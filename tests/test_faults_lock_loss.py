@@ -139,6 +139,7 @@ def assert_a_lost_and_b_won(out: dict[str, Any], dsn: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.both_airflow_lines
 def test_paused_before_its_first_call_a_sends_nothing_after_losing_the_lock(
     invoicing: Any, airflow_home: Path, tmp_path: Path
 ) -> None:
@@ -171,6 +172,7 @@ def test_paused_before_its_first_call_a_sends_nothing_after_losing_the_lock(
 
 
 @pytest.mark.slow
+@pytest.mark.both_airflow_lines
 def test_paused_with_a_batch_in_hand_a_records_its_confirmations_then_stops(
     invoicing: Any, airflow_home: Path, tmp_path: Path
 ) -> None:

@@ -31,6 +31,9 @@ from workers import (
     wait_until,
 )
 
+# Every scenario runs Airflow workers: on both lines (core_slow_job's timetable is explicit).
+pytestmark = pytest.mark.both_airflow_lines
+
 DAY = "2026-10-02"  # core_slow_job's logical date: run key 2026-10-01
 BOUND = 60  # seconds: the target for the lock of a dead worker
 

@@ -167,13 +167,24 @@ def keys_of(runs: list[dict[str, Any]]) -> set[tuple[str, str]]:
     return {(r["job_name"], r["run_key"]) for r in runs}
 
 
+# The view asks the auth manager for its login URL with next_url; Airflow's SimpleAuthManager
+# puts it in the URL (back to the page after the login) from 3.3 on; 3.0 to 3.2 drop it.
+def login_keeps_next(auth_manager: Any) -> bool:
+    return "next=" in auth_manager.get_url_login(next_url="/x")
+
+
 def test_pages_need_an_airflow_session(auth_manager: Any, seeded: str) -> None:
     """Without a token a page redirects to Airflow's login (and back), the JSON answers 401,
     and a forged token is refused."""
     anonymous = Client(auth_manager, None)
     page = anonymous.get("/keys", job="demo_dag.load", run_key="2026-10-01")
     assert page.status_code == 303
-    assert re.match(r"^/auth/login\?next=.*%2Fkeys%3Fjob%3Ddemo_dag.load", page.headers["location"])
+    if login_keeps_next(auth_manager):
+        assert re.match(
+            r"^/auth/login\?next=.*%2Fkeys%3Fjob%3Ddemo_dag.load", page.headers["location"]
+        )
+    else:
+        assert page.headers["location"] == "/auth/login"
     assert anonymous.get("/api/overview").status_code == 401
     anonymous.http.cookies.set("_token", "not-a-jwt")
     assert anonymous.get("/api/overview").status_code == 403
@@ -471,7 +482,8 @@ def test_every_json_endpoint_answers_401_without_a_session(
     assert response.status_code == 401, response.text
     assert "location" not in response.headers
     page = anonymous.get(path.removeprefix("/api").replace("/overview", "/"), **params)
-    assert page.status_code == 303 and page.headers["location"].startswith("/auth/login?next=")
+    login = "/auth/login?next=" if login_keeps_next(auth_manager) else "/auth/login"
+    assert page.status_code == 303 and page.headers["location"].startswith(login)
 
 
 def hold_key(

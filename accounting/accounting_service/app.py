@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -46,6 +47,13 @@ MAX_KEY_LENGTH = 255
 DEFAULT_PAGE_SIZE = 1000
 MAX_PAGE_SIZE = 10_000
 MAX_BODY_BYTES = 1024 * 1024
+# Starlette refuses larger bodies itself (413) from 1.6 on; Airflow 3.1's FastAPI (0.117)
+# pins an older Starlette, which has no such option: there the example service takes any.
+BODY_LIMIT = (
+    {"max_body_size": MAX_BODY_BYTES}
+    if "max_body_size" in inspect.signature(Starlette.__init__).parameters
+    else {}
+)
 COUNTER_FLUSH_SECONDS = 0.1
 INJECTED_FAULTS = (Fault.FAIL, Fault.RESET, Fault.TIMEOUT_AFTER_COMMIT)
 
@@ -186,7 +194,7 @@ class AccountingService:
             routes=routes,
             exception_handlers=handlers,
             lifespan=self.lifespan,
-            max_body_size=MAX_BODY_BYTES,
+            **BODY_LIMIT,
         )
 
     @contextlib.asynccontextmanager

@@ -1,4 +1,4 @@
-"""Every difference between the Airflow lines this provider supports (2.11 and 3.x).
+"""Every difference between the Airflow lines this provider supports (2.11, 3.1 to 3.3).
 
 The official providers' ``version_compat.py`` habit: names come from
 ``airflow.providers.common.compat.sdk`` where it maps them, and the few things it does not
@@ -37,10 +37,13 @@ def _airflow_version() -> tuple[int, int, int]:
 
 AIRFLOW_VERSION = _airflow_version()
 AIRFLOW_V_3_0_PLUS = AIRFLOW_VERSION >= (3, 0, 0)
+AIRFLOW_V_3_1_PLUS = AIRFLOW_VERSION >= (3, 1, 0)
+AIRFLOW_V_3_2_PLUS = AIRFLOW_VERSION >= (3, 2, 0)
 
-if AIRFLOW_V_3_0_PLUS:
+if AIRFLOW_V_3_2_PLUS:
     from airflow.sdk.exceptions import AirflowRescheduleException
-else:  # common-compat does not map it
+else:  # 2.11 and 3.1 keep it in core (their task runners catch that one); common-compat
+    # does not map it
     from airflow.exceptions import AirflowRescheduleException
 
 # dag_run.run_type -> job_runs.triggered_by. Asset-triggered runs are "dataset_triggered"
@@ -134,23 +137,32 @@ BACKFILL_COMMAND = "backfill-create" if AIRFLOW_V_3_0_PLUS else "dags-backfill"
 backfill`` (2.x; removed in 3.0)."""
 
 
+def dag_bag(dags_folder: str | None = None) -> Any:
+    """The DagBag of ``dags_folder`` (default: ``[core] dags_folder``), parsed as the line's
+    DAG processor parses the dags-folder bundle: with the folder on ``sys.path`` on 3.x, so
+    that a DAG file's own modules import (the plain DagBag of 3.x does not add it)."""
+    if not AIRFLOW_V_3_0_PLUS:
+        from airflow.models.dagbag import DagBag
+
+        return DagBag(dag_folder=dags_folder)
+    import pathlib
+
+    from airflow.configuration import conf
+
+    folder = pathlib.Path(dags_folder or conf.get("core", "dags_folder"))
+    if AIRFLOW_V_3_2_PLUS:  # moved to airflow.dag_processing by apache/airflow PR #55139
+        from airflow.dag_processing.dagbag import BundleDagBag
+
+        return BundleDagBag(dag_folder=str(folder), bundle_path=folder, bundle_name="dags-folder")
+    from airflow.models.dagbag import BundleDagBag  # type: ignore[no-redef]  # 3.1
+
+    return BundleDagBag(dag_folder=str(folder), bundle_path=folder)
+
+
 def load_dag(dag_id: str, dags_folder: str | None = None) -> Any:
     """``dag_id`` parsed from ``dags_folder`` (default: ``[core] dags_folder``), as the
     line's DAG processor parses it; ``LookupError`` naming the folder's DAGs if absent."""
-    if AIRFLOW_V_3_0_PLUS:
-        import pathlib
-
-        from airflow.configuration import conf
-        from airflow.dag_processing.dagbag import BundleDagBag
-
-        # As the dags-folder bundle parses it: with the folder on sys.path, so that a DAG
-        # file's own modules import (the plain DagBag of 3.x does not add it).
-        folder = pathlib.Path(dags_folder or conf.get("core", "dags_folder"))
-        bag = BundleDagBag(dag_folder=str(folder), bundle_path=folder, bundle_name="dags-folder")
-    else:
-        from airflow.models.dagbag import DagBag
-
-        bag = DagBag(dag_folder=dags_folder)
+    bag = dag_bag(dags_folder)
     if dag_id not in bag.dags:
         errors = f"; import errors: {sorted(bag.import_errors)}" if bag.import_errors else ""
         raise LookupError(
@@ -167,9 +179,13 @@ def backfill_logical_dates(
     (from the DAG's own timetable); Airflow 3 also leaves out runs whose interval has not
     ended yet."""
     if AIRFLOW_V_3_0_PLUS:
-        from airflow.serialization.serialized_objects import DagSerialization
-
-        scheduler_dag = DagSerialization.from_dict(DagSerialization.to_dict(dag))
+        if AIRFLOW_V_3_2_PLUS:
+            from airflow.serialization.serialized_objects import DagSerialization as serializer
+        else:  # 3.1: the scheduler's DAG is the SerializedDAG itself
+            from airflow.serialization.serialized_objects import (  # type: ignore[assignment]
+                SerializedDAG as serializer,
+            )
+        scheduler_dag = serializer.from_dict(serializer.to_dict(dag))
         now = datetime.datetime.now(datetime.timezone.utc)
         return [
             info.logical_date

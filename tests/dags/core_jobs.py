@@ -45,6 +45,8 @@ def slow_work(run: RunContext) -> dict[str, int]:
         cur.execute(
             "INSERT INTO public.work_log (run_key, pid) VALUES (%s, %s)", (run.run_key, os.getpid())
         )
+    if os.environ.get("IDEM_TEST_FAIL"):
+        raise RuntimeError(f"failing on purpose (IDEM_TEST_FAIL): {run.run_key}")
     time.sleep(float(os.environ.get("IDEM_TEST_SLEEP", "0")))
     if os.environ.get("IDEM_TEST_UPDATE_COUNTER"):
         # A row lock held by an open transaction (public.counter is made by the test); with
