@@ -19,11 +19,40 @@ decides who may. The app only reads: one read-only transaction per page.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
+from starlette.datastructures import MutableHeaders
 
 from airflow_idempotency.ui.errors import register_error_handlers
+from airflow_idempotency.ui.headers import new_nonce, security_headers
 from airflow_idempotency.ui.routes import router
 from airflow_idempotency.ui.settings import Settings
+
+
+class SecurityHeaders:
+    """ASGI middleware: every response gets the view's security headers (.headers), a page
+    with the nonce its template was rendered with (``request.state.csp_nonce``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        nonce = new_nonce()
+        scope.setdefault("state", {})["csp_nonce"] = nonce
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                html = headers.get("content-type", "").startswith("text/html")
+                for name, value in security_headers(nonce if html else None).items():
+                    headers.setdefault(name, value)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -32,7 +61,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings or Settings.from_airflow_config()
     app.include_router(router)
     register_error_handlers(app)
+    app.add_middleware(SecurityHeaders)
     return app
 
 
-__all__ = ["Settings", "create_app"]
+__all__ = ["SecurityHeaders", "Settings", "create_app"]

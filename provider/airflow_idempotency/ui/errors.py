@@ -10,9 +10,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow_idempotency.exceptions import InvalidInputError
-from airflow_idempotency.ui.database import ViewUnavailable
+from airflow_idempotency.ui.database import ViewUnavailable, database_failure
 from airflow_idempotency.ui.pages import PageError
-from airflow_idempotency.ui.rendering import Links, render
+from airflow_idempotency.ui.routes import render_page
 
 TITLES = {
     400: "Not a valid request",
@@ -32,13 +32,7 @@ def error_response(request: Request, status: int, title: str, detail: str) -> Re
     """``detail`` as JSON, or as the error page titled ``title``."""
     if wants_json(request):
         return JSONResponse({"detail": detail}, status_code=status)
-    page = render(
-        "error.html",
-        links=Links.under(str(request.scope.get("root_path", ""))),
-        settings=request.app.state.settings,
-        title=title,
-        detail=detail,
-    )
+    page = render_page(request, "error.html", title=title, detail=detail)
     return HTMLResponse(page, status_code=status)
 
 
@@ -50,11 +44,10 @@ def unavailable(request: Request, exc: Exception) -> Response:
 
 
 def database_error(request: Request, exc: Exception) -> Response:
-    # A statement refused or cut short (permissions, the statement timeout, a lost
-    # server): said as it is, never a bare 500.
-    conn_id = request.app.state.settings.conn_id
-    detail = f"connection {conn_id!r}: {type(exc).__name__}: {str(exc).strip()}"
-    return error_response(request, 503, "The job database refused a read", detail)
+    # A statement refused or cut short outside a page's reader: logged with an id, never a
+    # bare 500, never the driver's text.
+    failure = database_failure(exc, request.app.state.settings, request.url.path)
+    return unavailable(request, failure)
 
 
 def invalid_input(request: Request, exc: Exception) -> Response:

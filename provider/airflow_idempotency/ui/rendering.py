@@ -12,8 +12,10 @@ import dataclasses
 import datetime as dt
 import decimal
 import functools
+import html
 import ipaddress
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from importlib.resources import files
@@ -21,6 +23,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 import jinja2
+from markupsafe import Markup
 
 from airflow_idempotency.ui import MOUNT, NAV_ROUTE
 
@@ -84,6 +87,45 @@ _AS_TEXT = (
     ipaddress.IPv6Interface,
     uuid.UUID,
 )
+
+
+def calendar_cells(cells: list[dict[str, Any] | None], key_url: str) -> Markup:
+    """One row of a calendar's cells as HTML (``key_url`` + a key: its page).
+
+    Written in Python, not in the template: a 3-year calendar has over a thousand cells,
+    and the template's loop spent most of the page's time on them (BENCHMARKS.md). The
+    keys are the calendar's own (well-formed periods), escaped all the same.
+    """
+    href = html.escape(key_url)
+    out: list[str] = []
+    append = out.append
+    for cell in cells:
+        if cell is None:
+            append('<td class="off"></td>')
+            continue
+        raw = cell["run_key"]
+        key = html.escape(raw)
+        state = html.escape(cell["state"])
+        if state == "none":
+            append(
+                f'<td class="cal-none" title="{key}: no record (outside the job&#x27;s keys)"></td>'
+            )
+            continue
+        locked = cell.get("locked")
+        title = f"{key}: {state}, locked now" if locked else f"{key}: {state}"
+        if "attempt_count" in cell:
+            title += f"; {cell['attempt_count']} attempt(s)"
+            if cell.get("details"):
+                title += "; " + html.escape(_counts(cell["details"]))
+        link = key if _PLAIN_KEY.fullmatch(raw) else html.escape(quote(raw, safe=""))
+        append(
+            f'<td class="cal-{state}{" locked" if locked else ""}" data-key="{key}" '
+            f'data-state="{state}" title="{title}"><a href="{href}{link}"></a></td>'
+        )
+    return Markup("".join(out))
+
+
+_PLAIN_KEY = re.compile(r"[0-9A-Za-z_.-]*")
 
 
 def _json_default(value: Any) -> Any:
@@ -156,8 +198,8 @@ class Links:
         return f"{self.airflow_dag(dag_id)}/runs/{quote(run_id, safe='')}"
 
     def airflow_runs(self, dag_id: str) -> str:
-        """The prefix of a DAG run's page: the rerun links ``<this>/<run id>``."""
-        return f"{self.airflow_dag(dag_id)}/runs"
+        """The prefix of a DAG run's page: the rerun links ``<this><run id, URL-encoded>``."""
+        return f"{self.airflow_dag(dag_id)}/runs/"
 
     def airflow_task(self, dag_id: str, run_id: str, task_id: str, map_index: int | None) -> str:
         url = f"{self.airflow_run(dag_id, run_id)}/tasks/{quote(task_id, safe='')}"
@@ -166,6 +208,56 @@ class Links:
     def trigger_api(self, dag_id: str) -> str:
         """Where the rerun posts a new DAG run (Airflow's REST API)."""
         return f"{self.airflow_root}/api/v2/dags/{quote(dag_id, safe='')}/dagRuns"
+
+    def rerun_attributes(self) -> Markup:
+        """More attributes of a rerun form: Airflow 3's API takes ``"logical_date": null``."""
+        return Markup(" data-no-logical-date")
+
+    def body_attributes(self) -> Markup:
+        """Attributes of a page's ``<body>`` for its script (how it is framed)."""
+        return Markup("")
+
+
+@dataclass(frozen=True)
+class Airflow2Links(Links):
+    """URLs of the view's pages and of Airflow 2.11's, for one request.
+
+    The pages are shown in an iframe of the view's own page in Airflow's layout
+    (``frame_root`` serves the documents, ``top_root`` the pages around them); Airflow's own
+    pages are its grid view; the rerun posts to the stable REST API with the form's CSRF
+    token (as Airflow 2's own pages send it to that API).
+    """
+
+    top_root: str = ""
+    csrf_token: str = ""
+
+    def top(self, path: str, **params: Any) -> str:
+        """The view's page around ``path`` (what the browser's address bar shows)."""
+        return self.page(path, **params).replace(self.app_root, self.top_root, 1)
+
+    def airflow_dag(self, dag_id: str) -> str:
+        return f"{self.airflow_root}/dags/{quote(dag_id, safe='')}/grid"
+
+    def airflow_run(self, dag_id: str, run_id: str) -> str:
+        return f"{self.airflow_runs(dag_id)}{quote(run_id, safe='')}"
+
+    def airflow_runs(self, dag_id: str) -> str:
+        return f"{self.airflow_dag(dag_id)}?dag_run_id="
+
+    def airflow_task(self, dag_id: str, run_id: str, task_id: str, map_index: int | None) -> str:
+        url = f"{self.airflow_run(dag_id, run_id)}&task_id={quote(task_id, safe='')}"
+        return url if map_index is None else f"{url}&map_index={map_index}"
+
+    def trigger_api(self, dag_id: str) -> str:
+        return f"{self.airflow_root}/api/v1/dags/{quote(dag_id, safe='')}/dagRuns"
+
+    def rerun_attributes(self) -> Markup:
+        return Markup(' data-csrf="{}"').format(self.csrf_token)
+
+    def body_attributes(self) -> Markup:
+        return Markup(' data-top-root="{}" data-frame-root="{}"').format(
+            self.top_root, self.app_root
+        )
 
 
 @functools.cache
@@ -179,7 +271,9 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters.update(ts=_ts, details=_details, counts=_counts, age=_age)
-    env.globals.update(duration=_duration, nav_route=NAV_ROUTE, states=STATES)
+    env.globals.update(
+        duration=_duration, nav_route=NAV_ROUTE, states=STATES, calendar_cells=calendar_cells
+    )
     return env
 
 
@@ -188,4 +282,4 @@ def render(template: str, **context: Any) -> str:
     return environment().get_template(template).render(**context)
 
 
-__all__ = ["STATES", "Links", "environment", "render", "to_json"]
+__all__ = ["STATES", "Airflow2Links", "Links", "environment", "render", "to_json"]

@@ -21,6 +21,19 @@ from airflow_idempotency.ui import pages
 from airflow_idempotency.ui.dependencies import AccessDep, ReaderDep
 from airflow_idempotency.ui.rendering import Links, render, to_json
 
+
+def render_page(request: Request, template: str, **context: Any) -> str:
+    """``template`` for this request: its links (under its root path), the settings and the
+    CSP nonce of its response (:class:`.app.SecurityHeaders`)."""
+    return render(
+        template,
+        links=Links.under(str(request.scope.get("root_path", ""))),
+        settings=request.app.state.settings,
+        nonce=request.state.csp_nonce,
+        **context,
+    )
+
+
 router = APIRouter()
 
 DataFunction = Callable[..., dict[str, Any]]
@@ -38,9 +51,7 @@ def page(path: str, template: str, **route: Any) -> Callable[[DataFunction], Dat
 
         def html(request: Request, **params: Any) -> Response:
             context = data(**params)
-            links = Links.under(str(request.scope.get("root_path", "")))
-            settings = request.app.state.settings
-            return HTMLResponse(render(template, links=links, settings=settings, **context))
+            return HTMLResponse(render_page(request, template, **context))
 
         def json(**params: Any) -> Response:
             return Response(to_json(data(**params)), media_type="application/json")
@@ -107,4 +118,4 @@ def locks(reader: ReaderDep) -> dict[str, Any]:
     return pages.locks(reader)
 
 
-__all__ = ["page", "router"]
+__all__ = ["page", "render_page", "router"]
