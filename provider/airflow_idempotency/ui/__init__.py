@@ -15,12 +15,17 @@ Airflow 3 (the api-server):
 - :mod:`~airflow_idempotency.ui.dependencies`: settings, access and reader as dependencies;
 - :mod:`~airflow_idempotency.ui.errors`: its exception handlers.
 
+Airflow 2.11 (the webserver): :mod:`~airflow_idempotency.ui.fab`, the Flask AppBuilder view.
+
 The plugin module (``airflow_idempotency.plugin``), which every Airflow process loads, imports
 only this package's constants: the app is built on its first request.
 """
 
 MOUNT = "/idempotency"
 """Where the plugin mounts the app on the api-server (``url_prefix``)."""
+
+AIRFLOW2_ROUTE = "/runkeys"
+"""Where the Flask AppBuilder view lives on Airflow 2.11's webserver (its menu's "Run keys")."""
 
 NAV_ROUTE = "run-keys"
 """The UI route of the nav entry: ``/plugin/run-keys/<app path>`` opens any page of the app
