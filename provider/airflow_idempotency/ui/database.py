@@ -69,7 +69,8 @@ def database_failure(exc: BaseException, settings: Settings, where: str) -> View
         what = f"the job database (Airflow connection {settings.conn_id!r}) refused a read"
     return ViewUnavailable(
         title,
-        f"{what}: error id {error_id}. The webserver's log has the details under that id.",
+        f"{what}: error id {error_id}. The log of Airflow's api-server (2.11: webserver) "
+        "has the details under that id.",
     )
 
 
