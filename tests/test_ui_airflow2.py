@@ -395,8 +395,9 @@ def test_in_the_browser_on_airflow2_operator_reads_and_reruns_a_key(
     browser: Any, webserver: Webserver2, runs: dict[str, str], shots: Path, job_dsn: str
 ) -> None:
     """Signed in through FAB's login form: "Run keys" in the menu shows the overview, a key's
-    page its attempts, and a rerun of the completed key, confirmed, is a new DAG run whose
-    attempts are no-ops."""
+    page its attempts; a rerun of the completed key, confirmed, is a new DAG run whose
+    attempts are no-ops, and one with Force ticked recomputes it; a link to the DAG run opens
+    Airflow's grid in the top window."""
     context = browser.new_context(viewport={"width": 1360, "height": 900})
     page = context.new_page()
     page.set_default_timeout(30_000)
@@ -433,6 +434,24 @@ def test_in_the_browser_on_airflow2_operator_reads_and_reruns_a_key(
             (rerun_id,),
         ).fetchall()
     assert outcomes == [("ui_demo.extract", "noop"), ("ui_demo.load", "noop")]
+    # Forced, the same key is recomputed: completed attempts that say so.
+    page.reload()
+    frame = page.frame_locator("#run-keys-frame")
+    form = frame.locator("form.rerun")
+    form.locator("input[name=force]").check()
+    form.locator("button[type=submit]").click()
+    assert "Force ticked" in form.locator(".confirm .question").inner_text()
+    form.locator(".confirm button.yes").click()
+    form.locator(".result a").wait_for()
+    forced_id = form.locator(".result a").inner_text()
+    assert webserver.wait_for_run("ui_demo", forced_id) == "success"
+    with psycopg.connect(job_dsn) as conn:
+        forced = conn.execute(
+            "SELECT job_name, outcome, force FROM idempotency.job_run_attempts"
+            " WHERE run_id = %s ORDER BY job_name",
+            (forced_id,),
+        ).fetchall()
+    assert forced == [("ui_demo.extract", "completed", True), ("ui_demo.load", "completed", True)]
     # A link to the DAG run opens Airflow's own grid, in the top window.
     page.reload()
     frame = page.frame_locator("#run-keys-frame")

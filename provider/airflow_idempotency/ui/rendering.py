@@ -231,10 +231,6 @@ class Airflow2Links(Links):
     top_root: str = ""
     csrf_token: str = ""
 
-    def top(self, path: str, **params: Any) -> str:
-        """The view's page around ``path`` (what the browser's address bar shows)."""
-        return self.page(path, **params).replace(self.app_root, self.top_root, 1)
-
     def airflow_dag(self, dag_id: str) -> str:
         return f"{self.airflow_root}/dags/{quote(dag_id, safe='')}/grid"
 
