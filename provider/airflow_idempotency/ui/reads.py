@@ -398,7 +398,8 @@ def _calendar_of(
             record = by_key.get(key)
             if record is not None:
                 record["locked"] = bool(record["locked"]) or key in locked
-                cell = {**record, "state": run_state(record)}
+                record["state"] = run_state(record)
+                cell = record  # the record itself, not a copy: a calendar has ~1,000 cells
                 shown.add(key)
                 if cell["state"] == "completed" and isinstance(record["details"], dict):
                     for name, value in record["details"].items():
