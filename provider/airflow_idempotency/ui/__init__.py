@@ -5,7 +5,8 @@ Line-neutral:
 - :mod:`~airflow_idempotency.ui.reads`: what the view reads, for one reader (Airflow-free);
 - :mod:`~airflow_idempotency.ui.pages`: each page's query object and data function;
 - :mod:`~airflow_idempotency.ui.rendering`: the templates, their filters, links and JSON;
-- :mod:`~airflow_idempotency.ui.database`: connections to the job database;
+- :mod:`~airflow_idempotency.ui.database`: the bounded pool of job-database connections;
+- :mod:`~airflow_idempotency.ui.headers`: the security headers (CSP) of every answer;
 - :mod:`~airflow_idempotency.ui.settings`: ``[idempotency] ui_*`` configuration.
 
 Airflow 3 (the api-server):
@@ -18,7 +19,8 @@ Airflow 3 (the api-server):
 Airflow 2.11 (the webserver): :mod:`~airflow_idempotency.ui.fab`, the Flask AppBuilder view.
 
 The plugin module (``airflow_idempotency.plugin``), which every Airflow process loads, imports
-only this package's constants: the app is built on its first request.
+only this package's constants: the app (3.x) is built on its first request, the Flask view
+(2.11) when the webserver asks the plugin for it.
 """
 
 MOUNT = "/idempotency"
