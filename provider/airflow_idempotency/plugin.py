@@ -54,12 +54,15 @@ class _LazyApp:
         await self._app(scope, receive, send)
 
 
-def _key_icon(colour: str) -> str:
-    """A key, as a data URI the UI's nav shows as the entry's icon (no request, no auth)."""
+def _key_icon(colour: str, halo: str) -> str:
+    """A key, as a data URI the UI's nav shows as the entry's icon (no request, no auth):
+    drawn in ``colour`` over a ``halo``, so that it shows on the nav and on its highlight."""
+    shape = "<circle cx='7.5' cy='15.5' r='4.5'/><path d='M10.7 12.3 21 2M16 7l3 3M14 9l2 2'/>"
     svg = (
         "<svg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 24 24' fill='none' "
-        f"stroke='{colour}' stroke-width='2' stroke-linecap='round' stroke-linejoin='round'>"
-        "<circle cx='7.5' cy='15.5' r='4.5'/><path d='M10.7 12.3 21 2M16 7l3 3M14 9l2 2'/></svg>"
+        "stroke-linecap='round' stroke-linejoin='round'>"
+        f"<g stroke='{halo}' stroke-width='4'>{shape}</g>"
+        f"<g stroke='{colour}' stroke-width='2'>{shape}</g></svg>"
     )
     return "data:image/svg+xml," + svg.replace("<", "%3C").replace(">", "%3E").replace("#", "%23")
 
@@ -79,8 +82,8 @@ class IdempotencyPlugin(AirflowPlugin):
             "destination": "nav",
             # Airflow 3.1+'s nav shows a top-level entry with its icon (else under a menu).
             "nav_top_level": True,
-            "icon": _key_icon("#4a5568"),
-            "icon_dark_mode": _key_icon("#e2e8f0"),
+            "icon": _key_icon("#2d3748", "#ffffff"),
+            "icon_dark_mode": _key_icon("#e2e8f0", "#1a202c"),
         },
         {
             "name": "Run keys",
