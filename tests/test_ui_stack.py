@@ -270,11 +270,11 @@ def test_in_the_browser_operator_reads_and_reruns_a_key(
         "completed for this key are no-ops, Dry run not ticked?"
     )
     assert form.locator(".result").inner_text() == ""
+    page.screenshot(path=shots / "run-keys-dag-tab.png")  # the question asked
     form.locator(".confirm button.yes").click()
     result = form.locator(".result")
     result.locator("a").wait_for()
     assert result.inner_text().startswith("Triggered manual__")
-    page.screenshot(path=shots / "run-keys-dag-tab.png")
     rerun_id = result.locator("a").inner_text()
     rerun = stack.wait_for_runs("ui_demo", [rerun_id], timeout=180)[0]
     assert rerun.state == "success" and rerun.conf == {"run_key": "2026-10-01"}
