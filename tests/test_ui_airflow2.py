@@ -106,13 +106,12 @@ class Webserver2:
     def start(self) -> None:
         self.airflow("db", "migrate")
         self.airflow("dags", "reserialize")
+        self.airflow("sync-perm")  # the default roles, and a resource per DAG
+        subprocess.run(
+            [sys.executable, "-c", LIMITED_ROLE], env=self.env, check=True, timeout=300,
+            capture_output=True,
+        )  # fmt: skip
         for user, role in USERS.items():
-            if role == "Limited":
-                self.airflow("sync-perm")
-                subprocess.run(
-                    [sys.executable, "-c", LIMITED_ROLE], env=self.env, check=True, timeout=300,
-                    capture_output=True,
-                )  # fmt: skip
             self.airflow(
                 "users", "create", "--username", user, "--password", user, "--role", role,
                 "--firstname", user, "--lastname", "test", "--email", f"{user}@example.com",
