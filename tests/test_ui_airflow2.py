@@ -45,16 +45,26 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
 
-LIMITED_ROLE = """
+SET_UP = """
+import json, sys
+from airflow.models.dagbag import DagBag
 from airflow.www.app import cached_app
 
+DagBag().sync_to_db()  # what `airflow dags reserialize` does
 security = cached_app().appbuilder.sm
+security.sync_roles()  # `airflow sync-perm`: the default roles
+security.create_dag_specific_permissions()  # DAG:<dag_id>
 role = security.add_role("Limited")
 for permission in security.find_role("Viewer").permissions:
     if permission.resource.name != "DAGs":
         security.add_permission_to_role(role, permission)
 security.add_permission_to_role(role, security.create_permission("can_read", "DAG:ui_demo"))
+for name, role_name in json.loads(sys.argv[1]).items():
+    found = security.find_role(role_name)
+    assert security.add_user(name, name, "test", name + "@example.com", found, name), name
 """
+"""One process for what `airflow dags reserialize`, `sync-perm` and `users create` would do
+in six (each CLI call costs ~10 s of imports on a loaded machine)."""
 
 
 class Webserver2:
@@ -105,17 +115,10 @@ class Webserver2:
 
     def start(self) -> None:
         self.airflow("db", "migrate")
-        self.airflow("dags", "reserialize")
-        self.airflow("sync-perm")  # the default roles, and a resource per DAG
         subprocess.run(
-            [sys.executable, "-c", LIMITED_ROLE], env=self.env, check=True, timeout=300,
-            capture_output=True,
+            [sys.executable, "-c", SET_UP, json.dumps(USERS)], env=self.env, check=True,
+            timeout=300, capture_output=True,
         )  # fmt: skip
-        for user, role in USERS.items():
-            self.airflow(
-                "users", "create", "--username", user, "--password", user, "--role", role,
-                "--firstname", user, "--lastname", "test", "--email", f"{user}@example.com",
-            )  # fmt: skip
         logs = self.home / "logs-stack"
         logs.mkdir(exist_ok=True)
         for name in ("webserver", "scheduler"):
