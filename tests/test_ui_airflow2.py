@@ -85,6 +85,8 @@ class Webserver2:
                 "AIRFLOW__WEBSERVER__BASE_URL": self.base_url,
                 "AIRFLOW__WEBSERVER__SECRET_KEY": "idempotency-test-secret",
                 "AIRFLOW__WEBSERVER__WARN_DEPLOYMENT_EXPOSURE": "False",
+                # FAB limits logins to 5 in 40 s per client; the tests sign in more often.
+                "AIRFLOW__WEBSERVER__AUTH_RATE_LIMITED": "False",
                 "AIRFLOW__API__AUTH_BACKENDS": (
                     "airflow.api.auth.backend.basic_auth,airflow.api.auth.backend.session"
                 ),
@@ -99,6 +101,7 @@ class Webserver2:
             }
         )
         self.procs: list[subprocess.Popen[str]] = []
+        self.sessions: dict[str, Session] = {}
 
     def airflow(self, *args: str, stdin: str | None = None) -> str:
         proc = subprocess.run(
@@ -145,11 +148,14 @@ class Webserver2:
     # -- HTTP ------------------------------------------------------------------------------
 
     def session(self, user: str | None) -> Session:
-        """A cookie session, signed in as ``user`` through FAB's login form (None: anonymous)."""
-        session = Session(self.base_url)
-        if user is not None:
-            session.login(user)
-        return session
+        """A cookie session, signed in as ``user`` through FAB's login form (once per user;
+        None: anonymous)."""
+        if user is None:
+            return Session(self.base_url)
+        if user not in self.sessions:
+            self.sessions[user] = Session(self.base_url)
+            self.sessions[user].login(user)
+        return self.sessions[user]
 
     def api(self, method: str, path: str, body: Any = None) -> Any:
         """The stable REST API as admin (basic auth)."""
