@@ -160,15 +160,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_child(target: str, args: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
-    """Run ``module:function(**args)`` in a fresh interpreter; return its dict result.
+def run_child(
+    target: str, args: dict[str, Any], timeout: float = 1800, python: str = sys.executable
+) -> dict[str, Any]:
+    """Run ``module:function(**args)`` in a fresh interpreter (``python``: another line's);
+    return its dict result.
 
     The child adds ``peak_rss_mb`` (its own ru_maxrss, so only the process doing the work
     is counted), ``child_seconds`` (the call, without interpreter start and imports of
     the child's entry point) and ``cpu_seconds`` (its CPU time, user + system, in the call).
     """
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.common", target, json.dumps(args)],
+        [python, "-m", "bench.common", target, json.dumps(args)],
         capture_output=True,
         text=True,
         timeout=timeout,

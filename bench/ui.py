@@ -15,6 +15,9 @@
    the same statements (RecordsReader) on a connection already open, with no connection
    set-up, authentication, authorization or rendering. The difference is the app's own
    cost per page.
+   The same pages on **Airflow 2.11** (when ``.venv-airflow2`` exists): the webserver's
+   Flask app in-process (its test client), signed in through FAB's login form, each page
+   (the framed document) and its JSON twin timed the same way.
 3. **Connections.** A new connection per request (``psycopg.connect`` and the schema check,
    what the app does) against a checkout from a psycopg_pool pool.
 4. **Migration 5** on the seeded tables: the time its indexes take to build (writes to
@@ -33,6 +36,7 @@ from typing import Any
 
 import psycopg
 
+from bench.airflow2 import airflow2_python
 from bench.common import BenchResult, Size, at_most, database, median, percentile, run_child, say
 from devtools import airflow_env
 from devtools.postgres import PostgresServer
@@ -83,7 +87,14 @@ def _plugin_load(result: BenchResult, samples: int) -> None:
     env_before = dict(os.environ)
     try:
         airflow_env.configure(home)  # the children inherit it
+        # As an installed wheel has it: bytecode. The checkout is installed editable and CI
+        # sets PYTHONDONTWRITEBYTECODE, so without this every child would compile the
+        # plugin's modules from source (a cost no deployed task pays).
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = str(home / "pycache")
         timings: dict[bool, list[float]] = {True: [], False: []}
+        for with_plugin in (True, False):  # warm-up: writes the bytecode
+            run_child("bench.ui:child_plugin_load", {"with_plugin": with_plugin})
         order = [True, False, False, True] * ((samples + 1) // 2)
         for with_plugin in order[: samples * 2]:
             out = run_child("bench.ui:child_plugin_load", {"with_plugin": with_plugin})
@@ -260,8 +271,6 @@ async def _pages_loop(dsn: str, jobs: int, dags: int, requests: int, keys: int) 
     """The requests go to the app through httpx's ASGI transport on this event loop (as
     uvicorn calls it, without sockets); a trivial route of a bare FastAPI app measures what
     that path costs by itself."""
-    import datetime as dt
-
     import httpx
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
@@ -271,7 +280,7 @@ async def _pages_loop(dsn: str, jobs: int, dags: int, requests: int, keys: int) 
     from airflow_idempotency.hook import IdempotencyHook
     from airflow_idempotency.schema import require_readable
     from airflow_idempotency.ui.app import Settings, create_app
-    from airflow_idempotency.ui.reads import RecordsReader, RunFilters, Visibility
+    from airflow_idempotency.ui.reads import RecordsReader, Visibility
 
     manager = get_auth_manager()
     tokens = {
@@ -284,7 +293,159 @@ async def _pages_loop(dsn: str, jobs: int, dags: int, requests: int, keys: int) 
     def trivial() -> dict[str, int]:
         return {"ok": 1}
 
-    every = Visibility(True)
+    pages = _page_table(jobs, dags, keys, frame="", api="/api")
+    page_ms: dict[str, list[float]] = {name: [] for name in pages}
+    bare_ms: dict[str, list[float]] = {name: [] for name in pages}
+    harness_ms: list[float] = []
+    connect_ms: list[float] = []
+    pool_ms: list[float] = []
+    kwargs = IdempotencyHook().connection_kwargs()
+    app_transport = httpx.ASGITransport(app=create_app(Settings()))
+    bare_transport = httpx.ASGITransport(app=bare_app)
+    async with (
+        httpx.AsyncClient(transport=app_transport, base_url="http://ui") as client,
+        httpx.AsyncClient(transport=bare_transport, base_url="http://bare") as bare_client,
+    ):
+        with (
+            psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn,
+            ConnectionPool(dsn, min_size=1, max_size=1, kwargs={"autocommit": True}) as pool,
+        ):
+            reader = RecordsReader(conn, "idempotency", Visibility(True))
+            for i in range(-3, requests):  # 3 warm-up rounds
+                for name, (user, path, params, bare) in pages.items():
+                    t0 = time.perf_counter()
+                    response = await client.get(
+                        path, params=params, cookies={"_token": tokens[user]}
+                    )
+                    t1 = time.perf_counter()
+                    if response.status_code != 200:
+                        raise RuntimeError(f"{name}: {response.status_code} {response.text[:500]}")
+                    bare(reader)
+                    t2 = time.perf_counter()
+                    if i >= 0:
+                        page_ms[name].append((t1 - t0) * 1000)
+                        bare_ms[name].append((t2 - t1) * 1000)
+                t0 = time.perf_counter()
+                await bare_client.get("/trivial")
+                t1 = time.perf_counter()
+                with psycopg.connect(**kwargs, autocommit=True, prepare_threshold=None) as fresh:
+                    require_readable(fresh, "idempotency")
+                t2 = time.perf_counter()
+                with pool.connection() as pooled:
+                    require_readable(pooled, "idempotency")
+                t3 = time.perf_counter()
+                if i >= 0:
+                    harness_ms.append((t1 - t0) * 1000)
+                    connect_ms.append((t2 - t1) * 1000)
+                    pool_ms.append((t3 - t2) * 1000)
+    return {
+        "page_ms": page_ms,
+        "bare_ms": bare_ms,
+        "harness_ms": harness_ms,
+        "connect_ms": connect_ms,
+        "pool_ms": pool_ms,
+    }
+
+
+# ---------------------------------------------------------------- 2b. pages on Airflow 2.11
+
+AIRFLOW2_LIMITED_ROLE = "BenchLimited"
+
+
+def child_pages_airflow2(
+    dsn: str, jobs: int, dags: int, requests: int, keys: int
+) -> dict[str, Any]:
+    """In a fresh Airflow 2.11 interpreter: the webserver's app in-process (Flask's test
+    client: no sockets, no gunicorn), signed in through FAB's login form as an admin and as
+    a user whose role may read four fifths of the DAGs; each page and its JSON twin timed,
+    interleaved with its bare SELECTs."""
+    import logging
+    import subprocess
+
+    home = Path(tempfile.mkdtemp(prefix="bench-ui-pages2-"))
+    airflow_env.configure(home, airflow2=True)
+    os.environ.update(
+        {
+            "AIRFLOW__WEBSERVER__SECRET_KEY": "bench-ui",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
+            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(dsn),
+        }
+    )
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "airflow", "db", "migrate"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        logging.disable(logging.WARNING)
+        return _measure_pages_airflow2(dsn, jobs, dags, requests, keys)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _measure_pages_airflow2(
+    dsn: str, jobs: int, dags: int, requests: int, keys: int
+) -> dict[str, Any]:
+    from airflow.models.dag import DagModel
+    from airflow.utils.session import create_session
+    from airflow.www.app import create_app
+
+    with create_session() as session:
+        for i in range(dags):
+            session.add(DagModel(dag_id=f"dag_{i}", fileloc=f"/dags/dag_{i}.py", is_active=True))
+    app = create_app(testing=True)
+    app.config["WTF_CSRF_ENABLED"] = False
+    security = app.appbuilder.sm
+    limited = security.add_role(AIRFLOW2_LIMITED_ROLE)
+    for permission in security.find_role("Viewer").permissions:
+        if permission.resource.name != "DAGs":
+            security.add_permission_to_role(limited, permission)
+    for i in range(denied_dags(dags), dags):
+        security.add_permission_to_role(
+            limited, security.create_permission("can_read", f"DAG:dag_{i}")
+        )
+    clients = {}
+    for name, role in (("admin", "Admin"), ("restricted", AIRFLOW2_LIMITED_ROLE)):
+        security.add_user(
+            name, name, "bench", f"{name}@example.com", security.find_role(role), name
+        )
+        client = app.test_client()
+        answer = client.post("/login/", data={"username": name, "password": name})
+        if answer.status_code != 302:
+            raise RuntimeError(f"login of {name}: {answer.status_code}")
+        clients[name] = client
+    pages = _page_table(jobs, dags, keys, frame="/runkeys/page", api="/runkeys/api")
+    page_ms: dict[str, list[float]] = {name: [] for name in pages}
+    bare_ms: dict[str, list[float]] = {name: [] for name in pages}
+    from airflow_idempotency.ui.reads import RecordsReader, Visibility
+
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+        reader = RecordsReader(conn, "idempotency", Visibility(True))
+        for i in range(-3, requests):
+            for name, (user, path, params, bare) in pages.items():
+                t0 = time.perf_counter()
+                response = clients[user].get(path, query_string=params)
+                t1 = time.perf_counter()
+                if response.status_code != 200:
+                    raise RuntimeError(f"{name}: {response.status_code} {response.data[:500]!r}")
+                bare(reader)
+                t2 = time.perf_counter()
+                if i >= 0:
+                    page_ms[name].append((t1 - t0) * 1000)
+                    bare_ms[name].append((t2 - t1) * 1000)
+    return {"page_ms": page_ms, "bare_ms": bare_ms}
+
+
+def _page_table(
+    jobs: int, dags: int, keys: int, *, frame: str, api: str
+) -> dict[str, tuple[str, str, dict[str, str], Any]]:
+    """page name -> (user, path, query, the page's bare reads), each page and its JSON twin
+    (``frame`` + the page's path; ``api`` + the twin's)."""
+    import datetime as dt
+
+    from airflow_idempotency.ui.reads import RecordsReader, RunFilters, Visibility
+
     some = Visibility(False, frozenset(f"dag_{i}" for i in range(denied_dags(dags), dags)))
     job = f"job_{jobs - 1}"  # a job whose keys are not held; its DAG is dag_<job mod dags>
     dag = f"dag_{(jobs - 1) % dags}"
@@ -336,60 +497,15 @@ async def _pages_loop(dsn: str, jobs: int, dags: int, requests: int, keys: int) 
         "locks held now": ("admin", "/locks", {}, lambda r: r.locks()),
     }
     # Each page's JSON twin, with the same bare SELECTs.
-    for name, (user, path, params, bare) in list(pages.items()):
-        api = "/api" + ("/overview" if path == "/" else path)
-        pages[f"{name}, JSON"] = (user, api, params, bare)
-    page_ms: dict[str, list[float]] = {name: [] for name in pages}
-    bare_ms: dict[str, list[float]] = {name: [] for name in pages}
-    harness_ms: list[float] = []
-    connect_ms: list[float] = []
-    pool_ms: list[float] = []
-    kwargs = IdempotencyHook().connection_kwargs()
-    app_transport = httpx.ASGITransport(app=create_app(Settings()))
-    bare_transport = httpx.ASGITransport(app=bare_app)
-    async with (
-        httpx.AsyncClient(transport=app_transport, base_url="http://ui") as client,
-        httpx.AsyncClient(transport=bare_transport, base_url="http://bare") as bare_client,
-    ):
-        with (
-            psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn,
-            ConnectionPool(dsn, min_size=1, max_size=1, kwargs={"autocommit": True}) as pool,
-        ):
-            reader = RecordsReader(conn, "idempotency", every)
-            for i in range(-3, requests):  # 3 warm-up rounds
-                for name, (user, path, params, bare) in pages.items():
-                    t0 = time.perf_counter()
-                    response = await client.get(
-                        path, params=params, cookies={"_token": tokens[user]}
-                    )
-                    t1 = time.perf_counter()
-                    if response.status_code != 200:
-                        raise RuntimeError(f"{name}: {response.status_code} {response.text[:500]}")
-                    bare(reader)
-                    t2 = time.perf_counter()
-                    if i >= 0:
-                        page_ms[name].append((t1 - t0) * 1000)
-                        bare_ms[name].append((t2 - t1) * 1000)
-                t0 = time.perf_counter()
-                await bare_client.get("/trivial")
-                t1 = time.perf_counter()
-                with psycopg.connect(**kwargs, autocommit=True, prepare_threshold=None) as fresh:
-                    require_readable(fresh, "idempotency")
-                t2 = time.perf_counter()
-                with pool.connection() as pooled:
-                    require_readable(pooled, "idempotency")
-                t3 = time.perf_counter()
-                if i >= 0:
-                    harness_ms.append((t1 - t0) * 1000)
-                    connect_ms.append((t2 - t1) * 1000)
-                    pool_ms.append((t3 - t2) * 1000)
-    return {
-        "page_ms": page_ms,
-        "bare_ms": bare_ms,
-        "harness_ms": harness_ms,
-        "connect_ms": connect_ms,
-        "pool_ms": pool_ms,
+    twins = {
+        f"{name}, JSON": (user, api + ("/overview" if path == "/" else path), params, bare)
+        for name, (user, path, params, bare) in pages.items()
     }
+    framed = {
+        name: (user, frame + path, params, bare)
+        for name, (user, path, params, bare) in pages.items()
+    }
+    return {**framed, **twins}
 
 
 def _migration_5_seconds(dsn: str) -> float:
@@ -453,12 +569,20 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         seeded_s = time.perf_counter() - t0
         migration_s = _migration_5_seconds(dsn)
         holder = hold_locks(dsn, running)
+        args = {"dsn": dsn, "jobs": jobs, "dags": dags, "requests": requests, "keys": keys}
         try:
             say(f"ui: pages, {requests} requests each ...")
-            out = run_child(
-                "bench.ui:child_pages",
-                {"dsn": dsn, "jobs": jobs, "dags": dags, "requests": requests, "keys": keys},
-            )
+            out = run_child("bench.ui:child_pages", args)
+            # Not at the tiny size (the suite's smoke test: a 2.11 webserver app takes half a
+            # minute to build), unless BENCH_UI_AIRFLOW2=1 asks for it.
+            wanted = size.name != "tiny" or os.environ.get("BENCH_UI_AIRFLOW2") == "1"
+            python2 = airflow2_python() if wanted else None
+            if python2 is not None:
+                say(f"ui: pages on Airflow 2.11, {requests} requests each ...")
+                out2 = run_child("bench.ui:child_pages_airflow2", args, python=python2)
+            else:
+                say("ui: Airflow 2.11 pages skipped (tiny size, or no .venv-airflow2)")
+                out2 = None
         finally:
             holder.close()
     rows_note = (
@@ -485,6 +609,18 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
             "ms",
             note="connection, auth, rendering",
         )
+    if out2 is not None:
+        for name, samples_ms in out2["page_ms"].items():
+            bare = out2["bare_ms"][name]
+            p95, bare_p95 = percentile(samples_ms, 95), percentile(bare, 95)
+            result.add(
+                f"Airflow 2.11: {name}: page p95",
+                p95,
+                "ms",
+                f"<= {PAGE_P95_LIMIT_MS:g} ms",
+                at_most(p95, PAGE_P95_LIMIT_MS),
+                f"median {median(samples_ms):.1f} ms; bare SELECTs p95 {bare_p95:.1f} ms",
+            )
     result.add(
         "trivial route of a bare FastAPI app, p95",
         percentile(out["harness_ms"], 95),
@@ -530,13 +666,11 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "one heap row each; one key in 50 failed here, a pessimistic history)."
     )
     result.notes.append(
-        "**Connection per request, not a pool.** The app opens a connection for each page "
-        "instead of keeping a pool: the provider does not depend on psycopg_pool, an "
-        "api-server keeps no idle session on the job database, and every page reads the "
-        "Airflow connection afresh (an edited connection, an IAM token). A pool would save "
-        "the `new connection` row minus the `pool checkout` row, and the cold catalog "
-        "caches of a new backend: about 12 ms a page on a quiet machine (the two rows "
-        "above)."
+        "**A bounded pool.** Each page checks out a connection of the view's pool "
+        "(psycopg_pool, at most `[idempotency] ui_pool_size` per api-server worker, idle ones "
+        "closed after `ui_pool_max_idle`), so the page figures include a checkout and the "
+        "schema check, not a new connection: the `new connection` row minus the `pool "
+        "checkout` row is what the pool saves a page."
     )
     result.notes.append(
         "**Plugin load.** Airflow 3 integrates macro plugins in every task process before "
@@ -544,7 +678,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "The plugin module imports only its base class (common-compat's AirflowPlugin: the "
         "Task SDK's, already loaded in a task process) and its own constants; the app is "
         "built by the api-server on the "
-        f"first request. {samples} fresh processes per variant, in ABBA order."
+        f"first request. {samples} fresh processes per variant, in ABBA order, with the "
+        "bytecode written by a warm-up child of each variant (as an installed wheel has it)."
     )
     return result
 

@@ -8,6 +8,7 @@ initialised as the api-server does; tests/test_ui_stack.py serves it from a real
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 from airflow_helpers import register
 from airflow_idempotency.records import Trigger
 from airflow_idempotency.runner import RunContext, run_idempotently
+from airflow_idempotency.ui.database import POOLS
 from devtools import airflow_env
 from ui_auth_manager import DENIED_ENV
 
@@ -402,10 +404,14 @@ def test_unreadable_database_is_explained_and_never_changed(
 
 
 def test_a_role_that_may_only_select_is_enough(
-    auth_manager: Any, seeded: str, monkeypatch: pytest.MonkeyPatch
+    auth_manager: Any,
+    seeded: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Every page works through a database role that may only read the bookkeeping tables;
-    a read the database refuses is a page that says so (503), not a bare error."""
+    a read the database refuses is a page that says so (503) with an error id, whose log
+    record has the database's own text (never shown to the user)."""
     role = "idem_ui_reader"
     with psycopg.connect(seeded, autocommit=True) as conn:
         conn.execute(f"DROP ROLE IF EXISTS {role}")
@@ -433,10 +439,19 @@ def test_a_role_that_may_only_select_is_enough(
             assert response.status_code == 200, (path, response.text[:1000])
         with psycopg.connect(seeded, autocommit=True) as conn:
             conn.execute(f"REVOKE SELECT ON idempotency.job_runs FROM {role}")
-        refused = client.get("/")
-        assert refused.status_code == 503
-        assert "InsufficientPrivilege" in refused.text and "job_runs" in refused.text
+        with caplog.at_level(logging.ERROR, logger="airflow_idempotency.ui.database"):
+            refused = client.get("/")
+            refused_json = client.get("/api/overview")
+        assert refused.status_code == 503 and refused_json.status_code == 503
+        # The user gets a short message with an id; the log has the database's own text.
+        (error_id,) = re.findall(r"error id ([0-9a-f]{8})", refused.text)
+        assert "InsufficientPrivilege" not in refused.text and "permission" not in refused.text
+        assert "error id" in refused_json.json()["detail"]
+        logged = [r for r in caplog.records if error_id in r.getMessage()]
+        assert len(logged) == 1 and "InsufficientPrivilege" in logged[0].getMessage()
+        assert "job_runs" in logged[0].getMessage()
     finally:
+        POOLS.close()  # the role's sessions in the view's pool
         with psycopg.connect(seeded, autocommit=True) as conn:
             conn.execute(f"DROP OWNED BY {role}")
             conn.execute(f"DROP ROLE {role}")
@@ -655,3 +670,169 @@ def test_locks_page_names_each_holder_and_its_age(auth_manager: Any, seeded: str
     assert "secret_dag" not in barred_page
     assert Client(auth_manager, "viewer").json("/api/locks")["locks"] == []
     assert 'id="no-locks"' in Client(auth_manager, "viewer").get("/locks").text
+
+
+def test_overview_totals_unconfirmed_effects_per_remote_system(
+    auth_manager: Any, seeded: str
+) -> None:
+    """The overview sums the pending and failed effects of every key the user may read, per
+    remote system; a user barred from a DAG gets totals without that DAG's effects."""
+    add_effects(seeded, "demo_dag.load", "2026-10-02", pending=2)
+    with psycopg.connect(seeded, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO idempotency.outbound_ledger (remote_system, idempotency_key, job_name,"
+            " run_key, request_fingerprint, status) VALUES"
+            " ('warehouse', 'w1', 'demo_dag.load', '2026-10-01', 'f', 'failed'),"
+            " ('warehouse', 'w2', 'demo_dag.load', '2026-10-01', 'f', 'succeeded')"
+        )
+
+    def totals(user: str, role: str = "viewer") -> dict[str, tuple[int, int, int]]:
+        client = Client(auth_manager, user, role)
+        remotes = client.json("/api/overview")["overview"]["remotes"]
+        page = client.get("/").text
+        for r in remotes:  # the page shows the same figures
+            row = re.search(rf'<tr data-remote="{r["remote_system"]}">(.*?)</tr>', page, re.S)
+            assert row and f'pending">{r["pending"]}<' in row.group(1)
+        return {r["remote_system"]: (r["pending"], r["failed"], r["run_keys"]) for r in remotes}
+
+    # accounting: demo_dag.load 10-01 (1 pending, 1 failed), 10-02 (2 pending),
+    # secret_dag.pay 10-01 (3 pending); warehouse: one failed.
+    assert totals("admin", "admin") == {"accounting": (6, 1, 3), "warehouse": (0, 1, 1)}
+    assert totals("restricted") == {"accounting": (3, 1, 2), "warehouse": (0, 1, 1)}
+
+
+def inline_handlers_or_styles(page: str) -> list[str]:
+    """The attributes of the page's tags that a strict CSP would block (on*, style)."""
+    from html.parser import HTMLParser
+
+    found: list[str] = []
+
+    class Attributes(HTMLParser):
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            found.extend(
+                f"{tag}.{name}" for name, _ in attrs if name.startswith("on") or name == "style"
+            )
+
+    Attributes().feed(page)
+    return found
+
+
+def test_pages_and_json_carry_security_headers(auth_manager: Any, seeded: str) -> None:
+    """Each page has a CSP whose nonce is the one of its only inline style and script (no
+    inline handler or style attribute), may be framed by Airflow's own origin only, and each
+    JSON answer and error page carries the headers too."""
+    client = Client(auth_manager, "user", "user")
+    for path, params in (
+        ("/", {}),
+        ("/dags/demo_dag", {}),
+        ("/keys", {"job": "demo_dag.load", "run_key": "2026-10-02"}),
+        ("/calendar", {"job": "demo_dag.load"}),
+        ("/locks", {}),
+        ("/keys", {"job": "no.such", "run_key": "x"}),
+    ):
+        response = client.get(path, **params)
+        policy = response.headers["content-security-policy"]
+        (nonce,) = re.findall(r"script-src 'nonce-([^']+)'", policy)
+        assert f"style-src 'nonce-{nonce}'" in policy and "frame-ancestors 'self'" in policy
+        assert "unsafe-inline" not in policy and "default-src 'none'" in policy
+        assert response.headers["x-frame-options"] == "SAMEORIGIN"
+        assert response.text.count("<script") == response.text.count(f'<script nonce="{nonce}">')
+        assert response.text.count("<style") == response.text.count(f'<style nonce="{nonce}">')
+        assert response.text.count("<script") == 1
+        assert not inline_handlers_or_styles(response.text), path
+    again = client.get("/").headers["content-security-policy"]
+    assert again != client.get("/").headers["content-security-policy"]  # a nonce per response
+    for answer in (client.get("/api/overview"), client.get("/api/calendar")):
+        assert "frame-ancestors 'self'" in answer.headers["content-security-policy"]
+        assert answer.headers["x-content-type-options"] == "nosniff"
+
+
+def test_rerun_form_asks_before_it_triggers(auth_manager: Any, seeded: str) -> None:
+    """The rerun form's button only opens a confirmation that names the DAG and the key (the
+    script fills in Force and Dry run); the POST is wired to its "Yes, trigger" button."""
+    page = Client(auth_manager, "user", "user").get(
+        "/keys", job="demo_dag.load", run_key="2026-10-02"
+    )
+    form = re.search(r'<form class="rerun"(.*?)</form>', page.text, re.S)
+    assert form is not None
+    assert 'data-dag-id="demo_dag"' in form.group(1) and 'data-run-key="2026-10-02"' in form.group(
+        1
+    )
+    assert '<div class="confirm" role="alertdialog" hidden>' in form.group(1)
+    assert 'class="yes primary">Yes, trigger</button>' in form.group(1)
+    script = page.text[page.text.index("<script") :]
+    assert 'form.addEventListener("submit", (event) => { event.preventDefault(); ask(); });' in (
+        script
+    )
+    assert script.index('querySelector("button.yes").addEventListener("click", async') < (
+        script.index("await fetch(form.dataset.api")
+    )
+
+
+def view_pids(dsn: str) -> set[int]:
+    """The backends of the view's pool on this database (its application_name)."""
+    return {
+        int(pid)
+        for (pid,) in rows(
+            dsn,
+            "SELECT pid FROM pg_stat_activity"
+            " WHERE application_name = 'airflow-idempotency ui' AND datname = current_database()",
+        )
+    }
+
+
+def test_job_database_connections_are_a_bounded_pool(
+    auth_manager: Any, seeded: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many pages at once share at most [idempotency] ui_pool_size connections (the others
+    wait for one), later pages reuse them, and an edited Airflow connection gets a new pool
+    (the old sessions end)."""
+    import concurrent.futures
+    import time
+
+    from airflow_idempotency.ui.settings import Settings
+
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__UI_POOL_SIZE", "2")
+    settings = Settings.from_airflow_config()
+    assert settings.pool_size == 2
+    POOLS.close()
+    client = Client(auth_manager, "viewer", settings=settings)
+    seen: list[int] = []
+
+    def page(_: int) -> int:
+        seen.append(len(view_pids(seeded)))
+        return int(client.get("/api/overview").status_code)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(page, range(40)))
+    assert statuses == [200] * 40
+    sessions = view_pids(seeded)
+    assert 1 <= len(sessions) <= 2 and max(seen) <= 2
+    for _ in range(5):
+        client.json("/api/locks")
+    assert view_pids(seeded) == sessions  # reused, not reopened
+    # An edited connection (here its application_name) gets a new pool; the old one's
+    # sessions end.
+    edited = {**json.loads(airflow_env.airflow_connection_json(seeded)), "extra": {}}
+    edited["extra"] = {"application_name": "edited"}
+    monkeypatch.setenv("AIRFLOW_CONN_IDEMPOTENCY_DEFAULT", json.dumps(edited))
+    assert client.json("/api/overview")["overview"]["counts"]["failed"] == 1
+    deadline = time.monotonic() + 10
+    while view_pids(seeded) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert view_pids(seeded) == set()
+    POOLS.close()
+
+
+def test_pool_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool size below 1 or a non-positive timeout is refused, naming the setting."""
+    from airflow_idempotency.exceptions import InvalidInputError
+    from airflow_idempotency.ui.settings import Settings
+
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__UI_POOL_SIZE", "0")
+    with pytest.raises(InvalidInputError, match=r"ui_pool_size must be at least 1"):
+        Settings.from_airflow_config()
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__UI_POOL_SIZE", "3")
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__UI_POOL_TIMEOUT", "0")
+    with pytest.raises(InvalidInputError, match=r"ui_pool_timeout must be a positive"):
+        Settings.from_airflow_config()

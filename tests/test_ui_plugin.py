@@ -1,5 +1,6 @@
 """The plugin on both Airflow lines: Airflow finds it, it imports nothing heavy, and the
-operator's "Run key" extra link (Airflow 3) points at the key the task ran."""
+operator's "Run key" extra link points at the key the task ran (Airflow 3) or at the view's
+page that finds it (Airflow 2.11)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ HEAVY = (
 
 def test_airflow_lists_the_plugin_without_import_errors() -> None:
     """`airflow plugins` finds the plugin through its entry point, on each line, with no
-    import error; on Airflow 3 it brings the app and the three views (nav, DAG, DAG run)."""
+    import error; on Airflow 3 it brings the app and the three views (nav, at the top level
+    with an icon; DAG; DAG run), on 2.11 the Flask AppBuilder view and the link's class."""
     proc = subprocess.run(
         [sys.executable, "-m", "airflow", "plugins", "-o", "json"],
         capture_output=True,
@@ -54,6 +56,14 @@ def test_airflow_lists_the_plugin_without_import_errors() -> None:
             "dag": "idempotency/dags/{DAG_ID}",
             "dag_run": "idempotency/dags/{DAG_ID}/runs/{RUN_ID}",
         }
+        (nav,) = [v for v in plugin["external_views"] if v["destination"] == "nav"]
+        assert str(nav["nav_top_level"]) == "True" and "category" not in nav  # the CLI says "True"
+        assert nav["icon"].startswith("data:image/svg+xml,")
+        assert nav["icon_dark_mode"].startswith("data:image/svg+xml,")
+        assert not plugin["appbuilder_views"] and not plugin["operator_extra_links"]
+    else:
+        assert [v["name"] for v in plugin["appbuilder_views"]] == ["Run keys"]
+        assert "RunKeyLink" in str(plugin["operator_extra_links"])
 
 
 def test_the_plugin_module_imports_nothing_heavy() -> None:
@@ -81,14 +91,22 @@ def test_the_plugin_module_imports_nothing_heavy() -> None:
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_extra_link_names_the_key_on_airflow_3_only(airflow_pg_conn: str) -> None:
-    """On Airflow 3 a task of the operator ends with a "Run key" link to its key's page in
-    Airflow's own page; on 2.11 the operator has no extra link at all."""
+def test_extra_link_names_the_key_on_each_line(airflow_pg_conn: str) -> None:
+    """A task of the operator has a "Run key" link: on Airflow 3 to its key's page in
+    Airflow's own page (computed by the worker), on 2.11 to the view's page that finds the
+    key of the task's newest attempt."""
     names = [link.name for link in IdempotentRunOperator.operator_extra_links]
-    if not AIRFLOW_V_3_0_PLUS:
-        assert names == []
-        return
     assert names == ["Run key"]
+    if not AIRFLOW_V_3_0_PLUS:
+        from airflow_idempotency.links import RunKeyLink
+
+        class Key:
+            dag_id, run_id, task_id, map_index = "d", "manual__2026-10-01T00:00:00+00:00", "t", -1
+
+        assert RunKeyLink().get_link(None, ti_key=Key()) == (
+            "/runkeys/task?dag_id=d&run_id=manual__2026-10-01T00%3A00%3A00%2B00%3A00&task_id=t"
+        )
+        return
     with DAG(
         "ui_link", schedule=daily_trigger(), start_date=pendulum.datetime(2026, 1, 1, tz="UTC")
     ) as dag:

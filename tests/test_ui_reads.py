@@ -112,6 +112,7 @@ STATEMENTS: dict[str, dict[str, Any]] = {
     "ui_attention": {"limit": 20},
     "ui_locks": {},
     "ui_unconfirmed": {"limit": 20},
+    "ui_unconfirmed_by_remote": {},
     "ui_dag_jobs": {"dag_id": "dag_1", "limit": 40},
     "ui_dag_keys": {"jobs": ["job_1", "job_4"], "before_key": None, "limit": 31},
     "ui_run_attempts": {"dag_id": "dag_1", "run_id": "scheduled__5", "task_id": None, "limit": 500},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -236,14 +237,15 @@ def view(page: Any) -> Any:
 def test_in_the_browser_operator_reads_and_reruns_a_key(
     browser: Any, stack: SignedInStack, runs: dict[str, str], shots: Path, job_dsn: str
 ) -> None:
-    """Signed in as a user who may trigger: Browse > Run keys shows the records, the DAG's
-    tab shows its keys and reruns one (a new run, a no-op), the key's page shows its
-    attempts, and a link to the DAG run opens Airflow's own page, not a page in the frame."""
+    """Signed in as a user who may trigger: "Run keys" in the main navigation shows the
+    records, the DAG's tab shows its keys and reruns one after a confirmation (a new run, a
+    no-op), the key's page shows its attempts, and a link to the DAG run opens Airflow's own
+    page, not a page in the frame."""
     page = signed_in(browser, stack, "operator")
-    page.get_by_role("button", name="Browse").click()
-    page.get_by_role("menuitem", name="Run keys").or_(
-        page.get_by_role("link", name="Run keys")
-    ).first.click()
+    nav = page.get_by_role("link", name="Run keys").first
+    nav.wait_for()
+    assert page.locator('img[src^="data:image/svg+xml"]').count() >= 1  # the entry's icon
+    nav.click()
     page.wait_for_url("**/plugin/run-keys")
     frame = view(page)
     frame.locator("table.runs").wait_for()
@@ -260,10 +262,19 @@ def test_in_the_browser_operator_reads_and_reruns_a_key(
     frame.locator('button.show-rerun[data-key="2026-10-01"]').click()
     form = frame.locator("#rerun-2026-10-01 form.rerun")
     form.locator("button[type=submit]").click()
+    # One click only asks: the question names the DAG, the key and the two boxes.
+    question = form.locator(".confirm .question")
+    question.wait_for()
+    assert question.inner_text() == (
+        "Trigger a run of DAG ui_demo for run key 2026-10-01, Force not ticked: jobs already "
+        "completed for this key are no-ops, Dry run not ticked?"
+    )
+    assert form.locator(".result").inner_text() == ""
+    page.screenshot(path=shots / "run-keys-dag-tab.png")  # the question asked
+    form.locator(".confirm button.yes").click()
     result = form.locator(".result")
     result.locator("a").wait_for()
     assert result.inner_text().startswith("Triggered manual__")
-    page.screenshot(path=shots / "run-keys-dag-tab.png")
     rerun_id = result.locator("a").inner_text()
     rerun = stack.wait_for_runs("ui_demo", [rerun_id], timeout=180)[0]
     assert rerun.state == "success" and rerun.conf == {"run_key": "2026-10-01"}
@@ -362,8 +373,8 @@ def test_in_the_browser_the_task_link_and_a_barred_user(
     page = signed_in(browser, stack, "viewer")
     run_id = urllib.request.quote(runs["ui_demo"], safe="")
     page.goto(f"{stack.base_url}/dags/ui_demo/runs/{run_id}/tasks/extract/details")
-    page.get_by_role("link", name="Run key").or_(
-        page.get_by_role("button", name="Run key")
+    page.get_by_role("link", name="Run key", exact=True).or_(
+        page.get_by_role("button", name="Run key", exact=True)
     ).first.click()
     page.wait_for_url("**/plugin/run-keys/idempotency/keys**")
     frame = view(page)
@@ -381,3 +392,121 @@ def test_in_the_browser_the_task_link_and_a_barred_user(
     frame = view(barred)
     assert frame.locator("table tbody tr").count() == 2
     barred.screenshot(path=shots / "run-keys-run-tab.png")
+
+
+def attempts_of_run(job_dsn: str, run_id: str) -> list[tuple[str, str, bool, bool]]:
+    with psycopg.connect(job_dsn) as conn:
+        rows = conn.execute(
+            "SELECT job_name, outcome, force, dry_run FROM idempotency.job_run_attempts"
+            " WHERE run_id = %s ORDER BY job_name",
+            (run_id,),
+        ).fetchall()
+    return [(str(j), str(o), bool(f), bool(d)) for j, o, f, d in rows]
+
+
+def rerun_from_the_key_page(page: Any, stack: SignedInStack, *, force: bool, dry_run: bool) -> str:
+    """Tick the boxes on ui_demo.load's 2026-10-01 page, confirm, wait for the run; its id."""
+    page.goto(
+        f"{stack.base_url}/plugin/run-keys/idempotency/keys?job=ui_demo.load&run_key=2026-10-01"
+    )
+    form = view(page).locator("form.rerun")
+    form.wait_for()
+    if force:
+        form.locator("input[name=force]").check()
+    if dry_run:
+        form.locator("input[name=dry_run]").check()
+    form.locator("button[type=submit]").click()
+    question = form.locator(".confirm .question").inner_text()
+    assert "DAG ui_demo for run key 2026-10-01" in question
+    assert ("Force ticked" in question) == force and ("Dry run ticked" in question) == dry_run
+    form.locator(".confirm button.yes").click()
+    form.locator(".result a").wait_for()
+    run_id = form.locator(".result a").inner_text()
+    done = stack.wait_for_runs("ui_demo", [run_id], timeout=180)[0]
+    assert done.state == "success", stack.describe_runs("ui_demo", [run_id])
+    expected = {"run_key": "2026-10-01"}
+    expected.update({"force": True} if force else {})
+    expected.update({"dry_run": True} if dry_run else {})
+    assert done.conf == expected
+    return run_id
+
+
+def test_in_the_browser_force_and_dry_run_do_what_they_say(
+    browser: Any, stack: SignedInStack, runs: dict[str, str], job_dsn: str
+) -> None:
+    """A rerun with Force ticked really recomputes the completed key (its attempts are
+    completed and forced, not no-ops); one with Force and Dry run ticked runs the work and
+    rolls it back (dry_run attempts, the key's record still the forced run's)."""
+    with psycopg.connect(job_dsn) as conn:
+        record = conn.execute(
+            "SELECT status, completed_at, run_id FROM idempotency.job_runs"
+            " WHERE job_name = 'ui_demo.load' AND run_key = '2026-10-01'"
+        ).fetchone()
+    page = signed_in(browser, stack, "operator")
+    forced = rerun_from_the_key_page(page, stack, force=True, dry_run=False)
+    assert attempts_of_run(job_dsn, forced) == [
+        ("ui_demo.extract", "completed", True, False),
+        ("ui_demo.load", "completed", True, False),
+    ]
+    # Dry run alone of a completed key is a no-op; with Force the work runs, rolled back.
+    dry = rerun_from_the_key_page(page, stack, force=True, dry_run=True)
+    assert attempts_of_run(job_dsn, dry) == [
+        ("ui_demo.extract", "dry_run", True, True),
+        ("ui_demo.load", "dry_run", True, True),
+    ]
+    with psycopg.connect(job_dsn) as conn:
+        after = conn.execute(
+            "SELECT status, completed_at, run_id FROM idempotency.job_runs"
+            " WHERE job_name = 'ui_demo.load' AND run_key = '2026-10-01'"
+        ).fetchone()
+    assert after is not None and record is not None
+    assert (
+        after[0] == "completed" and after[2] == forced
+    )  # the forced run recorded, not the dry one
+    page.reload()
+    shown = view(page).locator("#attempts + table tbody tr td:nth-child(2)").all_inner_texts()
+    assert shown[0].split() == ["dry_run", "force", "dry", "run"]
+    assert shown[1].split() == ["completed", "force"]
+
+
+JSON_PATHS = (
+    "/idempotency/api/overview",
+    "/idempotency/api/dags/ui_demo",
+    "/idempotency/api/dags/ui_demo/runs/x",
+    "/idempotency/api/keys?job=ui_demo.load&run_key=2026-10-01",
+    "/idempotency/api/calendar?job=ui_demo.load",
+    "/idempotency/api/locks",
+)
+
+
+def test_the_api_server_answers_401_404_and_422(stack: SignedInStack, runs: dict[str, str]) -> None:
+    """Through the real api-server: each JSON endpoint answers 401 without a session, an
+    unknown key 404 (JSON and page), a malformed calendar range or a missing job 422 saying
+    what was wrong, and the pages and answers carry the security headers."""
+    for path in JSON_PATHS:
+        status, body, headers = stack.http("GET", path)
+        assert status == 401, (path, status, body)
+        assert "location" not in {k.lower() for k in headers}
+    viewer = stack.login("viewer")
+    status, body, _ = stack.http(
+        "GET", "/idempotency/api/keys?job=ui_demo.load&run_key=1999-01-01", token=viewer
+    )
+    assert status == 404 and "is not recorded" in body["detail"]
+    status, page, headers = stack.http(
+        "GET", "/idempotency/keys?job=ui_demo.load&run_key=1999-01-01", token=viewer, cookie=True
+    )
+    assert status == 404 and "is not recorded" in page
+    assert "frame-ancestors 'self'" in headers["content-security-policy"]
+    status, body, _ = stack.http(
+        "GET", "/idempotency/api/calendar?job=ui_demo.load&from=2026-10-05&to=2026-10-01",
+        token=viewer,
+    )  # fmt: skip
+    assert status == 422 and "comes after" in body["detail"]
+    status, body, _ = stack.http("GET", "/idempotency/api/calendar", token=viewer)
+    assert status == 422 and body["detail"][0]["loc"] == ["query", "job"]
+    status, page, headers = stack.http("GET", "/idempotency/", token=viewer, cookie=True)
+    assert status == 200
+    (nonce,) = re.findall(r"script-src 'nonce-([^']+)'", headers["content-security-policy"])
+    assert f'<script nonce="{nonce}">' in page
+    status, _, headers = stack.http("GET", "/idempotency/api/locks", token=viewer)
+    assert status == 200 and headers["x-frame-options"] == "SAMEORIGIN"

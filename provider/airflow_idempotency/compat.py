@@ -119,14 +119,12 @@ class ReschedulingOperator(BaseOperator):
 
 
 def run_key_links() -> tuple[BaseOperatorLink, ...]:
-    """The operator's extra links: "Run key" on 3.x, none on 2.x.
+    """The operator's extra links: "Run key", on both lines.
 
-    The Run keys view exists only in the Airflow 3 UI, where the worker computes a link when
-    the task ends (links.py). Airflow 2's webserver would have to find the link class among
-    its plugins' links to deserialize the DAG, and would link to a page it does not have.
+    Airflow 3's worker computes it when the task ends; Airflow 2.11's webserver computes it
+    when the task is shown, and finds its class among the plugin's ``operator_extra_links``
+    to deserialize the DAG (links.py, plugin.py).
     """
-    if not AIRFLOW_V_3_0_PLUS:
-        return ()
     from airflow_idempotency.links import RunKeyLink
 
     return (RunKeyLink(),)

@@ -18,6 +18,7 @@ def count_rows(run: RunContext) -> dict[str, int]:
 
 
 for dag_id, task_ids in (("ui_demo", ("extract", "load")), ("ui_secret", ("pay",))):
+    # [START run_keys_dag]
     with DAG(
         dag_id,
         schedule=None,
@@ -32,4 +33,5 @@ for dag_id, task_ids in (("ui_demo", ("extract", "load")), ("ui_secret", ("pay",
             if previous is not None:
                 previous >> task
             previous = task
+    # [END run_keys_dag]
     globals()[dag_id] = dag

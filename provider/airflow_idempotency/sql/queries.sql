@@ -481,6 +481,30 @@ WHERE %(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[])
 ORDER BY u.last_update DESC
 LIMIT %(limit)s;
 
+-- name: ui_unconfirmed_by_remote
+-- The effects not confirmed (pending, failed) per remote system, over every key the reader
+-- may read: the overview's totals (outbound_ledger_unconfirmed_idx: confirmed rows are not
+-- read). A key's DAG is its job_runs row's, looked up by primary key once per key.
+SELECT u.remote_system, sum(u.pending)::bigint AS pending, sum(u.failed)::bigint AS failed,
+       count(*) AS run_keys, max(u.last_update) AS last_update
+FROM (
+    SELECT l.job_name, l.run_key, l.remote_system,
+           count(*) FILTER (WHERE l.status = 'pending') AS pending,
+           count(*) FILTER (WHERE l.status = 'failed') AS failed,
+           max(l.updated_at) AS last_update
+    FROM {schema}.outbound_ledger AS l
+    WHERE l.status <> 'succeeded'
+    GROUP BY l.job_name, l.run_key, l.remote_system
+) AS u
+LEFT JOIN LATERAL (
+    SELECT jr.dag_id FROM {schema}.job_runs AS jr
+    WHERE jr.job_name = u.job_name AND jr.run_key = u.run_key
+    LIMIT 1
+) AS r ON true
+WHERE %(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[])
+GROUP BY u.remote_system
+ORDER BY u.remote_system;
+
 -- name: ui_dag_jobs
 -- The jobs a DAG ran, by name: one probe of job_run_attempts_dag_job_idx per job (a loose
 -- index scan), however many attempts the DAG made.

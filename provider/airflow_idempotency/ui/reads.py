@@ -89,6 +89,8 @@ class Overview:
     runs: list[Row]
     next_page: tuple[str, str] | None
     jobs: list[Row] = field(default_factory=list)
+    remotes: list[Row] = field(default_factory=list)
+    """Per remote system: its effects not confirmed (pending, failed) and the keys they are of."""
 
 
 @dataclass
@@ -216,6 +218,7 @@ class RecordsReader:
             attention = _with_state(self._rows("ui_attention", limit=ATTENTION_LIMIT))
             locks = self._rows("ui_locks")
             unconfirmed = self._rows("ui_unconfirmed", limit=UNCONFIRMED_LIMIT)
+            remotes = self._rows("ui_unconfirmed_by_remote")
             runs = self._runs(filters, before, limit)
             jobs = self._rows("ui_jobs", limit=JOBS_LIMIT)
             open_by_job = {row.pop("job_name"): row for row in self._rows("ui_open_by_job")}
@@ -234,7 +237,7 @@ class RecordsReader:
         }
         for row in attention:
             del row["lock_key"]
-        return Overview(attention, counts, locks, unconfirmed, *runs, jobs=jobs)
+        return Overview(attention, counts, locks, unconfirmed, *runs, jobs=jobs, remotes=remotes)
 
     def locks(self) -> list[Row]:
         """The run locks held now, oldest attempt first, with their holder and age."""
@@ -395,7 +398,8 @@ def _calendar_of(
             record = by_key.get(key)
             if record is not None:
                 record["locked"] = bool(record["locked"]) or key in locked
-                cell = {**record, "state": run_state(record)}
+                record["state"] = run_state(record)
+                cell = record  # the record itself, not a copy: a calendar has ~1,000 cells
                 shown.add(key)
                 if cell["state"] == "completed" and isinstance(record["details"], dict):
                     for name, value in record["details"].items():
