@@ -26,6 +26,8 @@ from airflow.providers.common.compat.sdk import (
     task_decorator_factory,
 )
 
+from airflow_idempotency.run_key import PartitionSpec
+
 
 def _airflow_version() -> tuple[int, int, int]:
     from airflow import __version__
@@ -37,6 +39,9 @@ def _airflow_version() -> tuple[int, int, int]:
 
 AIRFLOW_VERSION = _airflow_version()
 AIRFLOW_V_3_0_PLUS = AIRFLOW_VERSION >= (3, 0, 0)
+AIRFLOW_V_3_2_PLUS = AIRFLOW_VERSION >= (3, 2, 0)
+"""Partitioned runs (AIP-76): ``dag_run.partition_key`` / ``partition_date``, partitioned
+timetables, partition keys on asset events."""
 
 if AIRFLOW_V_3_0_PLUS:
     from airflow.sdk.exceptions import AirflowRescheduleException
@@ -60,6 +65,73 @@ def run_type(dag_run: Any) -> str:
     """The run's type as text (an enum on 3.x, a string on 2.x)."""
     value = dag_run.run_type
     return str(getattr(value, "value", value))
+
+
+def run_partition(context: Mapping[str, Any]) -> tuple[str | None, datetime.datetime | None]:
+    """The run's partition key and partition date; ``(None, None)`` before 3.2 (no
+    partitions: the run key comes from the logical date or the conf, as always)."""
+    if not AIRFLOW_V_3_2_PLUS:
+        return None, None
+    dag_run = context["dag_run"]
+    key = context.get("partition_key", getattr(dag_run, "partition_key", None))
+    date = context.get("partition_date", getattr(dag_run, "partition_date", None))
+    return key, date
+
+
+def dag_partitioning(dag: Any) -> tuple[bool, PartitionSpec]:
+    """Whether ``dag`` makes partitioned runs, and how its timetable writes partition keys
+    (the SDK classes of 3.2+: CronPartitionTimetable's ``key_format`` and timezone, the
+    partition mappers of a PartitionedAssetTimetable). Never partitioned before 3.2."""
+    timetable = getattr(dag, "timetable", None) if dag is not None else None
+    if not AIRFLOW_V_3_2_PLUS or timetable is None:
+        return False, PartitionSpec()
+    partitioned = bool(
+        getattr(timetable, "partitioned", False)
+        or getattr(timetable, "partitioned_at_runtime", False)
+    )
+    formats: list[str] = []
+    zones: list[str] = []
+    delimiters: list[str] = []
+    if isinstance(getattr(timetable, "key_format", None), str):  # CronPartitionTimetable
+        formats.append(timetable.key_format)
+        zones.append(_zone_name(getattr(timetable, "timezone", None)))
+    mappers = list((getattr(timetable, "partition_mapper_config", None) or {}).values())
+    if getattr(timetable, "default_partition_mapper", None) is not None:
+        mappers.append(timetable.default_partition_mapper)
+    for mapper in mappers:
+        _walk_mapper(mapper, formats, zones, delimiters)
+    zone = zones[0] if zones and all(z == zones[0] for z in zones) else None
+    delimiter = delimiters[0] if delimiters else PartitionSpec.delimiter
+    return partitioned, PartitionSpec(tuple(dict.fromkeys(formats)), zone, delimiter)
+
+
+def _walk_mapper(mapper: Any, formats: list[str], zones: list[str], delimiters: list[str]) -> None:
+    """Collect what a partition mapper writes: temporal mappers' output formats and
+    timezones, ProductMapper's delimiter, through Chain, Rollup and FanOut mappers."""
+    if isinstance(getattr(mapper, "output_format", None), str):
+        formats.append(mapper.output_format)
+        zones.append(_zone_name(getattr(mapper, "_timezone", None)))
+    if isinstance(getattr(mapper, "delimiter", None), str):
+        delimiters.append(mapper.delimiter)
+    children = list(getattr(mapper, "mappers", None) or [])
+    children += [getattr(mapper, a, None) for a in ("upstream_mapper", "downstream_mapper")]
+    for child in children:
+        if child is not None:
+            _walk_mapper(child, formats, zones, delimiters)
+
+
+def _zone_name(zone: Any) -> str:
+    return str(getattr(zone, "name", None) or zone or "UTC")
+
+
+def add_partition_event(context: Mapping[str, Any], outlets: Any, partition_key: str) -> None:
+    """Make the success's asset events of ``outlets`` carry ``partition_key`` instead of the
+    run's own (3.2+: ``outlet_events[asset].add_partitions``); nothing before 3.2."""
+    if not AIRFLOW_V_3_2_PLUS:
+        return
+    for asset in outlets or ():
+        if type(asset).__name__ == "Asset":
+            context["outlet_events"][asset].add_partitions([partition_key])
 
 
 def triggering_user(dag_run: Any) -> str | None:
@@ -220,6 +292,7 @@ def logs_to_stderr() -> None:
 __all__ = [
     "AIRFLOW_METRICS",
     "AIRFLOW_V_3_0_PLUS",
+    "AIRFLOW_V_3_2_PLUS",
     "AirflowException",
     "AirflowFailException",
     "AirflowRescheduleException",
@@ -233,6 +306,9 @@ __all__ = [
     "ReschedulingOperator",
     "Stats",
     "TaskDecorator",
+    "add_partition_event",
+    "dag_partitioning",
     "run_key_links",
+    "run_partition",
     "task_decorator_factory",
 ]
