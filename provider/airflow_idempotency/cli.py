@@ -457,8 +457,11 @@ def cmd_gaps(args: argparse.Namespace) -> int:
     """The periods of a job in a range with no completed run; exit 1 when there are any."""
     from airflow_idempotency import status
 
+    due = _due_keys(args) if args.dag_id else None
     with _connect_read(args) as conn:
-        found = status.gaps(conn, args.schema, args.job, args.from_key, args.to_key)
+        found = status.gaps(
+            conn, args.schema, args.job, args.from_key, args.to_key, segment=args.segment, due=due
+        )
     rows = [gap.as_dict() for gap in found]
     emit(
         args,
@@ -467,6 +470,26 @@ def cmd_gaps(args: argparse.Namespace) -> int:
         ["run_key", "state", "attempts", "updated_at", "last_error"],
     )
     return EXIT_FAILED if found else EXIT_OK
+
+
+def _due_keys(args: argparse.Namespace) -> set[str]:
+    """The keys of ``args.job`` that the schedule of DAG ``args.dag_id`` has made due up to
+    now, from the period before ``--from`` (its run fires after it)."""
+    from airflow_idempotency import planning
+    from airflow_idempotency.run_key import RunKeyRule, key_parts
+
+    dag = _load_dag(args)
+    period = key_parts(args.from_key).period or args.from_key
+    start, _ = RunKeyRule.for_key(period).period_bounds(period, "UTC")
+    with _airflow_quiet():
+        due = planning.due_keys(dag, start.subtract(days=1), dt.datetime.now(dt.timezone.utc))
+    if args.job not in due:
+        raise CommandError(
+            f"DAG {args.dag_id!r} has no idempotent task of job {args.job!r} "
+            f"(its jobs: {', '.join(sorted(due)) or 'none'})",
+            EXIT_USAGE,
+        )
+    return due[args.job]
 
 
 def cmd_stale(args: argparse.Namespace) -> int:
@@ -540,7 +563,13 @@ def _explain(
 
     dag = _load_dag(args)
     with _airflow_quiet():
-        return planning.explain(dag, kind=kind, logical_date=logical_date, conf=conf)
+        return planning.explain(
+            dag,
+            kind=kind,
+            logical_date=logical_date,
+            conf=conf,
+            partition_key=getattr(args, "partition_key", None),
+        )
 
 
 def _instant(value: str) -> dt.datetime:
@@ -565,9 +594,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
             '--conf must be a JSON object, e.g. \'{"run_key": "2026-10-01"}\'', EXIT_USAGE
         )
     explained = _explain(args, args.run_type, args.logical_date, conf)
+    at = f"partition {args.partition_key}" if args.partition_key else None
     emit(
         args,
-        f"{args.dag_id}: {args.run_type} run at {args.logical_date or 'no logical date'}",
+        f"{args.dag_id}: {args.run_type} run at {at or args.logical_date or 'no logical date'}",
         [e.as_dict() for e in explained],
         ["task_id", "job_name", "run_key", "explanation"],
     )
@@ -578,28 +608,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Which business dates a backfill would cover on this Airflow line, and what each does."""
     from airflow_idempotency import compat, planning
 
-    if args.command_name != compat.BACKFILL_COMMAND:
-        line = "Airflow 3" if compat.AIRFLOW_V_3_0_PLUS else "Airflow 2"
-        raise CommandError(
-            f"this is {line}, whose backfill command is {compat.BACKFILL_COMMAND}; "
-            f"{args.command_name} belongs to the other line: run plan where that Airflow runs",
-            EXIT_USAGE,
-        )
+    command = args.command_name or compat.BACKFILL_COMMAND
     if args.to_date < args.from_date:
         raise CommandError(f"--from {args.from_date} is after --to {args.to_date}", EXIT_USAGE)
     dag = _load_dag(args)
     with _open(args) as conn:
         recorded = conn if current_version(conn, args.schema) else None  # else: all new
         with _airflow_quiet():
-            rows = planning.plan(dag, recorded, args.schema, args.from_date, args.to_date)
+            try:
+                rows = planning.plan(
+                    dag, recorded, args.schema, args.from_date, args.to_date, command
+                )
+            except InvalidInputError as exc:
+                raise CommandError(str(exc), EXIT_USAGE) from exc
+    when = "partition_key" if compat.dag_partitioning(dag)[0] else "logical_date"
     emit(
         args,
-        f"{args.dag_id}: {args.command_name} {args.from_date.isoformat()} .. "
-        f"{args.to_date.isoformat()}",
+        f"{args.dag_id}: {command} {args.from_date.isoformat()} .. {args.to_date.isoformat()}",
         rows,
-        ["logical_date", "task_id", "run_key", "status", "would", "explanation"]
+        [when, "task_id", "run_key", "status", "would", "explanation"]
         if args.json
-        else ["logical_date", "task_id", "run_key", "status", "would"],
+        else [when, "task_id", "run_key", "status", "would"],
     )
     return EXIT_OK
 
@@ -684,6 +713,18 @@ def build_parser() -> argparse.ArgumentParser:
     gaps.add_argument("job")
     gaps.add_argument("--from", dest="from_key", required=True, metavar="RUN_KEY")
     gaps.add_argument("--to", dest="to_key", required=True, metavar="RUN_KEY")
+    gaps.add_argument(
+        "--segment",
+        help="one segment of a segmented job (eu, or eu|* / *|eu: where the period goes); "
+        "default: every segment the job has keys of",
+    )
+    gaps.add_argument(
+        "--dag",
+        dest="dag_id",
+        help="follow this DAG's schedule: only the keys its runs made due are gaps "
+        "(a weekday-only job's weekends are not)",
+    )
+    gaps.add_argument("--dags-folder", help="DAG folder (default: [core] dags_folder)")
     gaps.set_defaults(func=cmd_gaps)
 
     prune = sub.add_parser(
@@ -705,6 +746,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-type", choices=["manual", "scheduled", "backfill"], default="scheduled"
     )
     explain.add_argument("--conf", help="the run's conf, JSON")
+    explain.add_argument(
+        "--partition-key", help="the run's partition key (a partitioned DAG, Airflow 3.2+)"
+    )
     explain.add_argument("--dags-folder", help="DAG folder (default: [core] dags_folder)")
     explain.set_defaults(func=cmd_explain)
 
@@ -719,7 +763,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command_name",
         choices=["dags-backfill", "backfill-create"],
         default=None,
-        help="the backfill command (default: this Airflow line's)",
+        help="the backfill command (default: this Airflow line's; the other line's "
+        "answers for that line's timetable of a cron string)",
     )
     plan.add_argument("--dags-folder", help="DAG folder (default: [core] dags_folder)")
     plan.set_defaults(func=cmd_plan)

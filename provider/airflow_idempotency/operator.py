@@ -214,6 +214,7 @@ class IdempotentRunOperator(ReschedulingOperator):
         logical_date: dt.datetime | None,
         conf: Mapping[str, Any],
         partition_key: str | None = None,
+        timetable_name: str | None = None,
     ) -> ResolvedRunKey:
         """The run key a run of ``kind`` (manual, scheduled, backfill) at ``logical_date``
         (or for ``partition_key``) with ``conf`` would get, or the error it would get
@@ -245,6 +246,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             params=params,
             context=context,
             partition=(partition_key, None),
+            timetable_name=timetable_name,
         )
 
     def _resolve(
@@ -256,6 +258,7 @@ class IdempotentRunOperator(ReschedulingOperator):
         params: Mapping[str, Any],
         context: Any,
         partition: tuple[str | None, dt.datetime | None],
+        timetable_name: str | None = None,
     ) -> ResolvedRunKey:
         dag = self._dag_or_none()
         partitioned, spec = dag_partitioning(dag)
@@ -263,7 +266,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             run_type=kind,
             timezone=self._timezone_name(),
             now=pendulum.now("UTC"),
-            timetable_name=type(dag.timetable).__name__ if dag else None,
+            timetable_name=timetable_name or (type(dag.timetable).__name__ if dag else None),
             logical_date=logical_date,
             partition_key=partition[0],
             partition_date=partition[1],

@@ -644,6 +644,18 @@ SELECT run_key, status, attempt_count, updated_at, details->>'last_error' AS las
 FROM {schema}.job_runs
 WHERE job_name = %(job)s AND run_key = ANY(%(keys)s::text[]);
 
+-- name: segmented_keys_of_job
+-- The run keys of one job that have segments (eu|2026-10-01): gaps per segment takes the
+-- segments from them. A range of the primary key's index: job_name, then every key.
+SELECT run_key FROM {schema}.job_runs
+WHERE job_name = %(job)s AND strpos(run_key, '|') > 0;
+
+-- name: job_has_plain_keys
+-- Whether one job has a run key without segments (gaps lists plain keys beside segments).
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.job_runs WHERE job_name = %(job)s AND strpos(run_key, '|') = 0
+) AS found;
+
 -- name: stale_runs
 -- Work that nobody is doing: attempts still 'running' whose lock their session no longer
 -- holds, and keys still 'started' with no live attempt (a worker died and nothing took the
