@@ -25,66 +25,75 @@ from __future__ import annotations
 import datetime as dt
 
 import pendulum
-from airflow.sdk import (
-    DAG,
-    Asset,
-    CronPartitionTimetable,
-    IdentityMapper,
-    PartitionedAssetTimetable,
-    ProductMapper,
-    StartOfDayMapper,
-)
 
 from airflow_idempotency import IdempotentRunOperator, idempotency_params
+from airflow_idempotency.compat import AIRFLOW_V_3_2_PLUS
 from invoicing import tasks
 
 JOBS_DB = "idempotency_default"
 REGIONS = ["eu", "us"]
 
-# [START regional_invoices_asset]
-REGIONAL_INVOICES = Asset(name="regional_invoices", uri="invoicing://regional_invoices")
-# [END regional_invoices_asset]
 
-# [START invoice_regions]
-with DAG(
-    dag_id="invoice_regions",
-    schedule=CronPartitionTimetable("0 1 * * *", timezone="UTC", run_offset=-1),
-    start_date=pendulum.datetime(2026, 10, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=4,
-    default_args={"retries": 2, "retry_delay": dt.timedelta(seconds=5)},
-    params=idempotency_params(),
-    tags=["idempotency", "example", "partitions"],
-    doc_md=__doc__,
-):
-    IdempotentRunOperator.partial(
-        task_id="invoice_region",
-        python_callable=tasks.create_region_invoices,
-        postgres_conn_id=JOBS_DB,
-        job_name="invoice_regions.invoice_region",
-        reschedule_interval=dt.timedelta(seconds=5),
-        outlets=[REGIONAL_INVOICES],
-    ).expand(key_segment=REGIONS)
-# [END invoice_regions]
-
-# [START regional_reconciliation]
-with DAG(
-    dag_id="regional_reconciliation",
-    schedule=PartitionedAssetTimetable(
-        assets=REGIONAL_INVOICES,
-        default_partition_mapper=ProductMapper(IdentityMapper(), StartOfDayMapper()),
-    ),
-    start_date=pendulum.datetime(2026, 10, 1, tz="UTC"),
-    catchup=False,
-    params=idempotency_params(),
-    tags=["idempotency", "example", "partitions"],
-    doc_md=__doc__,
-):
-    IdempotentRunOperator(
-        task_id="reconcile_region",
-        python_callable=tasks.reconcile_region,
-        postgres_conn_id=JOBS_DB,
-        job_name="regional_reconciliation",
-        reschedule_interval=dt.timedelta(seconds=5),
+def partitioned_invoice_dags() -> None:
+    """Define the two DAGs (partitioned runs exist from Airflow 3.2 on)."""
+    from airflow.sdk import (
+        DAG,
+        Asset,
+        CronPartitionTimetable,
+        IdentityMapper,
+        PartitionedAssetTimetable,
+        ProductMapper,
+        StartOfDayMapper,
     )
-# [END regional_reconciliation]
+
+    # [START regional_invoices_asset]
+    regional_invoices = Asset(name="regional_invoices", uri="invoicing://regional_invoices")
+    # [END regional_invoices_asset]
+
+    # [START invoice_regions]
+    with DAG(
+        dag_id="invoice_regions",
+        schedule=CronPartitionTimetable("0 1 * * *", timezone="UTC", run_offset=-1),
+        start_date=pendulum.datetime(2026, 10, 1, tz="UTC"),
+        catchup=False,
+        max_active_runs=4,
+        default_args={"retries": 2, "retry_delay": dt.timedelta(seconds=5)},
+        params=idempotency_params(),
+        tags=["idempotency", "example", "partitions"],
+        doc_md=__doc__,
+    ):
+        IdempotentRunOperator.partial(
+            task_id="invoice_region",
+            python_callable=tasks.create_region_invoices,
+            postgres_conn_id=JOBS_DB,
+            job_name="invoice_regions.invoice_region",
+            reschedule_interval=dt.timedelta(seconds=5),
+            outlets=[regional_invoices],
+        ).expand(key_segment=REGIONS)
+    # [END invoice_regions]
+
+    # [START regional_reconciliation]
+    with DAG(
+        dag_id="regional_reconciliation",
+        schedule=PartitionedAssetTimetable(
+            assets=regional_invoices,
+            default_partition_mapper=ProductMapper(IdentityMapper(), StartOfDayMapper()),
+        ),
+        start_date=pendulum.datetime(2026, 10, 1, tz="UTC"),
+        catchup=False,
+        params=idempotency_params(),
+        tags=["idempotency", "example", "partitions"],
+        doc_md=__doc__,
+    ):
+        IdempotentRunOperator(
+            task_id="reconcile_region",
+            python_callable=tasks.reconcile_region,
+            postgres_conn_id=JOBS_DB,
+            job_name="regional_reconciliation",
+            reschedule_interval=dt.timedelta(seconds=5),
+        )
+    # [END regional_reconciliation]
+
+
+if AIRFLOW_V_3_2_PLUS:  # Airflow 2.11 and 3.0-3.1 have no partitioned runs: no DAG here
+    partitioned_invoice_dags()
