@@ -53,8 +53,12 @@ with DAG(
 ):
     IdempotentRunOperator(task_id="work", python_callable=work)
 """
+# [START migration_cron]
 CRON = '"0 1 * * *"'
+# [END migration_cron]
+# [START migration_partitioned]
 PARTITIONED = 'CronPartitionTimetable("0 1 * * *", timezone="UTC", run_offset=-1)'
+# [END migration_partitioned]
 
 
 class PartitionStack(AirflowStack):
