@@ -106,14 +106,15 @@ with DAG(
 ):
     task()
 
-# Keys typed at trigger time: segments, labels, and bad input.
+# Keys typed at trigger time: segments, labels, and bad input (retries: refused input
+# must fail without using them).
 with DAG(
     dag_id="part_runtime",
     schedule=PartitionedAtRuntime(),
     start_date=pendulum.datetime(2026, 10, 1, tz="UTC"),
     catchup=False,
     params=idempotency_params(),
-    default_args={"retries": 0},
+    default_args={"retries": 2, "retry_delay": dt.timedelta(seconds=1)},
 ):
     task()
 
