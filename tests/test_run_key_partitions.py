@@ -264,10 +264,13 @@ def test_a_callable_rule_decides_and_sees_the_partition() -> None:
 
 
 def test_a_partitioned_run_without_any_key_names_the_partition_key() -> None:
-    """A manual run of a partitioned DAG without partition key, date or run_key is refused
-    with a message that names the partition key field."""
-    with pytest.raises(RunKeyMissingError, match="partition key"):
+    """A manual run of a partitioned DAG without a partition key or run_key is refused with
+    a message that names the partition key field, even with a logical date (the trigger
+    form pre-fills it with now)."""
+    with pytest.raises(RunKeyMissingError, match="Partition Key field"):
         resolve_run_key(RunKeyRule(), facts(run_type="manual"))
+    with pytest.raises(RunKeyMissingError, match="partitioned DAG"):
+        resolve_run_key(RunKeyRule(), facts(run_type="manual", logical_date=NOW))
     with pytest.raises(RunKeyMissingError) as plain:
         resolve_run_key(RunKeyRule(), facts(run_type="manual", partitioned=False))
     assert "partition" not in str(plain.value)

@@ -11,7 +11,8 @@ facts the operator reads from Airflow (:class:`RunFacts`), in one order of prece
 2. a callable ``run_key_rule`` (it gets the task context, ``partition_key`` included);
 3. the run's ``partition_key`` (Airflow 3.2+ partitioned runs: scheduled, backfilled,
    triggered with a key, or asset-triggered through a partition mapper);
-4. the run's logical date, through the :class:`RunKeyRule`;
+4. the run's logical date, through the :class:`RunKeyRule` (not for a partitioned DAG:
+   its periods are its partitions);
 5. none of these: refused, naming what to give. Nothing here ever falls back to "now".
 
 A mapped task whose segment comes from data (``key_segment``) prefixes the key so decided
@@ -440,7 +441,9 @@ def _resolve_base(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> Resolve
         return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
     if facts.partition_key is not None:
         return partition_run_key(rule, facts)
-    if facts.logical_date is None:
+    # A partitioned DAG's periods are its partitions: a run without one (the trigger form
+    # with its partition key left empty, its logical date pre-filled with now) names none.
+    if facts.logical_date is None or facts.partitioned:
         raise RunKeyMissingError(_missing_message(rule, facts))
     return _from_logical_date(rule, facts, facts.logical_date)
 
@@ -484,17 +487,18 @@ def _explicit(
 
 
 def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
-    what = "no partition_key, " if facts.partitioned else ""
-    how = (
-        "Trigger it with a partition key (the trigger form's partition key field, "
-        '"partition_key" in the REST body), or '
-        if facts.partitioned
-        else "Trigger it again "
-    )
+    if facts.partitioned:
+        return (
+            f"this {facts.run_type} run of a partitioned DAG has no partition_key and no "
+            f"run_key, so it does not say which partition to process (a partitioned DAG's "
+            f"runs are keyed by their partition, not by a logical date). Trigger it with a "
+            f'partition key: the trigger form\'s Partition Key field, "partition_key" in the '
+            f"REST body, or airflow backfill create over partition dates."
+        )
     return (
-        f"this {facts.run_type} run has {what}no logical date and no run_key, so it does not "
-        f"say which business period to process. {how}with run_key in the conf, in the format "
-        f"{rule.format_hint} (for example: airflow dags trigger DAG_ID -c "
+        f"this {facts.run_type} run has no logical date and no run_key, so it does not say "
+        f"which business period to process. Trigger it again with run_key in the conf, in "
+        f"the format {rule.format_hint} (for example: airflow dags trigger DAG_ID -c "
         f'\'{{"run_key": "2026-10-01"}}\', or fill in the run_key field of the trigger form).'
     )
 
