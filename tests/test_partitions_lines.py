@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from airflow_helpers import load_dag_bag
-from airflow_idempotency import IdempotentRunOperator
+from airflow_idempotency.operator import IdempotentRunOperator
 from airflow_idempotency.compat import AIRFLOW_V_3_2_PLUS, run_partition
 from devtools.airflow_env import DAGS_FOLDER
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.both_airflow_lines
 OPERATOR = IdempotentRunOperator(task_id="work", python_callable=lambda run: None)
 
 
-def context(**run: Any) -> dict[str, Any]:
+def context(**run: Any) -> Any:
     dag_run = SimpleNamespace(conf={}, run_type="manual", **run)
     return {"dag_run": dag_run, "params": {}, "logical_date": run.get("logical_date")}
 
