@@ -224,6 +224,11 @@ def test_a_rest_trigger_works_its_partition_once_and_a_noop_emits_no_event(
     stack.unpause("part_daily")
     first = stack.trigger_partition("part_daily", "2026-10-05T01:00:00")
     assert first.state == "success"
+    assert stack.jobs(
+        "SELECT run_key, partition_key, triggered_by FROM idempotency.job_run_attempts"
+        " WHERE run_id = %s",
+        (first.run_id,),
+    ) == [("2026-10-05", "2026-10-05T01:00:00", "manual")]
     events = stack.asset_events("part_daily_done")
     assert events == [("2026-10-05T01:00:00", first.run_id)]
     again = stack.trigger_partition("part_daily", "2026-10-05T01:00:00")

@@ -309,6 +309,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             task_id=ti.task_id,
             try_number=ti.try_number,
             map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
+            partition_key=run_partition(context)[0],
         )
 
     def execute(self, context: Context) -> dict[str, Any]:

@@ -39,6 +39,7 @@ class Trigger:
     task_id: str | None = None
     try_number: int | None = None
     map_index: int | None = None
+    partition_key: str | None = None  # the Airflow partition key of the run (3.2+)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ def _attempt_params(
         "task_id": trigger.task_id,
         "try_number": trigger.try_number,
         "map_index": trigger.map_index,
+        "partition_key": trigger.partition_key,
         "hostname": _HOSTNAME,
         "pid": os.getpid(),
         "lock_backend_pid": lock.backend_pid if lock else None,

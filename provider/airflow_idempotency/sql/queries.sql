@@ -84,13 +84,13 @@ WHERE job_name = %(job_name)s AND run_key = %(run_key)s;
 INSERT INTO {schema}.job_run_attempts (
     job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
     dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
-    force, dry_run, finished_at, error, details
+    force, dry_run, finished_at, error, details, partition_key
 ) VALUES (
     %(job_name)s, %(run_key)s, %(lock_key)s, %(outcome)s, %(triggered_by)s, %(triggering_user)s,
     %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s, %(map_index)s, %(hostname)s, %(pid)s,
     %(lock_backend_pid)s, %(force)s, %(dry_run)s,
     CASE WHEN %(outcome)s = 'running' THEN NULL ELSE statement_timestamp() END,
-    %(error)s, %(details)s
+    %(error)s, %(details)s, %(partition_key)s
 )
 RETURNING attempt_id;
 
@@ -118,11 +118,12 @@ WITH attempt AS (
     INSERT INTO {schema}.job_run_attempts (
         job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
         dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
-        force, dry_run, details
+        force, dry_run, details, partition_key
     ) VALUES (
         %(job_name)s, %(run_key)s, %(lock_key)s, 'running', %(triggered_by)s,
         %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s,
-        %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false, DEFAULT
+        %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false, DEFAULT,
+        %(partition_key)s
     )
     RETURNING attempt_id
 ),
