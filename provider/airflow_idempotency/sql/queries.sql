@@ -580,6 +580,28 @@ SELECT (SELECT r.run_key FROM {schema}.job_runs AS r
         WHERE r.job_name = %(job)s AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
         ORDER BY r.run_key DESC LIMIT 1) AS last_key;
 
+-- name: ui_job_segment_bounds
+-- The first and the newest visible run key of one segment of a job: its keys that start
+-- with the segment's labels (eu|), a range of the primary key.
+SELECT (SELECT r.run_key FROM {schema}.job_runs AS r
+        WHERE r.job_name = %(job)s AND starts_with(r.run_key, %(prefix)s)
+          AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+        ORDER BY r.run_key LIMIT 1) AS first_key,
+       (SELECT r.run_key FROM {schema}.job_runs AS r
+        WHERE r.job_name = %(job)s AND starts_with(r.run_key, %(prefix)s)
+          AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+        ORDER BY r.run_key DESC LIMIT 1) AS last_key;
+
+-- name: ui_job_segments
+-- The segments (labels before the period) of one job's visible keys, at most 50.
+SELECT DISTINCT left(r.run_key, length(r.run_key) - strpos(reverse(r.run_key), '|') + 1)
+       AS prefix
+FROM {schema}.job_runs AS r
+WHERE r.job_name = %(job)s AND strpos(r.run_key, '|') > 0
+  AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+ORDER BY 1
+LIMIT 50;
+
 -- name: ui_job_calendar
 -- The visible job_runs rows of one job from from_key to to_key (a range of its primary key),
 -- each with whether its run lock is held now.
@@ -602,7 +624,7 @@ WITH held AS MATERIALIZED (
 )
 SELECT a.attempt_id, a.job_name, a.run_key, a.outcome, a.task_id, a.map_index, a.try_number,
        a.hostname, a.pid, a.force, a.dry_run, a.started_at, a.finished_at, a.error, a.details,
-       r.status AS key_status, r.dag_id AS key_dag_id, r.run_id AS key_run_id,
+       a.partition_key, r.status AS key_status, r.dag_id AS key_dag_id, r.run_id AS key_run_id,
        r.updated_at AS key_updated_at, r.lock_key IN (SELECT held.lock_key FROM held) AS key_locked
 FROM {schema}.job_run_attempts AS a
 LEFT JOIN {schema}.job_runs AS r
@@ -623,7 +645,7 @@ WITH attempts AS (
 )
 SELECT a.attempt_id, a.outcome, a.triggered_by, a.triggering_user, a.dag_id, a.run_id,
        a.task_id, a.map_index, a.try_number, a.hostname, a.pid, a.lock_backend_pid, a.force,
-       a.dry_run, a.started_at, a.finished_at, a.error, a.details,
+       a.dry_run, a.started_at, a.finished_at, a.error, a.details, a.partition_key,
        count(*) OVER () AS visible_total,
        (SELECT count(*) FROM attempts AS h WHERE NOT h.visible) AS hidden_total
 FROM attempts AS a

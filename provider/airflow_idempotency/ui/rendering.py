@@ -137,9 +137,13 @@ class Links:
         return self.page("/keys", job=job_name, run_key=run_key)
 
     def calendar(
-        self, job_name: str, from_key: str | None = None, to_key: str | None = None
+        self,
+        job_name: str,
+        from_key: str | None = None,
+        to_key: str | None = None,
+        segment: str | None = None,
     ) -> str:
-        return self.page("/calendar", job=job_name, from_=from_key, to_=to_key)
+        return self.page("/calendar", job=job_name, from_=from_key, to_=to_key, segment=segment)
 
     def dag_tab(self, dag_id: str, **params: Any) -> str:
         return self.page(f"/dags/{quote(dag_id, safe='')}", **params)
@@ -162,6 +166,11 @@ class Links:
     def airflow_task(self, dag_id: str, run_id: str, task_id: str, map_index: int | None) -> str:
         url = f"{self.airflow_run(dag_id, run_id)}/tasks/{quote(task_id, safe='')}"
         return url if map_index is None else f"{url}/mapped/{map_index}"
+
+    def airflow_partition(self, dag_id: str, partition_key: str) -> str:
+        """Airflow's list of the DAG's runs of one partition (Airflow 3.2+)."""
+        pattern = urlencode({"partition_key_pattern": partition_key})
+        return f"{self.airflow_dag(dag_id)}/runs?{pattern}"
 
     def trigger_api(self, dag_id: str) -> str:
         """Where the rerun posts a new DAG run (Airflow's REST API)."""
