@@ -71,13 +71,18 @@ def test_a_time_partition_gets_the_key_its_cron_run_had(
     run CronPartitionTimetable with run_offset=-1 makes for it get the same run key, in the
     DAG's timezone, with the default and other key formats and at every grain."""
     rule = RunKeyRule(period=period)
-    start = pendulum.datetime(2026, 1, 5, tz=timezone)
+    start = pendulum.datetime(2021, 1, 4, tz=timezone)  # a Monday; 60 months end before now
     for n in range(60):
         anchor = start.add(**{f"{period}s": n})
         fire = anchor.add(**cron_fire)  # the cron tick that closes the period
         cron_key = resolve_run_key(
             rule,
-            facts(timetable_name="CronTriggerTimetable", logical_date=fire, timezone=timezone),
+            facts(
+                timetable_name="CronTriggerTimetable",
+                partitioned=False,
+                logical_date=fire,
+                timezone=timezone,
+            ),
         ).run_key
         # CronPartitionTimetable(run_offset=-1): the partition date is the previous tick,
         # the key that tick in the timetable's timezone, formatted with key_format.
