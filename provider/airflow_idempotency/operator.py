@@ -56,14 +56,17 @@ OnLocked = Literal["reschedule", "fail", "skip"]
 OnCompleted = Literal["succeed", "skip"]
 
 
-def idempotency_params(period: str = "day") -> dict[str, Param]:
+def idempotency_params(period: str = "day", *, segments: bool = False) -> dict[str, Param]:
     """Trigger-form fields for a DAG of idempotent runs: ``run_key``, ``force``, ``dry_run``.
 
     Use as ``DAG(..., params=idempotency_params())``. The run_key field is a date picker
-    for daily jobs; left empty, the run key comes from the logical date.
+    for daily jobs; left empty, the run key comes from the partition key or the logical
+    date. ``segments=True``: a text field, for keys with segments (``eu|2026-10-01``).
     """
     hint = RunKeyRule(period=period).format_hint  # type: ignore[arg-type]
-    date_format: dict[str, Any] = {"format": "date"} if period == "day" else {}
+    if segments:
+        hint = f"{hint}, after its labels if it has segments (e.g. eu|2026-10-01)"
+    date_format: dict[str, Any] = {"format": "date"} if period == "day" and not segments else {}
     run_key = Param(
         None,
         type=["null", "string"],

@@ -107,13 +107,13 @@ with DAG(
     task()
 
 # Keys typed at trigger time: segments, labels, and bad input (retries: refused input
-# must fail without using them).
+# must fail without using them). Its run_key field takes segments (eu|2026-10-01).
 with DAG(
     dag_id="part_runtime",
     schedule=PartitionedAtRuntime(),
     start_date=pendulum.datetime(2026, 10, 1, tz="UTC"),
     catchup=False,
-    params=idempotency_params(),
+    params=idempotency_params(segments=True),
     default_args={"retries": 2, "retry_delay": dt.timedelta(seconds=1)},
 ):
     task()

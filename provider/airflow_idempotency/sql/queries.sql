@@ -84,13 +84,13 @@ WHERE job_name = %(job_name)s AND run_key = %(run_key)s;
 INSERT INTO {schema}.job_run_attempts (
     job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
     dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
-    force, dry_run, finished_at, error, details, partition_key
+    force, dry_run, finished_at, error, details
 ) VALUES (
     %(job_name)s, %(run_key)s, %(lock_key)s, %(outcome)s, %(triggered_by)s, %(triggering_user)s,
     %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s, %(map_index)s, %(hostname)s, %(pid)s,
     %(lock_backend_pid)s, %(force)s, %(dry_run)s,
     CASE WHEN %(outcome)s = 'running' THEN NULL ELSE statement_timestamp() END,
-    %(error)s, %(details)s, %(partition_key)s
+    %(error)s, %(trigger_details)s || %(details)s
 )
 RETURNING attempt_id;
 
@@ -118,12 +118,12 @@ WITH attempt AS (
     INSERT INTO {schema}.job_run_attempts (
         job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
         dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
-        force, dry_run, details, partition_key
+        force, dry_run, details
     ) VALUES (
         %(job_name)s, %(run_key)s, %(lock_key)s, 'running', %(triggered_by)s,
         %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s,
-        %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false, DEFAULT,
-        %(partition_key)s
+        %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false,
+        %(trigger_details)s
     )
     RETURNING attempt_id
 ),
@@ -624,7 +624,7 @@ WITH held AS MATERIALIZED (
 )
 SELECT a.attempt_id, a.job_name, a.run_key, a.outcome, a.task_id, a.map_index, a.try_number,
        a.hostname, a.pid, a.force, a.dry_run, a.started_at, a.finished_at, a.error, a.details,
-       a.partition_key, r.status AS key_status, r.dag_id AS key_dag_id, r.run_id AS key_run_id,
+       a.details->>'partition_key' AS partition_key, r.status AS key_status, r.dag_id AS key_dag_id, r.run_id AS key_run_id,
        r.updated_at AS key_updated_at, r.lock_key IN (SELECT held.lock_key FROM held) AS key_locked
 FROM {schema}.job_run_attempts AS a
 LEFT JOIN {schema}.job_runs AS r
@@ -645,8 +645,8 @@ WITH attempts AS (
 )
 SELECT a.attempt_id, a.outcome, a.triggered_by, a.triggering_user, a.dag_id, a.run_id,
        a.task_id, a.map_index, a.try_number, a.hostname, a.pid, a.lock_backend_pid, a.force,
-       a.dry_run, a.started_at, a.finished_at, a.error, a.details, a.partition_key,
-       count(*) OVER () AS visible_total,
+       a.dry_run, a.started_at, a.finished_at, a.error, a.details,
+       a.details->>'partition_key' AS partition_key, count(*) OVER () AS visible_total,
        (SELECT count(*) FROM attempts AS h WHERE NOT h.visible) AS hidden_total
 FROM attempts AS a
 WHERE a.visible
