@@ -297,14 +297,9 @@ class RecordsReader:
         if prefix:  # the grid is of periods; each cell links its full key
             records = [r | {"run_key": r["run_key"].removeprefix(prefix)} for r in records]
             held = [h | {"run_key": h["run_key"].removeprefix(prefix)} for h in held]
-        found = _calendar_of(job_name, first, last, window, records, held)
-        for row in found.rows:
-            for cell in row["cells"]:
-                if cell is not None:
-                    cell["period"], cell["run_key"] = cell["run_key"], prefix + cell["run_key"]
-        found.segment = prefix.rstrip("|") or None
-        found.segments = segments
-        return found
+        return _with_segment(
+            _calendar_of(job_name, first, last, window, records, held), prefix, segments
+        )
 
     def runs(
         self, filters: RunFilters, before: tuple[str, str] | None = None, limit: int = RUNS_PAGE
@@ -404,6 +399,17 @@ class RecordsReader:
             effects=effects,
             unconfirmed=unconfirmed,
         )
+
+
+def _with_segment(found: Calendar, prefix: str, segments: list[str]) -> Calendar:
+    """The calendar of one segment: each cell names its period and links its full key."""
+    for row in found.rows:
+        for cell in row["cells"]:
+            if cell is not None:
+                cell["period"], cell["run_key"] = cell["run_key"], prefix + cell["run_key"]
+    found.segment = prefix.rstrip("|") or None
+    found.segments = segments
+    return found
 
 
 def _segment_prefix(segment: str | None, last_key: str) -> str:
