@@ -510,7 +510,8 @@ def test_a_cron_dag_moved_to_partitions_keeps_its_completed_keys(stack: Partitio
     stack.wait_until(
         lambda: stack._query_one(
             "SELECT 1 FROM serialized_dag WHERE dag_id = 'mig_daily'"
-            " AND CAST(data AS TEXT) LIKE '%CronPartitionTimetable%'"
+            " AND CAST(data AS TEXT) LIKE ?",  # a parameter: psycopg reads % in the text
+            ("%CronPartitionTimetable%",),
         ),
         120,
         "mig_daily to be parsed again with its partitioned timetable",
