@@ -239,7 +239,8 @@ def test_plan_shows_what_a_backfill_would_do_date_by_date(
 ) -> None:
     """`plan` of the example's reconciliation DAG over 10-01 .. 10-03 (midnights): the
     business dates this line's backfill command covers, each with what it would do: a
-    completed date is a no-op, a failed one a rerun, one never run new."""
+    completed date is a no-op, a failed one a rerun, one never run new; and the same for
+    the other Airflow line's command, as that line would run it."""
     record(invoicing.dsn, "daily_reconciliation", "2026-10-01")
     record(invoicing.dsn, "daily_reconciliation", "2026-09-30", fail=True)
     done = airflow_cli(
@@ -256,14 +257,20 @@ def test_plan_shows_what_a_backfill_would_do_date_by_date(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     planned = [(r["run_key"], r["would"]) for r in json.loads(done.stdout)]
-    if AIRFLOW_V_3_0_PLUS:
-        # backfill create: runs fired 10-01 01:30 and 10-02 01:30, i.e. the days before.
-        assert planned == [("2026-09-30", "rerun"), ("2026-10-01", "noop")]
-    else:
-        # dags backfill: logical dates 10-01 01:30 and 10-02 01:30 are those days.
-        assert planned == [("2026-10-01", "noop"), ("2026-10-02", "new")]
-    other = "dags-backfill" if AIRFLOW_V_3_0_PLUS else "backfill-create"
-    wrong = airflow_cli(
+    # backfill create (3.x): runs fired 10-01 01:30 and 10-02 01:30, i.e. the days before.
+    # dags backfill (2.x): logical dates 10-01 01:30 and 10-02 01:30 are those days.
+    by_command = {
+        "backfill-create": [("2026-09-30", "rerun"), ("2026-10-01", "noop")],
+        "dags-backfill": [("2026-10-01", "noop"), ("2026-10-02", "new")],
+    }
+    this, other = (
+        ("backfill-create", "dags-backfill")
+        if AIRFLOW_V_3_0_PLUS
+        else ("dags-backfill", "backfill-create")
+    )
+    assert planned == by_command[this]
+    # The other line's command, answered here for that line's timetable of the cron string.
+    for_other = airflow_cli(
         airflow_home,
         invoicing.dsn,
         DAGS_FOLDER,
@@ -275,8 +282,10 @@ def test_plan_shows_what_a_backfill_would_do_date_by_date(
         "2026-10-03",
         "--command",
         other,
+        "--json",
     )
-    assert wrong.returncode == 2 and "belongs to the other line" in wrong.stderr
+    assert for_other.returncode == 0, for_other.stderr[-3000:]
+    assert [(r["run_key"], r["would"]) for r in json.loads(for_other.stdout)] == by_command[other]
     reversed_range = airflow_cli(
         airflow_home,
         invoicing.dsn,
@@ -346,15 +355,15 @@ def test_plan_agrees_with_airflow_backfill_create(
 def test_watch_dag_fails_on_a_gap_and_passes_when_filled(
     airflow_home: Path, airflow_pg_conn: str
 ) -> None:
-    """The example watch DAG over the last 4 days: a missing and a stale day fail its task
-    (the problems it names are checked too); once they are completed, it succeeds."""
+    """The example watch DAG over the 4 days before its run's date (a run for 2026-11-01,
+    as a backfill would make, not the days before today): a missing and a stale day fail
+    its task (the problems it names are checked too); once completed, it succeeds."""
     dag = load_dag_bag(DAGS_FOLDER).dags["idempotency_watch"]
-    yesterday = dt.date.today() - dt.timedelta(days=1)
-    days = [(yesterday - dt.timedelta(days=n)).isoformat() for n in range(4)]
+    days = ["2026-10-31", "2026-10-30", "2026-10-29", "2026-10-28"]
     for key in days[::2]:
         record(airflow_pg_conn, "watched", key)
     abandon(airflow_pg_conn, "watched", days[1])
-    conf = {"jobs": ["watched"], "days": 4}
+    conf = {"dags": [], "jobs": ["watched"], "days": 4}
     failed = run_dag(dag, logical_date=utc(2026, 11, 1, 6), conf=conf)
     assert failed.state == FAILED
     from airflow_idempotency import status
@@ -369,4 +378,4 @@ def test_watch_dag_fails_on_a_gap_and_passes_when_filled(
     assert "missing" in named[0] and "started" in named[1] and "stale since" in named[2]
     for key in days[1::2]:
         record(airflow_pg_conn, "watched", key)
-    assert run_dag(dag, logical_date=utc(2026, 11, 2, 6), conf=conf).state == SUCCESS
+    assert run_dag(dag, logical_date=utc(2026, 11, 1, 6), conf=conf).state == SUCCESS

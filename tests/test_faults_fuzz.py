@@ -36,7 +36,14 @@ from airflow_idempotency.exceptions import (
     InvalidRunKeyError,
 )
 from airflow_idempotency.operator import IdempotentRunOperator, conf_flag
-from airflow_idempotency.run_key import MAX_KEY_LENGTH, RunKeyRule, check_text, resolve_run_key
+from airflow_idempotency.run_key import (
+    MAX_KEY_LENGTH,
+    RunFacts,
+    RunKeyRule,
+    check_text,
+    key_parts,
+    resolve_run_key,
+)
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from devtools.postgres import temporary_database
@@ -192,14 +199,16 @@ def test_resolve_run_key_accepts_a_valid_ended_period_or_refuses_cleanly() -> No
         rule = RunKeyRule(period=period, offset=offset, allow_open_period=allow_open)
         try:
             resolved = resolve_run_key(
-                rule=rule,
-                timezone=timezone,
-                timetable_name=timetable,
-                run_type=run_type,
-                logical_date=logical_date,
-                conf_run_key=conf_key,
-                params_run_key=params_key,
-                now=now,
+                rule,
+                RunFacts(
+                    timezone=timezone,
+                    timetable_name=timetable,
+                    run_type=run_type,
+                    logical_date=logical_date,
+                    conf_run_key=conf_key,
+                    params_run_key=params_key,
+                    now=now,
+                ),
             )
         except InvalidRunKeyError:
             tally["refused"] += 1
@@ -207,7 +216,9 @@ def test_resolve_run_key_accepts_a_valid_ended_period_or_refuses_cleanly() -> No
         tally["accepted"] += 1
         key = resolved.run_key
         assert check_text(key, "run key") == key
-        _, end = rule.period_bounds(key, timezone)  # well-formed: parses back
+        period_key = key_parts(key).period  # a segmented key (eu|2026-10-01) has one period
+        assert period_key is not None
+        _, end = rule.period_bounds(period_key, timezone)  # well-formed: parses back
         assert allow_open or end <= now
         explicit = conf_key if conf_key not in (None, "") else params_key
         if explicit not in (None, ""):
@@ -516,13 +527,15 @@ def test_a_run_key_in_the_last_period_of_year_9999_is_refused_as_invalid_input(
     """A run_key whose period ends after year 9999 is refused with InvalidRunKeyError like any other impossible key."""
     with pytest.raises(InvalidRunKeyError):
         resolve_run_key(
-            rule=RunKeyRule(period=period),
-            timezone="UTC",
-            timetable_name="CronTriggerTimetable",
-            run_type="manual",
-            logical_date=None,
-            conf_run_key=key,
-            now=dt.datetime(2026, 10, 2, tzinfo=dt.timezone.utc),
+            RunKeyRule(period=period),
+            RunFacts(
+                timezone="UTC",
+                timetable_name="CronTriggerTimetable",
+                run_type="manual",
+                logical_date=None,
+                conf_run_key=key,
+                now=dt.datetime(2026, 10, 2, tzinfo=dt.timezone.utc),
+            ),
         )
 
 

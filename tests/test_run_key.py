@@ -13,14 +13,13 @@ from airflow_idempotency.exceptions import (
     PeriodNotEndedError,
     RunKeyMissingError,
 )
-from airflow_idempotency.run_key import RunKeyRule, check_text, resolve_run_key
+from airflow_idempotency.run_key import RunFacts, RunKeyRule, check_text, resolve_run_key
 
 NOW = pendulum.datetime(2026, 11, 29, 8, 0, tz="UTC")
 
 
-def resolve(**overrides):  # type: ignore[no-untyped-def]
+def resolve(rule: object = None, **overrides):  # type: ignore[no-untyped-def]
     args = dict(
-        rule=RunKeyRule(),
         timezone="UTC",
         timetable_name="CronTriggerTimetable",
         run_type="scheduled",
@@ -28,7 +27,7 @@ def resolve(**overrides):  # type: ignore[no-untyped-def]
         now=NOW,
     )
     args.update(overrides)
-    return resolve_run_key(**args)
+    return resolve_run_key(rule or RunKeyRule(), RunFacts(**args))  # type: ignore[arg-type]
 
 
 def test_cron_trigger_timetable_maps_to_previous_day() -> None:

@@ -84,3 +84,47 @@ RETURNING stores, mismatched_stores, runs;
 INSERT INTO orders (order_id, store_id, customer_id, amount_cents, currency, shipped_on)
 SELECT order_id, store_id, customer_id, amount_cents, currency, shipped_on FROM staging_orders
 ON CONFLICT (order_id) DO NOTHING;
+
+-- name: create_region_invoices
+-- create_invoices for the orders of one region (the partitioned variant's mapped task).
+WITH new_invoices AS (
+    INSERT INTO invoices (
+        invoice_number, order_id, business_date, store_id, customer_id, amount_cents, currency
+    )
+    SELECT 'INV-' || o.order_id, o.order_id, o.shipped_on, o.store_id, o.customer_id,
+           o.amount_cents, o.currency
+    FROM orders AS o
+    WHERE o.shipped_on = %(business_date)s AND store_region(o.store_id) = %(region)s
+    ON CONFLICT (order_id) DO NOTHING
+    RETURNING order_id
+),
+marked AS (
+    UPDATE orders AS o
+    SET invoiced_at = now()
+    FROM new_invoices AS n
+    WHERE o.order_id = n.order_id
+    RETURNING o.order_id
+)
+SELECT (SELECT count(*) FROM orders
+        WHERE shipped_on = %(business_date)s AND store_region(store_id) = %(region)s)
+           AS orders_seen,
+       (SELECT count(*) FROM new_invoices) AS invoices_created,
+       (SELECT count(*) FROM marked) AS orders_marked;
+
+-- name: upsert_region_reconciliation
+-- ONE row per region and date; `runs` counts the reconciliations that did the work.
+INSERT INTO region_reconciliation (
+    business_date, region, orders_count, invoiced_count, difference_cents
+)
+SELECT %(business_date)s::date, %(region)s, count(*), count(i.order_id),
+       coalesce(sum(o.amount_cents), 0) - coalesce(sum(i.amount_cents), 0)
+FROM orders AS o
+LEFT JOIN invoices AS i ON i.order_id = o.order_id
+WHERE o.shipped_on = %(business_date)s AND store_region(o.store_id) = %(region)s
+ON CONFLICT (business_date, region) DO UPDATE
+SET orders_count = EXCLUDED.orders_count,
+    invoiced_count = EXCLUDED.invoiced_count,
+    difference_cents = EXCLUDED.difference_cents,
+    runs = region_reconciliation.runs + 1,
+    reconciled_at = now()
+RETURNING orders_count, invoiced_count, difference_cents, runs;

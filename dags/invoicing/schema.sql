@@ -64,3 +64,21 @@ CREATE TABLE IF NOT EXISTS reconciliation_summary (
     runs                   integer     NOT NULL DEFAULT 1,
     reconciled_at          timestamptz NOT NULL DEFAULT now()
 );
+
+-- The partitioned variant (dags/partitioned_invoices.py): a store's region is its own column
+-- of the order, derived here (stores 1-12 are in the eu, the others in the us), and ONE
+-- reconciliation row per region and business date.
+CREATE OR REPLACE FUNCTION store_region(store_id integer) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT CASE WHEN store_id <= 12 THEN 'eu' ELSE 'us' END $$;
+
+CREATE TABLE IF NOT EXISTS region_reconciliation (
+    business_date          date        NOT NULL,
+    region                 text        NOT NULL,
+    orders_count           integer     NOT NULL,
+    invoiced_count         integer     NOT NULL,
+    difference_cents       bigint      NOT NULL,
+    runs                   integer     NOT NULL DEFAULT 1,
+    reconciled_at          timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (business_date, region)
+);

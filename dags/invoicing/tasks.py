@@ -10,6 +10,7 @@ import httpx
 
 from airflow_idempotency import Effect, OutboundLedger, RunContext, post_json
 from airflow_idempotency.crashpoints import crash_point
+from airflow_idempotency.run_key import key_parts
 from invoicing import ensure_example_schema, queries
 
 KEY_PREFIX = "finalize_invoices"  # idempotency keys: finalize_invoices:<date>:order_<id>
@@ -20,6 +21,14 @@ EXPORT_PATH = "/api/invoices"
 def business_date(run: RunContext) -> dt.date:
     """The run key of these jobs is the business date, YYYY-MM-DD."""
     return dt.date.fromisoformat(run.run_key)
+
+
+def region_and_date(run: RunContext) -> tuple[str, dt.date]:
+    """The partitioned variant's run keys are ``<region>|<YYYY-MM-DD>`` (eu|2026-10-01)."""
+    parts = key_parts(run.run_key)
+    (region,) = [s for s in parts.template if s != "{}"]
+    assert parts.period is not None
+    return region, dt.date.fromisoformat(parts.period)
 
 
 def accounting_endpoint(conn_id: str = "accounting_api") -> tuple[str, dict[str, Any]]:
@@ -211,3 +220,32 @@ def reconcile_stores(run: RunContext) -> dict[str, int]:
         cur.execute(queries()["upsert_reconciliation_summary"], params)
         _stores, mismatched, runs = cur.fetchone()  # type: ignore[misc]
     return {"stores": stores, "mismatched_stores": mismatched, "summary_writes": runs}
+
+
+# [START region_tasks]
+def create_region_invoices(run: RunContext) -> dict[str, int]:
+    """Invoice one region's orders of the business date (run key eu|2026-10-01)."""
+    region, day = region_and_date(run)
+    ensure_example_schema(run.connection)
+    with run.transaction() as cur:
+        cur.execute(queries()["create_region_invoices"], {"business_date": day, "region": region})
+        orders_seen, invoices_created, _marked = cur.fetchone()  # type: ignore[misc]
+    run.log.info(
+        "%s %s: orders %d, invoices created now %d", region, day, orders_seen, invoices_created
+    )
+    return {"orders_seen": orders_seen, "invoices_created": invoices_created}
+
+
+def reconcile_region(run: RunContext) -> dict[str, int]:
+    """One reconciliation row per region and date; ``runs`` counts the ones that worked."""
+    region, day = region_and_date(run)
+    ensure_example_schema(run.connection)
+    with run.transaction() as cur:
+        cur.execute(
+            queries()["upsert_region_reconciliation"], {"business_date": day, "region": region}
+        )
+        orders, invoiced, difference, runs = cur.fetchone()  # type: ignore[misc]
+    return {"orders": orders, "invoiced": invoiced, "difference_cents": difference, "runs": runs}
+
+
+# [END region_tasks]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from airflow.providers.common.compat.sdk import (
@@ -26,6 +27,9 @@ from airflow.providers.common.compat.sdk import (
     task_decorator_factory,
 )
 
+from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.run_key import PartitionSpec
+
 
 def _airflow_version() -> tuple[int, int, int]:
     from airflow import __version__
@@ -39,6 +43,8 @@ AIRFLOW_VERSION = _airflow_version()
 AIRFLOW_V_3_0_PLUS = AIRFLOW_VERSION >= (3, 0, 0)
 AIRFLOW_V_3_1_PLUS = AIRFLOW_VERSION >= (3, 1, 0)
 AIRFLOW_V_3_2_PLUS = AIRFLOW_VERSION >= (3, 2, 0)
+"""Partitioned runs (AIP-76): ``dag_run.partition_key`` / ``partition_date``, partitioned
+timetables, partition keys on asset events."""
 
 if AIRFLOW_V_3_2_PLUS:
     from airflow.sdk.exceptions import AirflowRescheduleException
@@ -63,6 +69,79 @@ def run_type(dag_run: Any) -> str:
     """The run's type as text (an enum on 3.x, a string on 2.x)."""
     value = dag_run.run_type
     return str(getattr(value, "value", value))
+
+
+def run_partition(context: Mapping[str, Any]) -> tuple[str | None, datetime.datetime | None]:
+    """The run's partition key and partition date; ``(None, None)`` before 3.2 (no
+    partitions: the run key comes from the logical date or the conf, as always)."""
+    if not AIRFLOW_V_3_2_PLUS:
+        return None, None
+    dag_run = context["dag_run"]
+    key = context.get("partition_key", getattr(dag_run, "partition_key", None))
+    date = context.get("partition_date", getattr(dag_run, "partition_date", None))
+    return key, date
+
+
+_PARTITIONED_TIMETABLES = frozenset({"CronPartitionTimetable", "PartitionedAssetTimetable"})
+
+
+def dag_partitioning(dag: Any) -> tuple[bool, PartitionSpec]:
+    """Whether ``dag`` makes partitioned runs, and how its timetable writes partition keys
+    (the SDK classes of 3.2+: CronPartitionTimetable's ``key_format`` and timezone, the
+    partition mappers of a PartitionedAssetTimetable). Never partitioned before 3.2."""
+    timetable = getattr(dag, "timetable", None) if dag is not None else None
+    if not AIRFLOW_V_3_2_PLUS or timetable is None:
+        return False, PartitionSpec()
+    # The Task SDK's timetable classes (what a DAG file builds) have no ``partitioned``
+    # attribute; the scheduler's have. Either way, these are the partitioned ones.
+    partitioned = bool(
+        getattr(timetable, "partitioned", False)
+        or getattr(timetable, "partitioned_at_runtime", False)
+        or type(timetable).__name__ in _PARTITIONED_TIMETABLES
+    )
+    formats: list[str] = []
+    zones: list[str] = []
+    delimiters: list[str] = []
+    if isinstance(getattr(timetable, "key_format", None), str):  # CronPartitionTimetable
+        formats.append(timetable.key_format)
+        zones.append(_zone_name(getattr(timetable, "timezone", None)))
+    mappers = list((getattr(timetable, "partition_mapper_config", None) or {}).values())
+    if getattr(timetable, "default_partition_mapper", None) is not None:
+        mappers.append(timetable.default_partition_mapper)
+    for mapper in mappers:
+        _walk_mapper(mapper, formats, zones, delimiters)
+    zone = zones[0] if zones and all(z == zones[0] for z in zones) else None
+    delimiter = delimiters[0] if delimiters else PartitionSpec.delimiter
+    return partitioned, PartitionSpec(tuple(dict.fromkeys(formats)), zone, delimiter)
+
+
+def _walk_mapper(mapper: Any, formats: list[str], zones: list[str], delimiters: list[str]) -> None:
+    """Collect what a partition mapper writes: temporal mappers' output formats and
+    timezones, ProductMapper's delimiter, through Chain, Rollup and FanOut mappers."""
+    if isinstance(getattr(mapper, "output_format", None), str):
+        formats.append(mapper.output_format)
+        zones.append(_zone_name(getattr(mapper, "_timezone", None)))
+    if isinstance(getattr(mapper, "delimiter", None), str):
+        delimiters.append(mapper.delimiter)
+    children = list(getattr(mapper, "mappers", None) or [])
+    children += [getattr(mapper, a, None) for a in ("upstream_mapper", "downstream_mapper")]
+    for child in children:
+        if child is not None:
+            _walk_mapper(child, formats, zones, delimiters)
+
+
+def _zone_name(zone: Any) -> str:
+    return str(getattr(zone, "name", None) or zone or "UTC")
+
+
+def add_partition_event(context: Mapping[str, Any], outlets: Any, partition_key: str) -> None:
+    """Make the success's asset events of ``outlets`` carry ``partition_key`` instead of the
+    run's own (3.2+: ``outlet_events[asset].add_partitions``); nothing before 3.2."""
+    if not AIRFLOW_V_3_2_PLUS:
+        return
+    for asset in outlets or ():
+        if type(asset).__name__ == "Asset":
+            context["outlet_events"][asset].add_partitions([partition_key])
 
 
 def triggering_user(dag_run: Any) -> str | None:
@@ -169,28 +248,119 @@ def load_dag(dag_id: str, dags_folder: str | None = None) -> Any:
     return bag.dags[dag_id]
 
 
-def backfill_logical_dates(
-    dag: Any, from_date: datetime.datetime, to_date: datetime.datetime
-) -> list[datetime.datetime]:
-    """The logical dates of the runs this line's backfill command would create for ``dag``
-    between ``from_date`` and ``to_date``: both lines compare the bounds with logical dates
-    (from the DAG's own timetable); Airflow 3 also leaves out runs whose interval has not
-    ended yet."""
-    if AIRFLOW_V_3_0_PLUS:
-        if AIRFLOW_V_3_2_PLUS:
-            from airflow.serialization.serialized_objects import DagSerialization as serializer
-        else:  # 3.1: the scheduler's DAG is the SerializedDAG itself
-            from airflow.serialization.serialized_objects import (  # type: ignore[assignment]
-                SerializedDAG as serializer,
-            )
-        scheduler_dag = serializer.from_dict(serializer.to_dict(dag))
-        now = datetime.datetime.now(datetime.timezone.utc)
-        return [
-            info.logical_date
-            for info in scheduler_dag.iter_dagrun_infos_between(from_date, to_date)
-            if info.logical_date is not None and info.data_interval and info.data_interval.end < now
-        ]
-    return [info.logical_date for info in dag.iter_dagrun_infos_between(from_date, to_date)]
+BACKFILL_COMMANDS = ("backfill-create", "dags-backfill")
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run a backfill command would create: its logical date or its partition key,
+    and the timetable the command's Airflow line gives the DAG (it picks the key's offset)."""
+
+    logical_date: datetime.datetime | None
+    partition_key: str | None
+    timetable_name: str
+    fires_at: datetime.datetime | None = None  # when the scheduler would start it
+
+
+def _fires_at(info: Any) -> datetime.datetime | None:
+    interval = getattr(info, "data_interval", None)
+    if interval is not None:
+        return interval.end  # type: ignore[no-any-return]
+    return getattr(info, "run_after", None)
+
+
+def backfill_runs(
+    dag: Any,
+    from_date: datetime.datetime,
+    to_date: datetime.datetime,
+    command: str = BACKFILL_COMMAND,
+) -> list[PlannedRun]:
+    """The runs ``command`` would create for ``dag`` between the two bounds.
+
+    Both lines compare the bounds with logical dates from the DAG's timetable (partition
+    dates for a partitioned timetable, 3.2+); Airflow 3 leaves out runs whose interval has
+    not ended. ``command`` may be the other line's: a cron string is then the timetable the
+    other line builds for it (CronDataIntervalTimetable on 2.x, CronTriggerTimetable on
+    3.x), an explicit timetable the same one; Airflow 2 has no partitioned runs.
+    """
+    if command not in BACKFILL_COMMANDS:
+        raise InvalidInputError(f"unknown command {command!r}: use one of {BACKFILL_COMMANDS}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if command != BACKFILL_COMMAND:
+        return _other_line_runs(dag, from_date, to_date, command, now)
+    name = type(dag.timetable).__name__
+    if not AIRFLOW_V_3_0_PLUS:
+        infos = dag.iter_dagrun_infos_between(from_date, to_date)
+        return [PlannedRun(i.logical_date, None, name, _fires_at(i)) for i in infos]
+    if AIRFLOW_V_3_2_PLUS:
+        from airflow.serialization.serialized_objects import DagSerialization as serializer
+    else:  # 3.1: the scheduler's DAG is the SerializedDAG itself
+        from airflow.serialization.serialized_objects import (  # type: ignore[assignment]
+            SerializedDAG as serializer,
+        )
+    scheduler_dag = serializer.from_dict(serializer.to_dict(dag))
+    runs = []
+    for info in scheduler_dag.iter_dagrun_infos_between(from_date, to_date):
+        partition_key = getattr(info, "partition_key", None)
+        if partition_key is not None and info.run_after <= now:
+            runs.append(PlannedRun(None, partition_key, name, _fires_at(info)))
+        elif info.logical_date is not None and info.data_interval and info.data_interval.end < now:
+            runs.append(PlannedRun(info.logical_date, None, name, _fires_at(info)))
+    return runs
+
+
+def _other_line_runs(
+    dag: Any,
+    from_date: datetime.datetime,
+    to_date: datetime.datetime,
+    command: str,
+    now: datetime.datetime,
+) -> list[PlannedRun]:
+    partitioned, _ = dag_partitioning(dag)
+    if partitioned or type(dag.timetable).__name__ in _PARTITIONED_TIMETABLES:
+        raise InvalidInputError(
+            f"DAG {dag.dag_id!r} is partitioned: Airflow 2 has no partitioned runs, so "
+            f"`airflow dags backfill` cannot run it; plan it with --command backfill-create"
+        )
+    cron = getattr(dag, "schedule", None) if AIRFLOW_V_3_0_PLUS else dag.schedule_interval
+    if not isinstance(cron, str):  # an explicit timetable: the same on both lines
+        infos = _iterate(dag.timetable, from_date, to_date)
+        name = type(dag.timetable).__name__
+    else:
+        from airflow.timetables.interval import CronDataIntervalTimetable
+        from airflow.timetables.trigger import CronTriggerTimetable
+
+        if command == "dags-backfill":
+            other: Any = CronDataIntervalTimetable(cron, dag.timezone)
+        else:
+            other = CronTriggerTimetable(cron, timezone=dag.timezone)
+        infos = _iterate(other, from_date, to_date)
+        name = type(other).__name__
+    if command == "backfill-create":
+        infos = [i for i in infos if i.data_interval is not None and i.data_interval.end < now]
+    return [PlannedRun(i.logical_date, None, name, _fires_at(i)) for i in infos]
+
+
+def _iterate(timetable: Any, first: datetime.datetime, last: datetime.datetime) -> list[Any]:
+    """The timetable's runs whose logical date is within [first, last] (its public
+    ``next_dagrun_info``, the same on both lines)."""
+    import pendulum
+    from airflow.timetables.base import TimeRestriction
+
+    restriction = TimeRestriction(
+        earliest=pendulum.instance(first), latest=pendulum.instance(last), catchup=True
+    )
+    infos: list[Any] = []
+    previous = None
+    while len(infos) < 100_000:
+        info = timetable.next_dagrun_info(
+            last_automated_data_interval=previous, restriction=restriction
+        )
+        if info is None or info.logical_date is None or info.logical_date > last:
+            return infos
+        infos.append(info)
+        previous = info.data_interval
+    raise InvalidInputError(f"{first} .. {last} is more than 100,000 runs: narrow the range")
 
 
 class AirflowMetrics:
@@ -234,6 +404,7 @@ def logs_to_stderr() -> None:
 __all__ = [
     "AIRFLOW_METRICS",
     "AIRFLOW_V_3_0_PLUS",
+    "AIRFLOW_V_3_2_PLUS",
     "AirflowException",
     "AirflowFailException",
     "AirflowRescheduleException",
@@ -247,6 +418,9 @@ __all__ = [
     "ReschedulingOperator",
     "Stats",
     "TaskDecorator",
+    "add_partition_event",
+    "dag_partitioning",
     "run_key_links",
+    "run_partition",
     "task_decorator_factory",
 ]

@@ -39,6 +39,10 @@ class PeriodNotEndedError(InvalidRunKeyError):
     """The run key names a business period that has not ended yet."""
 
 
+class RunKeyConflictError(InvalidRunKeyError):
+    """An explicit ``run_key`` contradicts the run's ``partition_key``."""
+
+
 class IdempotencyKeyConflictError(InvalidInputError):
     """An idempotency key was reused with a different request."""
 

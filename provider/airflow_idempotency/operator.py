@@ -21,8 +21,11 @@ from airflow_idempotency.compat import (
     Context,
     Param,
     ReschedulingOperator,
+    add_partition_event,
+    dag_partitioning,
     reschedule_count,
     run_key_links,
+    run_partition,
     run_type,
     triggering_user,
 )
@@ -37,7 +40,15 @@ from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE
 from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.records import RunOptions, Trigger
 from airflow_idempotency.run_context import RunContext
-from airflow_idempotency.run_key import ResolvedRunKey, RunKeyRule, check_text, resolve_run_key
+from airflow_idempotency.run_key import (
+    OVERRIDE_FLAG,
+    SEGMENT_DELIMITER,
+    ResolvedRunKey,
+    RunFacts,
+    RunKeyRule,
+    check_text,
+    resolve_run_key,
+)
 from airflow_idempotency.runner import RunOutcome, run_idempotently
 from airflow_idempotency.schema import DEFAULT_SCHEMA
 
@@ -45,14 +56,17 @@ OnLocked = Literal["reschedule", "fail", "skip"]
 OnCompleted = Literal["succeed", "skip"]
 
 
-def idempotency_params(period: str = "day") -> dict[str, Param]:
+def idempotency_params(period: str = "day", *, segments: bool = False) -> dict[str, Param]:
     """Trigger-form fields for a DAG of idempotent runs: ``run_key``, ``force``, ``dry_run``.
 
     Use as ``DAG(..., params=idempotency_params())``. The run_key field is a date picker
-    for daily jobs; left empty, the run key comes from the logical date.
+    for daily jobs; left empty, the run key comes from the partition key or the logical
+    date. ``segments=True``: a text field, for keys with segments (``eu|2026-10-01``).
     """
     hint = RunKeyRule(period=period).format_hint  # type: ignore[arg-type]
-    date_format: dict[str, Any] = {"format": "date"} if period == "day" else {}
+    if segments:
+        hint = f"{hint}, after its labels if it has segments (e.g. eu|2026-10-01)"
+    date_format: dict[str, Any] = {"format": "date"} if period == "day" and not segments else {}
     run_key = Param(
         None,
         type=["null", "string"],
@@ -79,8 +93,10 @@ def idempotency_params(period: str = "day") -> dict[str, Param]:
 
 def conf_flag(context: Context, name: str) -> bool:
     """A boolean switch of the run: its conf wins over its params; anything else is refused."""
-    conf = context["dag_run"].conf or {}
-    params = context.get("params") or {}
+    return _flag(context["dag_run"].conf or {}, context.get("params") or {}, name)
+
+
+def _flag(conf: Mapping[str, Any], params: Mapping[str, Any], name: str) -> bool:
     value = conf.get(name, params.get(name, False))
     if value is None:
         return False
@@ -112,11 +128,17 @@ class IdempotentRunOperator(ReschedulingOperator):
     :param lock_timeout: give up (fail, retries apply) after rescheduling this long.
     :param on_completed: for an already completed key: ``succeed`` (a no-op) or ``skip``.
     :param schema: Postgres schema of the bookkeeping tables.
+    :param key_segment: this task's own segment of the work (templated, and what a mapped
+        task expands over: ``.partial(...).expand(key_segment=["eu", "us"])``): the run key
+        becomes ``<segment>|<key>``, each segment locked and recorded apart.
+    :param emit_on_noop: a no-op (an already completed key) or a dry run emits the task's
+        ``outlets`` asset events too. Default ``False``: only a run that did the work emits
+        them, so a consumer never runs again for work that was already done.
     :param op_args: positional arguments passed to ``python_callable`` after the context.
     :param op_kwargs: keyword arguments passed to ``python_callable`` (templated).
     """
 
-    template_fields: Sequence[str] = ("job_name", "op_kwargs")
+    template_fields: Sequence[str] = ("job_name", "key_segment", "op_kwargs")
     ui_color = "#e8f4e8"
     operator_extra_links = run_key_links()
 
@@ -132,6 +154,8 @@ class IdempotentRunOperator(ReschedulingOperator):
         lock_timeout: dt.timedelta = dt.timedelta(hours=6),
         on_completed: OnCompleted = "succeed",
         schema: str = DEFAULT_SCHEMA,
+        key_segment: str | None = None,
+        emit_on_noop: bool = False,
         op_args: Collection[Any] | None = None,
         op_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
@@ -156,6 +180,8 @@ class IdempotentRunOperator(ReschedulingOperator):
         self.lock_timeout = lock_timeout
         self.on_completed = on_completed
         self.schema = schema
+        self.key_segment = key_segment
+        self.emit_on_noop = emit_on_noop
         self.op_args = list(op_args or [])
         self.op_kwargs = dict(op_kwargs or {})
 
@@ -174,31 +200,56 @@ class IdempotentRunOperator(ReschedulingOperator):
     def resolve_run_key(self, context: Context) -> ResolvedRunKey:
         """The run key of this task execution (decided by :func:`resolve_run_key`)."""
         dag_run = context["dag_run"]
+        partition_key, partition_date = run_partition(context)
         return self._resolve(
             kind=run_type(dag_run),
             logical_date=context.get("logical_date") or dag_run.logical_date,
             conf=dag_run.conf or {},
             params=context.get("params") or {},
             context=context,
+            partition=(partition_key, partition_date),
         )
 
     def explain_run_key(
-        self, *, kind: str, logical_date: dt.datetime | None, conf: Mapping[str, Any]
+        self,
+        *,
+        kind: str,
+        logical_date: dt.datetime | None,
+        conf: Mapping[str, Any],
+        partition_key: str | None = None,
+        timetable_name: str | None = None,
     ) -> ResolvedRunKey:
         """The run key a run of ``kind`` (manual, scheduled, backfill) at ``logical_date``
-        with ``conf`` would get, or the error it would get (``airflow-idempotency explain``).
+        (or for ``partition_key``) with ``conf`` would get, or the error it would get
+        (``airflow-idempotency explain``, ``plan``).
 
         The DAG's params are merged with ``conf`` as Airflow does. A callable rule is called
-        with a context of those facts only (logical_date, params, dag, dag_run).
+        with a context of those facts only (logical_date, partition_key, params, dag, dag_run).
         """
         dag = self._dag_or_none()
         params = {**(dag.params.dump() if dag else {}), **conf}
         run = types.SimpleNamespace(
-            conf=dict(conf), run_type=kind, logical_date=logical_date, run_after=logical_date
+            conf=dict(conf),
+            run_type=kind,
+            logical_date=logical_date,
+            run_after=logical_date,
+            partition_key=partition_key,
         )
-        context = {"logical_date": logical_date, "params": params, "dag": dag, "dag_run": run}
+        context = {
+            "logical_date": logical_date,
+            "partition_key": partition_key,
+            "params": params,
+            "dag": dag,
+            "dag_run": run,
+        }
         return self._resolve(
-            kind=kind, logical_date=logical_date, conf=conf, params=params, context=context
+            kind=kind,
+            logical_date=logical_date,
+            conf=conf,
+            params=params,
+            context=context,
+            partition=(partition_key, None),
+            timetable_name=timetable_name,
         )
 
     def _resolve(
@@ -209,19 +260,28 @@ class IdempotentRunOperator(ReschedulingOperator):
         conf: Mapping[str, Any],
         params: Mapping[str, Any],
         context: Any,
+        partition: tuple[str | None, dt.datetime | None],
+        timetable_name: str | None = None,
     ) -> ResolvedRunKey:
         dag = self._dag_or_none()
-        return resolve_run_key(
-            rule=self.run_key_rule,
-            timezone=self._timezone_name(),
-            timetable_name=type(dag.timetable).__name__ if dag else None,
+        partitioned, spec = dag_partitioning(dag)
+        facts = RunFacts(
             run_type=kind,
+            timezone=self._timezone_name(),
+            now=pendulum.now("UTC"),
+            timetable_name=timetable_name or (type(dag.timetable).__name__ if dag else None),
             logical_date=logical_date,
+            partition_key=partition[0],
+            partition_date=partition[1],
+            partitioned=partitioned,
+            partition_spec=spec,
             conf_run_key=conf.get("run_key"),
             params_run_key=params.get("run_key"),
-            now=pendulum.now("UTC"),
+            override_partition=_flag(conf, params, OVERRIDE_FLAG),
+            key_segment=self.key_segment,
             context=context,
         )
+        return resolve_run_key(self.run_key_rule, facts)
 
     @property
     def effective_job_name(self) -> str:
@@ -252,6 +312,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             task_id=ti.task_id,
             try_number=ti.try_number,
             map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
+            partition_key=run_partition(context)[0],
         )
 
     def execute(self, context: Context) -> dict[str, Any]:
@@ -291,7 +352,35 @@ class IdempotentRunOperator(ReschedulingOperator):
             raise AirflowSkipException(
                 f"job={job_name} run_key={resolved.run_key}: already completed, skipping"
             )
+        self._asset_events(context, result.outcome, resolved.run_key)
         return result.as_dict()
+
+    def _asset_events(self, context: Context, outcome: RunOutcome, run_key: str) -> None:
+        """What the success tells Airflow about the task's ``outlets``.
+
+        The Task SDK (3.3.2, ``_handle_current_task_success``) sends the task's ``outlets``
+        as they are when ``execute`` returns, and the api-server emits one asset event per
+        outlet: emptied here, a no-op or a dry run emits none (the work's event went out
+        when the key completed). A mapped segment's event names its segment before the
+        run's partition key (``eu|2026-10-01T01:00:00``), so a consumer with a
+        ProductMapper runs per segment.
+        """
+        if not self.outlets:
+            return
+        if outcome is not RunOutcome.COMPLETED and not self.emit_on_noop:
+            self.log.info(
+                "run_key=%s: %s, so no asset event for %d outlet(s) (emit_on_noop=False)",
+                run_key,
+                outcome.value,
+                len(self.outlets),
+            )
+            self.outlets = []
+            return
+        partition_key, _ = run_partition(context)
+        if self.key_segment is not None and partition_key is not None:
+            add_partition_event(
+                context, self.outlets, f"{self.key_segment}{SEGMENT_DELIMITER}{partition_key}"
+            )
 
     def airflow_failure(self, context: Context, exc: IdempotencyError) -> BaseException:
         """The Airflow exception that ends this try for ``exc``: the one place that maps them.

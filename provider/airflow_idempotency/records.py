@@ -41,6 +41,7 @@ class Trigger:
     task_id: str | None = None
     try_number: int | None = None
     map_index: int | None = None
+    partition_key: str | None = None  # the run's Airflow partition key (3.2+): details
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,10 @@ class RunRecords:
             "task_id": trigger.task_id,
             "try_number": trigger.try_number,
             "map_index": trigger.map_index,
+            # Facts of the trigger that have no column: the attempt's details from its start.
+            "trigger_details": Jsonb(
+                {"partition_key": trigger.partition_key} if trigger.partition_key else {}
+            ),
             "hostname": _HOSTNAME,
             "pid": os.getpid(),
             "lock_backend_pid": lock.backend_pid if lock else None,

@@ -1,8 +1,22 @@
 """Run keys: the name of the business period a run is for.
 
-A run key is explicit text such as ``2026-10-01``. For scheduled and backfill runs it is
-derived from Airflow's logical date by a :class:`RunKeyRule`; a manual run may name it
-directly (``run_key`` in the run's conf or params). Nothing here ever falls back to "now".
+A run key is explicit text such as ``2026-10-01`` or, for a segment of the work,
+``eu|2026-10-01``. It is decided here and nowhere else (:func:`resolve_run_key`), from the
+facts the operator reads from Airflow (:class:`RunFacts`), in one order of precedence:
+
+1. an explicit ``run_key`` in the run's conf (then its params): manual runs only. When the
+   run also has a ``partition_key``, the explicit key must be the one the partition gives;
+   a contradicting one is refused unless the conf also says
+   ``"run_key_overrides_partition": true``;
+2. a callable ``run_key_rule`` (it gets the task context, ``partition_key`` included);
+3. the run's ``partition_key`` (Airflow 3.2+ partitioned runs: scheduled, backfilled,
+   triggered with a key, or asset-triggered through a partition mapper);
+4. the run's logical date, through the :class:`RunKeyRule` (not for a partitioned DAG:
+   its periods are its partitions);
+5. none of these: refused, naming what to give. Nothing here ever falls back to "now".
+
+A mapped task whose segment comes from data (``key_segment``) prefixes the key so decided
+with its segment: ``eu|2026-10-01``.
 
 How a rule maps a run (``offset=None`` picks the offset from the DAG's timetable, so one
 DAG file keys one run the same way on Airflow 2.11 and 3.x):
@@ -37,14 +51,18 @@ from typing import Any, Literal
 import pendulum
 
 from airflow_idempotency.exceptions import (
+    ConfigurationError,
     InvalidInputError,
     InvalidRunKeyError,
     PeriodNotEndedError,
+    RunKeyConflictError,
     RunKeyMissingError,
 )
 
 Period = Literal["hour", "day", "week", "month"]
 MAX_KEY_LENGTH = 200
+SEGMENT_DELIMITER = "|"
+"""Separates the segments of a run key (``eu|2026-10-01``), as Airflow's ProductMapper does."""
 
 _FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     "hour": (
@@ -203,6 +221,185 @@ RunKeyCallable = Callable[[Any], str]
 """A custom rule: takes the Airflow task context, returns the run key (free text)."""
 
 _MANUAL_RUN_TYPES = frozenset({"manual", "operator_triggered"})
+OVERRIDE_FLAG = "run_key_overrides_partition"
+"""The conf switch that lets an explicit ``run_key`` differ from the run's partition."""
+
+
+# -- partition keys ---------------------------------------------------------------------
+
+# How fine a time segment is: a moment, or the start of an hour, day, ISO week, month,
+# quarter or year. A segment may be keyed by a period as long as or longer than its own
+# grain (the 01:00 moment of a day -> that day), never by a shorter one.
+_GRAINS = ("moment", "hour", "day", "week", "month", "quarter", "year")
+_PERIOD_RANK = {"hour": 1, "day": 2, "week": 3, "month": 4}
+
+# The strptime-style formats Airflow writes time partition keys in, besides what a DAG's
+# timetable declares: CronPartitionTimetable's default key_format and the default output
+# formats of StartOfHourMapper, StartOfDayMapper, StartOfWeekMapper, StartOfMonthMapper,
+# StartOfQuarterMapper; then this module's own hour and ISO-week keys.
+DEFAULT_TIME_FORMATS = (
+    "%Y-%m-%dT%H:%M:%S",
+    "%Y-%m-%dT%H:%M:%S%z",
+    "%Y-%m-%dT%H",
+    "%Y-%m-%d",
+    "%Y-%m-%d (W%V)",
+    "%Y-%m",
+    "%Y-Q{quarter}",
+    "%Y-%m-%dT%HZ",
+    "%G-W%V",
+)
+
+_DIRECTIVES = {
+    "%Y": r"(?P<Y>\d{4})",
+    "%G": r"(?P<G>\d{4})",
+    "%m": r"(?P<m>\d{2})",
+    "%d": r"(?P<d>\d{2})",
+    "%H": r"(?P<H>\d{2})",
+    "%M": r"(?P<M>\d{2})",
+    "%S": r"(?P<S>\d{2})",
+    "%V": r"(?P<V>\d{2})",
+    "%z": r"(?P<z>Z|[+-]\d{2}:?\d{2})",
+    "{quarter}": r"(?P<q>[1-4])",
+}
+
+
+def _format_pattern(fmt: str) -> re.Pattern[str]:
+    """A strptime-style format as an anchored regular expression with named groups (the
+    directives Airflow's partition formats use; anything else matches literally)."""
+    parts, i = [], 0
+    while i < len(fmt):
+        token = next((t for t in _DIRECTIVES if fmt.startswith(t, i)), None)
+        if token is None:
+            parts.append(re.escape(fmt[i]))
+            i += 1
+        else:
+            parts.append(_DIRECTIVES[token])
+            i += len(token)
+    return re.compile("".join(parts))
+
+
+def _grain(groups: dict[str, str]) -> str:
+    if "M" in groups or "S" in groups:
+        return "moment"
+    if "H" in groups:
+        return "hour"
+    if "V" in groups:  # StartOfWeekMapper's 2026-09-28 (W40) names the week of that Monday
+        return "week"
+    if "d" in groups:
+        return "day"
+    if "m" in groups:
+        return "month"
+    return "quarter" if "q" in groups else "year"
+
+
+@dataclass(frozen=True)
+class TimeSegment:
+    """A time segment of a partition key, parsed: its start and how long a period it names."""
+
+    text: str
+    start: pendulum.DateTime
+    grain: str
+
+
+def parse_time_segment(text: str, formats: tuple[str, ...], timezone: str) -> TimeSegment | None:
+    """``text`` read with the first of ``formats`` that matches it whole (a wall-clock time
+    in ``timezone`` unless it carries an offset), or ``None`` when none does.
+
+    Text of a time format that is no real time (``2026-13-01``, ``2026-02-30T01:00:00``)
+    is refused: taken as a label, it would be a run key of no period.
+    """
+    impossible: str | None = None
+    for fmt in formats:
+        match = _format_pattern(fmt).fullmatch(text)
+        if match is None:
+            continue
+        groups = {k: v for k, v in match.groupdict().items() if v is not None}
+        try:
+            start = _segment_start(groups, timezone)
+        except (ValueError, OverflowError) as exc:
+            impossible = f"{exc} (format {fmt})"
+            continue
+        return TimeSegment(text, start, _grain(groups))
+    if impossible is not None:
+        raise InvalidRunKeyError(
+            f"partition key segment {text!r} is written like a time but is none: {impossible}"
+        )
+    return None
+
+
+def _segment_start(groups: dict[str, str], timezone: str) -> pendulum.DateTime:
+    if "G" in groups and "V" in groups:
+        monday = dt.date.fromisocalendar(int(groups["G"]), int(groups["V"]), 1)
+        year, month, day = monday.year, monday.month, monday.day
+    else:
+        year = int(groups["Y"])
+        month = (int(groups["q"]) - 1) * 3 + 1 if "q" in groups else int(groups.get("m", 1))
+        day = int(groups.get("d", 1))
+    hour, minute, second = (int(groups.get(k, 0)) for k in ("H", "M", "S"))
+    naive = dt.datetime(year, month, day, hour, minute, second)
+    zone = groups.get("z")
+    if zone is None:
+        return pendulum.instance(naive, tz=timezone)
+    offset = dt.datetime.strptime(zone.replace("Z", "+0000").replace(":", ""), "%z").tzinfo
+    return pendulum.instance(naive.replace(tzinfo=offset))
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """How a DAG writes its partition keys, read from its timetable (``compat``).
+
+    :param time_formats: strptime-style formats the timetable writes time segments in
+        (CronPartitionTimetable's ``key_format``, its mappers' ``output_format``); tried
+        before :data:`DEFAULT_TIME_FORMATS`.
+    :param timezone: the wall-clock of time segments without an offset: the timetable's
+        (or its mapper's) timezone; ``None``: the DAG's.
+    :param delimiter: what separates the segments of a composite key (ProductMapper's).
+    """
+
+    time_formats: tuple[str, ...] = ()
+    timezone: str | None = None
+    delimiter: str = SEGMENT_DELIMITER
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What :func:`resolve_run_key` reads about one task execution, taken from Airflow's
+    context by the operator (and built by hand by ``explain`` and ``plan``).
+
+    :param run_type: ``manual``, ``scheduled``, ``backfill``, ``asset_triggered``, ...
+    :param timezone: the DAG's timezone (the day of a logical date is taken there).
+    :param now: the current time: a key whose period has not ended is refused.
+    :param timetable_name: the class name of the DAG's timetable (picks the default offset).
+    :param logical_date: the run's logical date; ``None`` for partitioned runs and manual
+        runs without one.
+    :param partition_key: the run's Airflow partition key (3.2+), ``None`` if it has none.
+    :param partition_date: the run's partition date, for the log only (the key decides).
+    :param partitioned: the DAG's timetable makes partitioned runs (for error messages).
+    :param partition_spec: how the DAG writes its partition keys.
+    :param conf_run_key: ``run_key`` in the run's conf (``None``/``""``: not given).
+    :param params_run_key: ``run_key`` in the run's params.
+    :param override_partition: the conf set ``run_key_overrides_partition``.
+    :param key_segment: a mapped task's own segment (``eu``), prefixed to the key.
+    :param context: the Airflow task context, for a callable rule.
+    """
+
+    run_type: str
+    timezone: str
+    now: dt.datetime
+    timetable_name: str | None = None
+    logical_date: dt.datetime | None = None
+    partition_key: str | None = None
+    partition_date: dt.datetime | None = None
+    partitioned: bool = False
+    partition_spec: PartitionSpec = PartitionSpec()
+    conf_run_key: object = None
+    params_run_key: object = None
+    override_partition: bool = False
+    key_segment: str | None = None
+    context: Any = None
+
+
+Source = Literal["conf", "params", "partition_key", "logical_date", "callable"]
 
 
 @dataclass(frozen=True)
@@ -210,68 +407,115 @@ class ResolvedRunKey:
     """A run key and a sentence saying where it came from, for the task log."""
 
     run_key: str
-    source: Literal["conf", "params", "logical_date", "callable"]
+    source: Source
     explanation: str
 
 
-def resolve_run_key(
-    *,
-    rule: RunKeyRule | RunKeyCallable,
-    timezone: str,
-    timetable_name: str | None,
-    run_type: str,
-    logical_date: dt.datetime | None,
-    conf_run_key: object = None,
-    params_run_key: object = None,
-    now: dt.datetime,
-    context: Any = None,
-) -> ResolvedRunKey:
+def resolve_run_key(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
     """Decide the run key of one task execution, or raise :class:`InvalidRunKeyError`.
 
-    The one place that decides: the operator only reads these facts from Airflow's context.
-    An explicit ``run_key`` (the run's conf first, then its params; ``None`` and ``""``
-    mean "not given") wins for manual runs. Scheduled, backfill and asset-triggered runs
-    always derive it from the logical date: a run_key in their conf would map a whole
-    backfill onto one key, so it is refused. A callable ``rule`` is called with
-    ``context`` (the Airflow task context) when no explicit key applies; an explicit key
-    is then free text, checked like any key but not parsed as a period.
+    The one place that decides, in the order of the module docstring. Scheduled, backfill
+    and asset-triggered runs never take an explicit key: a run_key in a backfill's conf
+    would map every date onto one key, so it is refused. An explicit key for a callable
+    rule is free text, checked like any key but not parsed as a period.
     """
-    source: Literal["conf", "params"] = "conf" if conf_run_key not in (None, "") else "params"
-    explicit = conf_run_key if source == "conf" else params_run_key
-    manual = run_type in _MANUAL_RUN_TYPES
+    resolved = _resolve_base(rule, facts)
+    if facts.key_segment is None:
+        return resolved
+    segment = _check_label(facts.key_segment, "key_segment", facts.key_segment)
+    key = check_text(f"{segment}{SEGMENT_DELIMITER}{resolved.run_key}", "run key")
+    return ResolvedRunKey(
+        key,
+        resolved.source,
+        f"run_key {key!r}: this task's segment {segment!r} before {resolved.explanation}",
+    )
+
+
+def _resolve_base(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
+    source: Literal["conf", "params"] = "conf" if facts.conf_run_key not in (None, "") else "params"
+    explicit = facts.conf_run_key if source == "conf" else facts.params_run_key
     if explicit not in (None, ""):
-        if not manual:
-            raise InvalidRunKeyError(
-                f"run_key {explicit!r} was given to a {run_type} run; only manual runs take an "
-                "explicit run_key. Remove it from the conf: backfill and scheduled runs derive "
-                "the run key from each run's logical date."
-            )
-        if not isinstance(rule, RunKeyRule):
-            key = check_text(explicit, "run_key")
-        else:
-            key = _explicit_period_key(rule, explicit, timezone, now)
-        return ResolvedRunKey(
-            key, source, f"run_key {key!r} given explicitly in the run's {source}"
+        return _explicit(rule, facts, explicit, source)
+    if not isinstance(rule, RunKeyRule):
+        key = check_text(rule(facts.context), "run key from run_key_rule")
+        return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
+    if facts.partition_key is not None:
+        return partition_run_key(rule, facts)
+    # A partitioned DAG's periods are its partitions: a run without one (the trigger form
+    # with its partition key left empty, its logical date pre-filled with now) names none.
+    if facts.logical_date is None or facts.partitioned:
+        raise RunKeyMissingError(_missing_message(rule, facts))
+    return _from_logical_date(rule, facts, facts.logical_date)
+
+
+def _explicit(
+    rule: RunKeyRule | RunKeyCallable,
+    facts: RunFacts,
+    explicit: object,
+    source: Literal["conf", "params"],
+) -> ResolvedRunKey:
+    if facts.run_type not in _MANUAL_RUN_TYPES:
+        raise InvalidRunKeyError(
+            f"run_key {explicit!r} was given to a {facts.run_type} run; only manual runs take "
+            "an explicit run_key. Remove it from the conf: backfill and scheduled runs derive "
+            "the run key from each run's partition or logical date."
         )
     if not isinstance(rule, RunKeyRule):
-        key = check_text(rule(context), "run key from run_key_rule")
-        return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
-    if logical_date is None:
-        raise RunKeyMissingError(
-            f"this {run_type} run has no logical date and no run_key, so it does not say which "
-            f"business period to process. Trigger it again with run_key in the conf, in the "
-            f"format {rule.format_hint} (for example: airflow dags trigger DAG_ID -c "
-            f'\'{{"run_key": "2026-10-01"}}\', or fill in the run_key field of the trigger form).'
+        key = check_text(explicit, "run_key")
+    else:
+        key = _explicit_period_key(rule, explicit, facts.timezone, facts.now)
+    explanation = f"run_key {key!r} given explicitly in the run's {source}"
+    if facts.partition_key is None or not isinstance(rule, RunKeyRule):
+        return ResolvedRunKey(key, source, explanation)
+    if facts.override_partition:
+        return ResolvedRunKey(
+            key,
+            source,
+            f"{explanation}, overriding the run's partition_key {facts.partition_key!r} "
+            f"({OVERRIDE_FLAG} is set)",
         )
-    offset = rule.effective_offset(timetable_name)
+    from_partition = partition_run_key(rule, facts)
+    if from_partition.run_key != key:
+        raise RunKeyConflictError(
+            f"run_key {key!r} in the run's {source} contradicts the run's partition_key "
+            f"{facts.partition_key!r}, whose run key is {from_partition.run_key!r}. Nothing was "
+            f"done. Leave run_key empty to process the partition, trigger with partition_key "
+            f"set to the period you mean, or, to process {key!r} in this run anyway, add "
+            f'"{OVERRIDE_FLAG}": true to the conf.'
+        )
+    return ResolvedRunKey(key, source, f"{explanation}; it agrees with the run's partition_key")
+
+
+def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
+    if facts.partitioned:
+        return (
+            f"this {facts.run_type} run of a partitioned DAG has no partition_key and no "
+            f"run_key, so it does not say which partition to process (a partitioned DAG's "
+            f"runs are keyed by their partition, not by a logical date). Trigger it with a "
+            f'partition key: the trigger form\'s Partition Key field, "partition_key" in the '
+            f"REST body, or airflow backfill create over partition dates."
+        )
+    return (
+        f"this {facts.run_type} run has no logical date and no run_key, so it does not say "
+        f"which business period to process. Trigger it again with run_key in the conf, in "
+        f"the format {rule.format_hint} (for example: airflow dags trigger DAG_ID -c "
+        f'\'{{"run_key": "2026-10-01"}}\', or fill in the run_key field of the trigger form).'
+    )
+
+
+def _from_logical_date(
+    rule: RunKeyRule, facts: RunFacts, logical_date: dt.datetime
+) -> ResolvedRunKey:
+    timezone = facts.timezone
+    offset = rule.effective_offset(facts.timetable_name)
     key = rule.key_for(logical_date, timezone, offset)
-    rule.check_ended(key, timezone, now)
+    rule.check_ended(key, timezone, facts.now)
     local = pendulum.instance(logical_date).in_timezone(timezone).to_iso8601_string()
     explanation = (
         f"run_key {key!r} derived from the logical date {local} ({timezone}) with offset "
-        f"{offset} {rule.period}(s) for timetable {timetable_name or 'unknown'}"
+        f"{offset} {rule.period}(s) for timetable {facts.timetable_name or 'unknown'}"
     )
-    if manual:
+    if facts.run_type in _MANUAL_RUN_TYPES:
         explanation = (
             f"NOTE: this manual run has no explicit run_key, so {explanation}. If that is not "
             f"the business period you meant, trigger again with run_key set."
@@ -279,15 +523,173 @@ def resolve_run_key(
     return ResolvedRunKey(key, "logical_date", explanation)
 
 
+def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
+    """The run key of the run's ``partition_key``: its segments in order, joined by ``|``,
+    the one time segment written as the rule's period (``eu|2026-10-01T01:00:00`` ->
+    ``eu|2026-10-01``), the other segments kept as they are.
+
+    Refused (nothing written): an empty, blank-padded, overlong or control-character key; an
+    empty or blank-padded segment, a ``|`` inside a segment of another delimiter; more than
+    one time segment; a time segment of a longer period than the rule's (``2026-10`` for a
+    daily job); a period that has not ended (unless ``allow_open_period``); an explicit
+    ``offset`` on the rule (a partition names its own period: use the timetable's
+    ``run_offset``).
+    """
+    raw = facts.partition_key
+    key = check_text(raw, "partition_key")
+    if rule.offset not in (None, 0):
+        raise ConfigurationError(
+            f"RunKeyRule(offset={rule.offset}) moves keys derived from logical dates, but this "
+            f"run is keyed by its partition_key {key!r}, which names its period itself. Remove "
+            f"the offset; to move the partition, give CronPartitionTimetable a run_offset "
+            f"(run_offset=-1: the run at D+1 01:00 is for day D)."
+        )
+    spec = facts.partition_spec
+    timezone = spec.timezone or facts.timezone
+    formats = (*spec.time_formats, *DEFAULT_TIME_FORMATS)
+    segments = key.split(spec.delimiter)
+    out: list[str] = []
+    times: list[tuple[int, TimeSegment, str]] = []
+    for index, segment in enumerate(segments, start=1):
+        parsed = parse_time_segment(segment, formats, timezone)
+        if parsed is None:
+            out.append(_check_label(segment, f"segment {index}", key))
+            continue
+        period_key = _period_of(rule, parsed, key, timezone, facts.now)
+        times.append((index, parsed, period_key))
+        out.append(period_key)
+    if len(times) > 1:
+        raise InvalidRunKeyError(
+            f"partition_key {key!r} has {len(times)} time segments "
+            f"({', '.join(repr(t.text) for _, t, _ in times)}); a run key has at most one "
+            f"period. Make the other segments labels (e.g. a region)."
+        )
+    run_key = check_text(SEGMENT_DELIMITER.join(out), "run key from partition_key")
+    if times:
+        index, parsed, period_key = times[0]
+        where = f"segment {index} " if len(segments) > 1 else ""
+        how = (
+            f"{where}{parsed.text!r} is the {rule.period} {period_key} in {timezone}"
+            if parsed.text != period_key
+            else f"{where}{parsed.text!r} is a {rule.period}"
+        )
+    else:
+        how = "no time segment: the key is the same work whenever it runs again"
+    return ResolvedRunKey(
+        run_key,
+        "partition_key",
+        f"run_key {run_key!r} from the run's partition_key {key!r} ({how})",
+    )
+
+
+def _check_label(segment: str, what: str, key: str) -> str:
+    """A segment that is not a time: non-empty text, no blanks around it, no ``|``."""
+    if not isinstance(segment, str) or not segment or segment != segment.strip():
+        raise InvalidRunKeyError(
+            f"{what} {segment!r} of {key!r} is empty or has leading/trailing blanks: a run key's "
+            f"segments are non-empty text separated by {SEGMENT_DELIMITER!r}, at most one of "
+            f"them a period (e.g. eu|2026-10-01)"
+        )
+    if SEGMENT_DELIMITER in segment:
+        raise InvalidRunKeyError(
+            f"{what} {segment!r} of {key!r} contains {SEGMENT_DELIMITER!r}, which separates "
+            f"the segments of a run key"
+        )
+    return check_text(segment, what)
+
+
+def _period_of(
+    rule: RunKeyRule, parsed: TimeSegment, key: str, timezone: str, now: dt.datetime
+) -> str:
+    if _GRAINS.index(parsed.grain) > _PERIOD_RANK[rule.period]:
+        raise InvalidRunKeyError(
+            f"partition_key {key!r}: {parsed.text!r} names a {parsed.grain}, but this job's run "
+            f"keys are {rule.period}s ({rule.format_hint}). Key the job by that period "
+            f"(RunKeyRule(period=...)) or partition the DAG by {rule.period}s."
+        )
+    period_key = rule.key_for(parsed.start, timezone, 0)
+    rule.check_ended(period_key, timezone, now)
+    return period_key
+
+
 def _explicit_period_key(
     rule: RunKeyRule, explicit: object, timezone: str, now: dt.datetime
 ) -> str:
-    """An explicit key for a period rule: a well-formed period that has ended."""
+    """An explicit key for a period rule: a well-formed period that has ended, optionally
+    with label segments (``eu|2026-10-01``)."""
     key = str(explicit) if isinstance(explicit, dt.date) else explicit
     if not isinstance(key, str):
         raise InvalidRunKeyError(
             f"run_key must be text in the format {rule.format_hint}, got {explicit!r}"
         )
-    rule.period_bounds(key, timezone)
-    rule.check_ended(key, timezone, now)
-    return key
+    segments = key.split(SEGMENT_DELIMITER)
+    if len(segments) == 1:
+        rule.period_bounds(key, timezone)  # malformed: refused with the expected format
+        rule.check_ended(key, timezone, now)
+        return check_text(key, "run_key")
+    pattern = _FORMATS[rule.period][0]
+    periods = [s for s in segments if pattern.fullmatch(s)]
+    if len(periods) != 1:
+        raise InvalidRunKeyError(
+            f"malformed run_key {key!r}: a run key with segments has exactly one segment in "
+            f"the format {rule.format_hint}, the others labels (e.g. eu|2026-10-01)"
+        )
+    for index, segment in enumerate(segments, start=1):
+        if segment != periods[0]:
+            _check_label(segment, f"segment {index}", key)
+    rule.period_bounds(periods[0], timezone)
+    rule.check_ended(periods[0], timezone, now)
+    return check_text(key, "run_key")
+
+
+# -- reading keys back (gaps, the calendar) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyParts:
+    """A run key taken apart: its period segment and the labels around it.
+
+    ``eu|2026-10-01`` -> labels ``("eu", "{}")``, period ``2026-10-01``; a key without a
+    period segment has ``period`` ``None``.
+    """
+
+    template: tuple[str, ...]
+    period: str | None
+
+    @property
+    def segment(self) -> str:
+        """The labels with the period left out (``eu|*``), ``""`` for a plain period key."""
+        if self.template == ("{}",):
+            return ""
+        return SEGMENT_DELIMITER.join("*" if s == "{}" else s for s in self.template)
+
+    def with_period(self, period: str) -> str:
+        """This key's labels around another period: the key of the same segment then."""
+        return SEGMENT_DELIMITER.join(period if s == "{}" else s for s in self.template)
+
+
+def key_parts(key: str) -> KeyParts:
+    """Split a run key into its period segment (the first in a run-key period format) and
+    its label segments."""
+    segments = key.split(SEGMENT_DELIMITER)
+    for index, segment in enumerate(segments):
+        if any(pattern.fullmatch(segment) for pattern, _ in _FORMATS.values()):
+            template = (*segments[:index], "{}", *segments[index + 1 :])
+            return KeyParts(template, segment)
+    return KeyParts(tuple(segments), None)
+
+
+def segment_template(segment: str) -> KeyParts:
+    """The parts of a segment as users write it on the command line: ``eu`` or ``eu|*``
+    (the period after the labels), ``*|eu`` (before them); ``""``: plain period keys."""
+    if segment == "":
+        return KeyParts(("{}",), None)
+    labels = segment.split(SEGMENT_DELIMITER)
+    if "*" not in labels:
+        labels.append("*")
+    if labels.count("*") != 1:
+        raise InvalidInputError(f"segment {segment!r}: mark the period's place with one '*'")
+    for label in labels:
+        if label != "*":
+            _check_label(label, "segment", segment)
+    return KeyParts(tuple("{}" if s == "*" else s for s in labels), None)

@@ -7,6 +7,7 @@ CLI (``gaps``, ``runs --stale``, ``prune``) and the example watch DAG.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from psycopg.rows import dict_row
 
 from airflow_idempotency._sql import query
 from airflow_idempotency.exceptions import InvalidInputError
-from airflow_idempotency.run_key import RunKeyRule
+from airflow_idempotency.run_key import KeyParts, RunKeyRule, key_parts, segment_template
 
 GapKind = Literal["missing", "failed", "started"]
 
@@ -57,15 +58,48 @@ def require_known_job(conn: psycopg.Connection, schema: str, job: str) -> None:
     raise InvalidInputError(f"no job named {job!r} has run here (jobs: {listed})")
 
 
-def gaps(conn: psycopg.Connection, schema: str, job: str, first: str, last: str) -> list[Gap]:
+def gaps(
+    conn: psycopg.Connection,
+    schema: str,
+    job: str,
+    first: str,
+    last: str,
+    *,
+    segment: str | None = None,
+    due: Collection[str] | None = None,
+) -> list[Gap]:
     """The periods from ``first`` to ``last`` (run keys, both included, of one period kind:
-    days, hours, ISO weeks or months) of ``job`` that have no completed run, in order."""
-    if RunKeyRule.for_key(first).period != RunKeyRule.for_key(last).period:
+    days, hours, ISO weeks or months) of ``job`` that have no completed run, in order.
+
+    Per segment: ``segment`` (``eu``, ``eu|*``, ``*|web``; ``""`` for plain keys) or, by
+    default, every segment the job has recorded keys of (plain keys when it has none).
+    A period is a gap only when it is due: when ``due`` (the keys the DAG's schedule made
+    due, ``planning.due_keys``) is given, only those keys; otherwise every period that has
+    ended (in UTC). A weekday-only job's weekends and a period not yet due are no gaps.
+    """
+    rule = RunKeyRule.for_key(first)
+    if rule.period != RunKeyRule.for_key(last).period:
         raise InvalidInputError(f"{first!r} and {last!r} are keys of different periods")
-    keys = RunKeyRule.for_key(first).keys_between(first, last)
-    if len(keys) > 100_000:
-        raise InvalidInputError(f"{first} .. {last} is {len(keys):,} periods: narrow the range")
-    require_known_job(conn, schema, job)
+    periods = rule.keys_between(first, last)
+    if len(periods) > 100_000:
+        raise InvalidInputError(f"{first} .. {last} is {len(periods):,} periods: narrow the range")
+    wanted = segment_template(segment).template if segment is not None else None
+    if due is not None:  # the schedule says which keys exist: a job never run has gaps too
+        in_range = set(periods)
+        keys = sorted(
+            (k for k in due if _wanted(key_parts(k), in_range, wanted)),
+            key=lambda k: (key_parts(k).period or "", k),
+        )
+    else:
+        require_known_job(conn, schema, job)
+        templates = (
+            [segment_template(segment)]
+            if segment is not None
+            else _segments(conn, schema, job, rule)
+        )
+        moment = dt.datetime.now(dt.timezone.utc)
+        ended = [p for p in periods if rule.period_bounds(p, "UTC")[1] <= moment]
+        keys = [t.with_period(p) for p in ended for t in templates]
     found = {
         r["run_key"]: r for r in _rows(conn, schema, "runs_of_keys", {"job": job, "keys": keys})
     }
@@ -80,6 +114,29 @@ def gaps(conn: psycopg.Connection, schema: str, job: str, first: str, last: str)
                 Gap(key, kind, row["attempt_count"], row["updated_at"], row["last_error"])
             )
     return result
+
+
+def _wanted(parts: KeyParts, periods: set[str], template: tuple[str, ...] | None) -> bool:
+    return parts.period in periods and (template is None or parts.template == template)
+
+
+def _segments(conn: psycopg.Connection, schema: str, job: str, rule: RunKeyRule) -> list[KeyParts]:
+    """The segments of the job's recorded keys of ``rule``'s period, plain keys first if it
+    has any (or none with segments)."""
+    found: dict[tuple[str, ...], KeyParts] = {}
+    for row in _rows(conn, schema, "segmented_keys_of_job", {"job": job}):
+        parts = key_parts(row["run_key"])
+        if parts.period is not None and RunKeyRule.for_key(parts.period).period == rule.period:
+            found.setdefault(parts.template, parts)
+    plain = segment_template("")
+    if not found or _has_plain_keys(conn, schema, job):
+        found = {plain.template: plain, **found}
+    return list(found.values())
+
+
+def _has_plain_keys(conn: psycopg.Connection, schema: str, job: str) -> bool:
+    (row,) = _rows(conn, schema, "job_has_plain_keys", {"job": job})
+    return bool(row["found"])
 
 
 def stale(conn: psycopg.Connection, schema: str, job: str | None = None) -> list[dict[str, Any]]:
@@ -131,14 +188,21 @@ def prune_attempts(
 
 
 def problems(
-    conn: psycopg.Connection, schema: str, jobs: list[str], first: str, last: str
+    conn: psycopg.Connection,
+    schema: str,
+    jobs: Mapping[str, Collection[str] | None] | Collection[str],
+    first: str,
+    last: str,
 ) -> list[str]:
-    """One line per gap (from ``first`` to ``last``) and per stale key of each job: what
-    the example watch DAG logs and fails with."""
+    """One line per gap (from ``first`` to ``last``; of each job's due keys when ``jobs``
+    maps the job names to them, see :func:`gaps`) and per stale key of each job: what the
+    example watch DAG logs and fails with."""
     found: list[str] = []
-    for job in jobs:
+    due_by_job = jobs if isinstance(jobs, Mapping) else dict.fromkeys(jobs)
+    for job, due in due_by_job.items():
         found += [
-            f"{job} {gap.run_key}: {gap.kind}" for gap in gaps(conn, schema, job, first, last)
+            f"{job} {gap.run_key}: {gap.kind}"
+            for gap in gaps(conn, schema, job, first, last, due=due)
         ]
         found += [
             f"{job} {row['run_key']}: stale since {row['started_at']:%Y-%m-%d %H:%M} (attempt "

@@ -53,4 +53,10 @@ def explain(
 
     dag = load_dag(args)
     with airflow_quiet():
-        return planning.explain(dag, kind=kind, logical_date=logical_date, conf=conf)
+        return planning.explain(
+            dag,
+            kind=kind,
+            logical_date=logical_date,
+            conf=conf,
+            partition_key=getattr(args, "partition_key", None),
+        )

@@ -24,6 +24,9 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
         "--run-type", choices=["manual", "scheduled", "backfill"], default="scheduled"
     )
     parser.add_argument("--conf", help="the run's conf, JSON")
+    parser.add_argument(
+        "--partition-key", help="the run's partition key (a partitioned DAG, Airflow 3.2+)"
+    )
     _dags.add_dags_folder(parser)
 
 
@@ -38,9 +41,10 @@ def handle(args: argparse.Namespace) -> int:
             '--conf must be a JSON object, e.g. \'{"run_key": "2026-10-01"}\'', EXIT_USAGE
         )
     explained = _dags.explain(args, args.run_type, args.logical_date, conf)
+    at = f"partition {args.partition_key}" if args.partition_key else None
     emit(
         args,
-        f"{args.dag_id}: {args.run_type} run at {args.logical_date or 'no logical date'}",
+        f"{args.dag_id}: {args.run_type} run at {at or args.logical_date or 'no logical date'}",
         [e.as_dict() for e in explained],
         ["task_id", "job_name", "run_key", "explanation"],
     )

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from airflow_idempotency.cli._base import EXIT_FAILED, EXIT_OK, add_command, connect_read
+from airflow_idempotency.cli._base import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+    add_command,
+    connect_read,
+)
 from airflow_idempotency.cli._output import emit
 
 if TYPE_CHECKING:
@@ -19,14 +26,29 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
     parser.add_argument("job")
     parser.add_argument("--from", dest="from_key", required=True, metavar="RUN_KEY")
     parser.add_argument("--to", dest="to_key", required=True, metavar="RUN_KEY")
+    parser.add_argument(
+        "--segment",
+        help="one segment of a segmented job (eu, or eu|* / *|eu: where the period goes); "
+        "default: every segment the job has keys of",
+    )
+    parser.add_argument(
+        "--dag",
+        dest="dag_id",
+        help="follow this DAG's schedule: only the keys its runs made due are gaps "
+        "(a weekday-only job's weekends are not); parses the DAG file through Airflow",
+    )
+    parser.add_argument("--dags-folder", help="DAG folder (default: [core] dags_folder)")
 
 
 def handle(args: argparse.Namespace) -> int:
     """The periods of a job in a range with no completed run; exit 1 when there are any."""
     from airflow_idempotency import status
 
+    due = _due_keys(args) if args.dag_id else None
     with connect_read(args) as conn:
-        found = status.gaps(conn, args.schema, args.job, args.from_key, args.to_key)
+        found = status.gaps(
+            conn, args.schema, args.job, args.from_key, args.to_key, segment=args.segment, due=due
+        )
     rows = [gap.as_dict() for gap in found]
     emit(
         args,
@@ -35,3 +57,26 @@ def handle(args: argparse.Namespace) -> int:
         ["run_key", "state", "attempts", "updated_at", "last_error"],
     )
     return EXIT_FAILED if found else EXIT_OK
+
+
+def _due_keys(args: argparse.Namespace) -> set[str]:
+    """The keys of ``args.job`` that the schedule of DAG ``args.dag_id`` has made due up to
+    now, from the day before ``--from``'s period (its run fires after it). Imports Airflow."""
+    import datetime as dt
+
+    from airflow_idempotency import planning
+    from airflow_idempotency.cli import _dags
+    from airflow_idempotency.run_key import RunKeyRule, key_parts
+
+    dag = _dags.load_dag(args)
+    period = key_parts(args.from_key).period or args.from_key
+    start, _ = RunKeyRule.for_key(period).period_bounds(period, "UTC")
+    with _dags.airflow_quiet():
+        due = planning.due_keys(dag, start.subtract(days=1), dt.datetime.now(dt.timezone.utc))
+    if args.job not in due:
+        raise CommandError(
+            f"DAG {args.dag_id!r} has no idempotent task of job {args.job!r} "
+            f"(its jobs: {', '.join(sorted(due)) or 'none'})",
+            EXIT_USAGE,
+        )
+    return due[args.job]

@@ -15,6 +15,7 @@ from airflow_idempotency.cli._base import (
     instant,
 )
 from airflow_idempotency.cli._output import emit
+from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.schema import current_version
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
         dest="command_name",
         choices=["dags-backfill", "backfill-create"],
         default=None,
-        help="the backfill command (default: this Airflow line's)",
+        help="the backfill command (default: this Airflow line's; the other line's "
+        "answers for that line's timetable of a cron string)",
     )
     _dags.add_dags_folder(parser)
 
@@ -43,26 +45,25 @@ def handle(args: argparse.Namespace) -> int:
     from airflow_idempotency import compat, planning
 
     command = args.command_name or compat.BACKFILL_COMMAND
-    if command != compat.BACKFILL_COMMAND:
-        line = "Airflow 3" if compat.AIRFLOW_V_3_0_PLUS else "Airflow 2"
-        raise CommandError(
-            f"this is {line}, whose backfill command is {compat.BACKFILL_COMMAND}; "
-            f"{command} belongs to the other line: run plan where that Airflow runs",
-            EXIT_USAGE,
-        )
     if args.to_date < args.from_date:
         raise CommandError(f"--from {args.from_date} is after --to {args.to_date}", EXIT_USAGE)
     dag = _dags.load_dag(args)
     with connect(args) as conn:
         recorded = conn if current_version(conn, args.schema) else None  # else: all new
         with _dags.airflow_quiet():
-            rows = planning.plan(dag, recorded, args.schema, args.from_date, args.to_date)
+            try:
+                rows = planning.plan(
+                    dag, recorded, args.schema, args.from_date, args.to_date, command
+                )
+            except InvalidInputError as exc:
+                raise CommandError(str(exc), EXIT_USAGE) from exc
+    when = "partition_key" if compat.dag_partitioning(dag)[0] else "logical_date"
     emit(
         args,
         f"{args.dag_id}: {command} {args.from_date.isoformat()} .. {args.to_date.isoformat()}",
         rows,
-        ["logical_date", "task_id", "run_key", "status", "would", "explanation"]
+        [when, "task_id", "run_key", "status", "would", "explanation"]
         if args.json
-        else ["logical_date", "task_id", "run_key", "status", "would"],
+        else [when, "task_id", "run_key", "status", "would"],
     )
     return EXIT_OK

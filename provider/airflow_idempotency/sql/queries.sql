@@ -112,7 +112,7 @@ INSERT INTO {schema}.job_run_attempts (
     %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s, %(map_index)s, %(hostname)s, %(pid)s,
     %(lock_backend_pid)s, %(force)s, %(dry_run)s, statement_timestamp(),
     CASE WHEN %(outcome)s = 'running' THEN NULL ELSE statement_timestamp() END,
-    %(error)s, %(details)s
+    %(error)s, %(trigger_details)s || %(details)s
 )
 RETURNING attempt_id;
 
@@ -145,7 +145,7 @@ WITH attempt AS (
         %(job_name)s, %(run_key)s, %(lock_key)s, 'running', %(triggered_by)s,
         %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s,
         %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false,
-        statement_timestamp(), DEFAULT
+        statement_timestamp(), %(trigger_details)s
     )
     RETURNING attempt_id
 ),
@@ -630,6 +630,28 @@ SELECT (SELECT r.run_key FROM {schema}.job_runs AS r
         WHERE r.job_name = %(job)s AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
         ORDER BY r.run_key DESC LIMIT 1) AS last_key;
 
+-- name: ui_job_segment_bounds
+-- The first and the newest visible run key of one segment of a job: its keys that start
+-- with the segment's labels (eu|), a range of the primary key.
+SELECT (SELECT r.run_key FROM {schema}.job_runs AS r
+        WHERE r.job_name = %(job)s AND starts_with(r.run_key, %(prefix)s)
+          AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+        ORDER BY r.run_key LIMIT 1) AS first_key,
+       (SELECT r.run_key FROM {schema}.job_runs AS r
+        WHERE r.job_name = %(job)s AND starts_with(r.run_key, %(prefix)s)
+          AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+        ORDER BY r.run_key DESC LIMIT 1) AS last_key;
+
+-- name: ui_job_segments
+-- The segments (labels before the period) of one job's visible keys, at most 50.
+SELECT DISTINCT left(r.run_key, length(r.run_key) - strpos(reverse(r.run_key), '|') + 1)
+       AS prefix
+FROM {schema}.job_runs AS r
+WHERE r.job_name = %(job)s AND strpos(r.run_key, '|') > 0
+  AND (%(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[]))
+ORDER BY 1
+LIMIT 50;
+
 -- name: ui_job_calendar
 -- The visible job_runs rows of one job from from_key to to_key (a range of its primary key),
 -- each with whether its run lock is held now.
@@ -652,7 +674,7 @@ WITH held AS MATERIALIZED (
 )
 SELECT a.attempt_id, a.job_name, a.run_key, a.outcome, a.task_id, a.map_index, a.try_number,
        a.hostname, a.pid, a.force, a.dry_run, a.started_at, a.finished_at, a.error, a.details,
-       r.status AS key_status, r.dag_id AS key_dag_id, r.run_id AS key_run_id,
+       a.details->>'partition_key' AS partition_key, r.status AS key_status, r.dag_id AS key_dag_id, r.run_id AS key_run_id,
        r.updated_at AS key_updated_at, r.lock_key IN (SELECT held.lock_key FROM held) AS key_locked
 FROM {schema}.job_run_attempts AS a
 LEFT JOIN {schema}.job_runs AS r
@@ -674,7 +696,7 @@ WITH attempts AS (
 SELECT a.attempt_id, a.outcome, a.triggered_by, a.triggering_user, a.dag_id, a.run_id,
        a.task_id, a.map_index, a.try_number, a.hostname, a.pid, a.lock_backend_pid, a.force,
        a.dry_run, a.started_at, a.finished_at, a.error, a.details,
-       count(*) OVER () AS visible_total,
+       a.details->>'partition_key' AS partition_key, count(*) OVER () AS visible_total,
        (SELECT count(*) FROM attempts AS h WHERE NOT h.visible) AS hidden_total
 FROM attempts AS a
 WHERE a.visible
@@ -694,6 +716,18 @@ SELECT DISTINCT job_name FROM {schema}.job_runs ORDER BY job_name LIMIT 50;
 SELECT run_key, status, attempt_count, updated_at, details->>'last_error' AS last_error
 FROM {schema}.job_runs
 WHERE job_name = %(job)s AND run_key = ANY(%(keys)s::text[]);
+
+-- name: segmented_keys_of_job
+-- The run keys of one job that have segments (eu|2026-10-01): gaps per segment takes the
+-- segments from them. A range of the primary key's index: job_name, then every key.
+SELECT run_key FROM {schema}.job_runs
+WHERE job_name = %(job)s AND strpos(run_key, '|') > 0;
+
+-- name: job_has_plain_keys
+-- Whether one job has a run key without segments (gaps lists plain keys beside segments).
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.job_runs WHERE job_name = %(job)s AND strpos(run_key, '|') = 0
+) AS found;
 
 -- name: stale_runs
 -- Work that nobody is doing: attempts still 'running' whose lock their session no longer

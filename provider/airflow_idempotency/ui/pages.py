@@ -90,6 +90,7 @@ class CalendarQuery(_Query):
     job: str = _key_part()
     from_key: str | None = _text(alias="from")
     to_key: str | None = _text(alias="to")
+    segment: str | None = _text()  # the labels of a segmented job's keys: eu (eu|2026-10-01)
 
 
 class KeyQuery(_Query):
@@ -137,7 +138,7 @@ def key(reader: RecordsReader, access: Access, query: KeyQuery) -> dict[str, Any
 
 
 def calendar(reader: RecordsReader, query: CalendarQuery) -> dict[str, Any]:
-    found = reader.calendar(query.job, query.from_key, query.to_key)
+    found = reader.calendar(query.job, query.from_key, query.to_key, query.segment)
     if found is None:
         raise not_visible(f"Job {query.job!r}")
     return {"calendar": found}

@@ -22,7 +22,7 @@ from psycopg.rows import dict_row
 from airflow_idempotency._sql import query
 from airflow_idempotency.exceptions import InvalidRunKeyError
 from airflow_idempotency.locks import run_lock_key
-from airflow_idempotency.run_key import Period, RunKeyRule
+from airflow_idempotency.run_key import Period, RunKeyRule, key_parts, segment_template
 from airflow_idempotency.ui import calendar
 
 STATEMENT_TIMEOUT = "15s"
@@ -153,6 +153,8 @@ class Calendar:
     earlier: tuple[str, str] | None = None
     later: tuple[str, str] | None = None
     other_keys: int = 0
+    segment: str | None = None  # a segmented job's calendar is one segment's (eu|...)
+    segments: list[str] = field(default_factory=list)  # the job's segments, to switch
 
 
 CALENDAR_STATES = ("completed", "failed", "running", "interrupted", "locked", "missing")
@@ -245,22 +247,44 @@ class RecordsReader:
             return self._rows("ui_locks")
 
     def calendar(
-        self, job_name: str, from_key: str | None = None, to_key: str | None = None
+        self,
+        job_name: str,
+        from_key: str | None = None,
+        to_key: str | None = None,
+        segment: str | None = None,
     ) -> Calendar | None:
         """A job's periods from ``from_key`` to ``to_key`` (both or neither: by default the
         newest periods, :data:`.calendar.DEFAULT_ROWS` rows), or None if the reader may see
-        no record of the job. A malformed or too long range raises InvalidInputError."""
+        no record of the job. A malformed or too long range raises InvalidInputError.
+
+        A job with segmented keys (``eu|2026-10-01``) has a calendar per segment: ``segment``
+        (``eu``), by default its newest key's; ``from_key`` and ``to_key`` are periods then.
+        """
         if (from_key is None) != (to_key is None):
             raise InvalidRunKeyError("give both from and to (run keys), or neither")
         with self.snapshot():
             (bounds,) = self._rows("ui_job_bounds", job=job_name)
-            first, last = bounds["first_key"], bounds["last_key"]
-            if last is None:
+            if bounds["last_key"] is None:
                 return None
+            found_segments = self._rows("ui_job_segments", job=job_name)
+            segments = [r["prefix"].rstrip("|") for r in found_segments]
+            try:
+                prefix = _segment_prefix(segment, bounds["last_key"])
+            except InvalidRunKeyError:
+                if segment:
+                    raise
+                last = bounds["last_key"]
+                return Calendar(job_name, None, bounds["first_key"], last, segments=segments)
+            if prefix:
+                (bounds,) = self._rows("ui_job_segment_bounds", job=job_name, prefix=prefix)
+                if bounds["last_key"] is None:
+                    raise InvalidRunKeyError(f"job {job_name!r} has no key of segment {segment!r}")
+            first = bounds["first_key"].removeprefix(prefix)
+            last = bounds["last_key"].removeprefix(prefix)
             try:
                 period = RunKeyRule.for_key(last).period
             except InvalidRunKeyError:
-                return Calendar(job_name, None, first, last)
+                return Calendar(job_name, None, first, last, segments=segments)
             if from_key is None or to_key is None:
                 window = calendar.default_window(period, last)
             else:
@@ -268,12 +292,17 @@ class RecordsReader:
             records = self._rows(
                 "ui_job_calendar",
                 job=job_name,
-                from_key=window.from_key,
-                to_key=window.to_key,
+                from_key=prefix + window.from_key,
+                to_key=prefix + window.to_key,
                 limit=window.rows * 62,
             )
             held = [lock for lock in self._rows("ui_locks") if lock["job_name"] == job_name]
-        return _calendar_of(job_name, first, last, window, records, held)
+        if prefix:  # the grid is of periods; each cell links its full key
+            records = [r | {"run_key": r["run_key"].removeprefix(prefix)} for r in records]
+            held = [h | {"run_key": h["run_key"].removeprefix(prefix)} for h in held]
+        return _with_segment(
+            _calendar_of(job_name, first, last, window, records, held), prefix, segments
+        )
 
     def runs(
         self, filters: RunFilters, before: tuple[str, str] | None = None, limit: int = RUNS_PAGE
@@ -373,6 +402,31 @@ class RecordsReader:
             effects=effects,
             unconfirmed=unconfirmed,
         )
+
+
+def _with_segment(found: Calendar, prefix: str, segments: list[str]) -> Calendar:
+    """The calendar of one segment: each cell names its period and links its full key."""
+    for row in found.rows:
+        for cell in row["cells"]:
+            if cell is not None:
+                cell["period"], cell["run_key"] = cell["run_key"], prefix + cell["run_key"]
+    found.segment = prefix.rstrip("|") or None
+    found.segments = segments
+    return found
+
+
+def _segment_prefix(segment: str | None, last_key: str) -> str:
+    """The labels before the period of a segment's keys (``eu|``), ``""`` for plain keys:
+    ``segment`` as given, else the newest key's. A calendar has the period last."""
+    template = segment_template(segment).template if segment else key_parts(last_key).template
+    if template == ("{}",) or "{}" not in template:
+        return ""
+    if template[-1] != "{}":
+        raise InvalidRunKeyError(
+            f"segment {segment or last_key!r}: a calendar shows keys whose period comes last "
+            "(eu|2026-10-01)"
+        )
+    return "".join(f"{label}|" for label in template[:-1])
 
 
 def _calendar_of(

@@ -118,9 +118,11 @@ def calendar_cells(cells: list[dict[str, Any] | None], key_url: str) -> Markup:
             if cell.get("details"):
                 title += "; " + html.escape(_counts(cell["details"]))
         link = key if _PLAIN_KEY.fullmatch(raw) else html.escape(quote(raw, safe=""))
+        period = html.escape(str(cell.get("period") or raw))  # a segmented key's period part
         append(
             f'<td class="cal-{state}{" locked" if locked else ""}" data-key="{key}" '
-            f'data-state="{state}" title="{title}"><a href="{href}{link}"></a></td>'
+            f'data-state="{state}" data-period="{period}" title="{title}">'
+            f'<a href="{href}{link}"></a></td>'
         )
     return Markup("".join(out))
 
@@ -179,9 +181,13 @@ class Links:
         return self.page("/keys", job=job_name, run_key=run_key)
 
     def calendar(
-        self, job_name: str, from_key: str | None = None, to_key: str | None = None
+        self,
+        job_name: str,
+        from_key: str | None = None,
+        to_key: str | None = None,
+        segment: str | None = None,
     ) -> str:
-        return self.page("/calendar", job=job_name, from_=from_key, to_=to_key)
+        return self.page("/calendar", job=job_name, from_=from_key, to_=to_key, segment=segment)
 
     def dag_tab(self, dag_id: str, **params: Any) -> str:
         return self.page(f"/dags/{quote(dag_id, safe='')}", **params)
@@ -204,6 +210,11 @@ class Links:
     def airflow_task(self, dag_id: str, run_id: str, task_id: str, map_index: int | None) -> str:
         url = f"{self.airflow_run(dag_id, run_id)}/tasks/{quote(task_id, safe='')}"
         return url if map_index is None else f"{url}/mapped/{map_index}"
+
+    def airflow_partition(self, dag_id: str, partition_key: str) -> str:
+        """Airflow's list of the DAG's runs of one partition (Airflow 3.2+)."""
+        pattern = urlencode({"partition_key_pattern": partition_key})
+        return f"{self.airflow_dag(dag_id)}/runs?{pattern}"
 
     def trigger_api(self, dag_id: str) -> str:
         """Where the rerun posts a new DAG run (Airflow's REST API)."""

@@ -1,0 +1,33 @@
+"""Benchmark DAG (bench/partitions_e2e.py): three chained idempotent no-op tasks on daily
+partitions (CronPartitionTimetable, Airflow 3.2+): the partition of day D has run key D."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from airflow.sdk import DAG, CronPartitionTimetable, task
+
+from airflow_idempotency import RunContext
+
+with DAG(
+    dag_id="bench_idempotent_partitioned",
+    schedule=CronPartitionTimetable("0 0 * * *", timezone="UTC"),
+    start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+    catchup=False,
+    max_active_runs=16,
+    tags=["bench"],
+):
+
+    @task.idempotent_run(postgres_conn_id="idempotency_default", on_locked="fail")
+    def step_1(run: RunContext) -> None:
+        return None
+
+    @task.idempotent_run(postgres_conn_id="idempotency_default", on_locked="fail")
+    def step_2(run: RunContext) -> None:
+        return None
+
+    @task.idempotent_run(postgres_conn_id="idempotency_default", on_locked="fail")
+    def step_3(run: RunContext) -> None:
+        return None
+
+    step_1() >> step_2() >> step_3()
