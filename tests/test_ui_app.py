@@ -20,6 +20,7 @@ import pytest
 from airflow_helpers import register
 from airflow_idempotency.records import Trigger
 from airflow_idempotency.runner import RunContext, run_idempotently
+from airflow_idempotency.schema import latest_version
 from devtools import airflow_env
 from ui_auth_manager import DENIED_ENV
 
@@ -379,10 +380,11 @@ def test_unreadable_database_is_explained_and_never_changed(
         ]
 
         run(dsn, "j", "2026-10-01", "demo_dag")
-        rows(dsn, "DELETE FROM idempotency.schema_version WHERE version = 5")
+        latest = latest_version()
+        rows(dsn, "DELETE FROM idempotency.schema_version WHERE version = %s", (latest,))
         older = client.get("/api/overview")
         assert older.status_code == 503 and "older than this code" in older.json()["detail"]
-        assert rows(dsn, "SELECT max(version) FROM idempotency.schema_version") == [(4,)]
+        assert rows(dsn, "SELECT max(version) FROM idempotency.schema_version") == [(latest - 1,)]
     finally:
         pg_server.drop_database(name)
     monkeypatch.delenv("AIRFLOW_CONN_IDEMPOTENCY_DEFAULT")
