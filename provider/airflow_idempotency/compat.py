@@ -39,9 +39,11 @@ AIRFLOW_VERSION = _airflow_version()
 AIRFLOW_V_3_0_PLUS = AIRFLOW_VERSION >= (3, 0, 0)
 
 if AIRFLOW_V_3_0_PLUS:
+    from airflow.sdk import ObjectStoragePath
     from airflow.sdk.exceptions import AirflowRescheduleException
-else:  # common-compat does not map it
+else:  # common-compat does not map them
     from airflow.exceptions import AirflowRescheduleException
+    from airflow.io.path import ObjectStoragePath
 
 # dag_run.run_type -> job_runs.triggered_by. Asset-triggered runs are "dataset_triggered"
 # on 2.x.
@@ -229,6 +231,7 @@ __all__ = [
     "BaseOperatorLink",
     "Context",
     "DecoratedOperator",
+    "ObjectStoragePath",
     "Param",
     "ReschedulingOperator",
     "Stats",

@@ -302,6 +302,18 @@ WHERE l.remote_system = %(remote_system)s
   AND l.status IN ('pending', 'failed')
 RETURNING l.idempotency_key;
 
+-- name: ledger_restage_output
+-- An output file about to be committed (outputs.py): its row takes this content's fingerprint
+-- when the content it had was never committed (pending, failed: an attempt that crashed between
+-- the write and the record), or, in a forced run, even when it was (succeeded): the claim then
+-- finds the row pending for this very content and the ledger moves the file into place.
+UPDATE {schema}.outbound_ledger
+SET request_fingerprint = %(fingerprint)s, status = 'pending', last_error = NULL,
+    last_attempt_id = %(attempt_id)s, updated_at = statement_timestamp()
+WHERE remote_system = %(remote_system)s AND idempotency_key = %(key)s
+  AND ((status IN ('pending', 'failed') AND request_fingerprint <> %(fingerprint)s)
+       OR (%(force)s AND status = 'succeeded'));
+
 -- name: ledger_effect
 -- One effect by its key (the CLI; its job and run key name the lock a resolution takes).
 SELECT ledger_id, remote_system, idempotency_key, job_name, run_key, status, effect_kind,
