@@ -23,7 +23,9 @@ from bench.report import render_markdown, render_table
 from devtools.postgres import find_server
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("overhead", "decision", "contention", "invoices", "export", "airflow_e2e", "ui")
+BENCHMARKS = (
+    "overhead", "decision", "contention", "invoices", "export", "emails", "airflow_e2e", "ui",
+)  # fmt: skip
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

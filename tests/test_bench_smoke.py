@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("overhead", "decision", "contention", "invoices", "export", "airflow_e2e", "ui")
+BENCHMARKS = (
+    "overhead", "decision", "contention", "invoices", "export", "emails", "airflow_e2e", "ui",
+)  # fmt: skip
 
 
 def test_bench_tiny_runs_and_prints_the_table(tmp_path: Path) -> None:

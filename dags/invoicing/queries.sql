@@ -84,3 +84,10 @@ RETURNING stores, mismatched_stores, runs;
 INSERT INTO orders (order_id, store_id, customer_id, amount_cents, currency, shipped_on)
 SELECT order_id, store_id, customer_id, amount_cents, currency, shipped_on FROM staging_orders
 ON CONFLICT (order_id) DO NOTHING;
+
+-- name: daily_totals
+-- The date's totals per store (rebuilt by rebuild_totals), for the finance summary email.
+SELECT store_id, invoice_count, amount_cents
+FROM daily_invoice_totals
+WHERE business_date = %(business_date)s
+ORDER BY store_id;

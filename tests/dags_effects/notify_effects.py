@@ -56,6 +56,7 @@ def build(dag_id: str) -> DAG:
         params=idempotency_params(),
     ) as dag:
 
+        # [START notify_once]
         @task.idempotent_run(
             job_name=f"{dag_id}.work",
             retries=1,
@@ -67,6 +68,8 @@ def build(dag_id: str) -> DAG:
             if (run.airflow_context["dag_run"].conf or {}).get("fail"):
                 raise RuntimeError("the work failed")
             return {"done": 1}
+
+        # [END notify_once]
 
         @task.idempotent_run(
             job_name=f"{dag_id}.other",
