@@ -32,7 +32,7 @@ from psycopg.rows import dict_row
 
 from airflow_idempotency import records
 from airflow_idempotency._sql import query
-from airflow_idempotency.exceptions import InvalidInputError, SchemaNotReadyError
+from airflow_idempotency.exceptions import InvalidInputError, RunLockedError, SchemaNotReadyError
 from airflow_idempotency.locks import ON_LOCKED_ENV, hold_run_lock, run_lock_key
 from airflow_idempotency.records import Trigger
 from airflow_idempotency.schema import (
@@ -287,29 +287,101 @@ def cmd_locks(args: argparse.Namespace) -> int:
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
+    """Effects of every kind not confirmed, the unknown ones first; exit 1 when any is unknown.
+
+    With ``--remote`` and ``--key``: that one effect and the audit of its resolutions.
+    """
+    if getattr(args, "ledger_action", None):
+        return cmd_ledger_resolve(args)
+    if args.key:
+        return _ledger_effect(args)
     params = {"job": args.job, "run_key": args.run_key, "all": args.all, "limit": args.limit}
     with _connect_read(args) as conn:
         summary = fetch(conn, args.schema, "cli_ledger_summary", params)
         problems = fetch(conn, args.schema, "cli_ledger_problems", params)
+    unknown = sum(int(r["effects"]) for r in summary if r["status"] == "unknown")
     if args.json:
         print(
             json.dumps(
                 {"summary": summary, "not_confirmed": problems}, default=_json_value, indent=2
             )
         )
-        return EXIT_OK
+        return EXIT_FAILED if unknown else EXIT_OK
     emit(
         args,
         "outbound ledger",
         summary,
-        ["job_name", "run_key", "remote_system", "status", "effects", "last_update"],
+        ["job_name", "run_key", "remote_system", "effect_kind", "status", "effects", "last_update"],
     )
     if problems:
         emit(
             args,
-            "pending and failed effects",
+            "unknown, pending and failed effects",
             problems,
-            ["run_key", "idempotency_key", "status", "call_count", "last_error", "updated_at"],
+            ["run_key", "remote_system", "effect_kind", "idempotency_key", "status", "call_count",
+             "last_error", "updated_at", "last_resolution", "resolved_by"],
+        )  # fmt: skip
+    if unknown:
+        print(
+            f"{unknown} effect(s) unknown: they may have happened and are never sent again on "
+            "their own. Look at the remote, then `airflow-idempotency ledger mark-sent REMOTE "
+            "KEY --reason ...` or `ledger resend REMOTE KEY --reason ...`.",
+            file=sys.stderr,
+        )
+    return EXIT_FAILED if unknown else EXIT_OK
+
+
+def _ledger_effect(args: argparse.Namespace) -> int:
+    """One effect (``--remote`` and ``--key``) and who resolved it, when, why."""
+    from airflow_idempotency.resolutions import resolutions
+
+    if not args.remote:
+        raise CommandError("--key needs --remote (the effect's remote system)", EXIT_USAGE)
+    with _connect_read(args) as conn:
+        rows = fetch(
+            conn, args.schema, "ledger_effect", {"remote_system": args.remote, "key": args.key}
+        )
+        audit = resolutions(conn, args.schema, args.remote, args.key) if rows else []
+    if not rows:
+        raise CommandError(f"no effect {args.key!r} of remote system {args.remote!r}", EXIT_USAGE)
+    if args.json:
+        print(json.dumps({"effect": rows[0], "resolutions": audit}, default=_json_value, indent=2))
+        return EXIT_OK
+    columns = ["job_name", "run_key", "effect_kind", "deduplicating", "status", "intent_at"]
+    emit(args, f"{args.remote} {args.key}", rows, [*columns, "last_error"])
+    audit_columns = ["action", "previous_status", "resolved_by", "reason", "resolved_at"]
+    emit(args, "resolutions", audit, audit_columns)
+    return EXIT_OK
+
+
+def cmd_ledger_resolve(args: argparse.Namespace) -> int:
+    """``ledger mark-sent`` / ``ledger resend``: an operator's audited choice for an unknown
+    effect."""
+    from airflow_idempotency.resolutions import resolve_unknown
+
+    action = "mark_sent" if args.ledger_action == "mark-sent" else "resend"
+    who = args.by or os.environ.get("USER") or os.environ.get("LOGNAME") or ""
+    with _connect_read(args) as conn:
+        try:
+            done = resolve_unknown(
+                conn,
+                args.schema,
+                remote_system=args.remote_system,
+                idempotency_key=args.idempotency_key,
+                action=action,  # type: ignore[arg-type]
+                resolved_by=who,
+                reason=args.reason,
+            )
+        except RunLockedError as exc:
+            raise CommandError(f"{exc} Nothing resolved.", EXIT_LOCKED) from exc
+    then = "it is never sent again" if action == "mark_sent" else "the next run of its key sends it"
+    if args.json:
+        print(json.dumps(done.__dict__, default=_json_value, indent=2))
+    else:
+        print(
+            f"{done.remote_system} {done.idempotency_key} (job {done.job_name}, run key "
+            f"{done.run_key}): unknown -> {done.new_status} by {done.resolved_by} at "
+            f"{done.resolved_at.isoformat(timespec='seconds')}; {then}"
         )
     return EXIT_OK
 
@@ -641,14 +713,33 @@ def build_parser() -> argparse.ArgumentParser:
         func=cmd_locks
     )
 
-    ledger = sub.add_parser("ledger", parents=[common], help="pending and failed external effects")
+    ledger = sub.add_parser(
+        "ledger",
+        parents=[common],
+        help="external effects of every kind not confirmed, unknown first (exit 1 if any is "
+        "unknown); mark-sent / resend resolve an unknown one",
+    )
     ledger.add_argument("--job")
     ledger.add_argument("--run-key")
     ledger.add_argument(
         "--all", action="store_true", help="include succeeded effects in the summary"
     )
     ledger.add_argument("--limit", type=int, default=50)
+    ledger.add_argument("--remote", help="with --key: the effect's remote system")
+    ledger.add_argument("--key", help="show one effect and the audit of its resolutions")
     ledger.set_defaults(func=cmd_ledger)
+    actions = ledger.add_subparsers(dest="ledger_action", metavar="{mark-sent,resend}")
+    for name, what in (
+        ("mark-sent", "an unknown effect did happen: confirm it, never send it again"),
+        ("resend", "an unknown effect did not happen: make it pending, the next run sends it"),
+    ):
+        action = actions.add_parser(name, parents=[common], help=what, description=what)
+        action.add_argument("remote_system")
+        action.add_argument("idempotency_key")
+        action.add_argument(
+            "--reason", required=True, help="what you checked at the remote (recorded)"
+        )
+        action.add_argument("--by", help="who decides (recorded; default $USER)")
 
     reset = sub.add_parser(
         "reset", parents=[common], help="mark a failed or stuck run failed, with a reason"
@@ -741,6 +832,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"error: {exc}" if exc.code != EXIT_OK else str(exc), file=sys.stderr)
         return exc.code
+    except RunLockedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_LOCKED
     except psycopg.OperationalError as exc:
         print(f"error: cannot reach the job database: {exc}", file=sys.stderr)
         return EXIT_FAILED
