@@ -125,9 +125,7 @@ with DAG(
         trigger_rule="none_failed",  # also when the export file is not configured (skipped)
     )
 
-    totals = rebuild_totals()
     exported = export_invoices()
-    create_invoices() >> totals >> exported >> reconcile
-    totals >> export_file
-    [exported, export_file] >> summary_mail
+    create_invoices() >> rebuild_totals() >> exported >> [reconcile, export_file]
+    export_file >> summary_mail
 # [END finalize_invoices]

@@ -107,5 +107,6 @@ def test_resend_makes_it_pending_and_a_running_key_is_refused(
                         "not in the mailbox", "--dsn", pg_dsn)  # fmt: skip
     assert code == 0 and done["resolved_by"] == "oncall-bob"
     assert statuses(pg_dsn)["mail:1"] == "pending"
-    code, _, err = run(capsys, "ledger", "resend", "finance_mail", "mail:1", "--dsn", pg_dsn)
-    assert code == 2  # --reason is required (argparse)
+    with pytest.raises(SystemExit) as refused:  # --reason is required (argparse)
+        main(["ledger", "resend", "finance_mail", "mail:1", "--dsn", pg_dsn])
+    assert refused.value.code == 2
