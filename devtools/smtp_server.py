@@ -57,9 +57,7 @@ class Mailbox:
         envelope.rcpt_tos.append(address)
         return "250 OK"
 
-    async def handle_DATA(
-        self, server: Any, session: Any, envelope: Any
-    ) -> str:
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
         self.count += 1
         if not self.quiet:
             message = message_from_bytes(envelope.original_content or envelope.content)

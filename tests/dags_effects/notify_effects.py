@@ -55,7 +55,6 @@ def build(dag_id: str) -> DAG:
         catchup=False,
         params=idempotency_params(),
     ) as dag:
-
         # [START notify_once]
         @task.idempotent_run(
             job_name=f"{dag_id}.work",
