@@ -515,20 +515,24 @@ WHERE %(all_dags)s OR att.dag_id = ANY(%(dag_ids)s::text[])
 ORDER BY att.started_at;
 
 -- name: ui_unconfirmed
--- Run keys with external effects not confirmed by the remote (pending or failed), per
--- remote system, most recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
+-- Run keys with external effects not confirmed by the remote (unknown, pending or failed), per
+-- remote system, those with unknown effects first, then most recently touched first
+-- (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
 -- The keys come sorted out of the subquery, so each one's job_runs row is looked up (by
 -- primary key) only until the page is full.
-SELECT u.job_name, u.run_key, u.remote_system, r.dag_id, u.pending, u.failed, u.last_update
+SELECT u.job_name, u.run_key, u.remote_system, u.kinds, r.dag_id, u.unknown, u.pending,
+       u.failed, u.last_update
 FROM (
     SELECT l.job_name, l.run_key, l.remote_system,
+           string_agg(DISTINCT l.effect_kind, ', ') AS kinds,
+           count(*) FILTER (WHERE l.status = 'unknown') AS unknown,
            count(*) FILTER (WHERE l.status = 'pending') AS pending,
            count(*) FILTER (WHERE l.status = 'failed') AS failed,
            max(l.updated_at) AS last_update
     FROM {schema}.outbound_ledger AS l
     WHERE l.status <> 'succeeded'
     GROUP BY l.job_name, l.run_key, l.remote_system
-    ORDER BY last_update DESC
+    ORDER BY unknown > 0 DESC, last_update DESC
 ) AS u
 LEFT JOIN LATERAL (
     -- LIMIT (the key is unique anyway) keeps this a lookup per row: a plain join is
@@ -538,7 +542,7 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) AS r ON true
 WHERE %(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[])
-ORDER BY u.last_update DESC
+ORDER BY u.unknown > 0 DESC, u.last_update DESC
 LIMIT %(limit)s;
 
 -- name: ui_dag_jobs
