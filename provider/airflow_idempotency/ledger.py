@@ -881,10 +881,10 @@ class _IntentWriter:
                 outcomes, self._outcomes = self._outcomes, []
                 try:
                     granted = await asyncio.to_thread(self._write, outcomes, list(asked))
-                except BaseException as exc:
+                except Exception as exc:  # each waiting call raises it (no orphan task error)
                     for future in asked.values():
                         future.set_exception(exc)
-                    raise
+                    return
                 self._tally(outcomes)
                 for key, future in asked.items():
                     future.set_result(key in granted)
