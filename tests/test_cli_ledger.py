@@ -76,11 +76,12 @@ def test_mark_sent_and_resend_are_audited(pg_dsn: str, capsys: pytest.CaptureFix
     ]
     for action in ("mark-sent", "resend"):
         code, _, err = run(capsys, "ledger", action, "finance_mail", "mail:1", "--reason", "x",
-                           "--dsn", pg_dsn)  # fmt: skip
+                           "--by", "ann", "--dsn", pg_dsn)  # fmt: skip
         assert code == 2 and "is succeeded, not unknown" in err
     code, _, err = run(
-        capsys, "ledger", "resend", "accounting", "inv:1", "--reason", "x", "--dsn", pg_dsn
-    )
+        capsys, "ledger", "resend", "accounting", "inv:1", "--reason", "x", "--by", "a",
+        "--dsn", pg_dsn,
+    )  # fmt: skip
     assert code == 2 and "is pending, not unknown" in err
     code, _, _ = run(capsys, "ledger", "--dsn", pg_dsn)
     assert code == 0  # nothing unknown any more

@@ -179,12 +179,22 @@ def test_worker_killed_between_intent_and_outcome_leaves_it_unknown(
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == -9, proc.stderr[-2000:]
-    unknown = {k for k, s in statuses(pg_dsn, "smtp").items() if s == "unknown"}
-    assert unknown and unknown <= set(smtp.deliveries_by_key())
+    state = statuses(pg_dsn, "smtp")
+    unknown = {k for k, s in state.items() if s == "unknown"}
+    confirmed = {k for k, s in state.items() if s == "succeeded"}
+    delivered = set(smtp.deliveries_by_key())
+    # the 7th confirmation was lost with the worker: delivered, unknown; the other call in
+    # flight (2 connections) is unknown too, delivered or not
+    assert len(confirmed) == 6 and confirmed | unknown >= delivered
+    assert 1 <= len(unknown) <= 2 * 2 and unknown & delivered
     rerun = send(pg_dsn, smtp, emails(30), batch_size=10)
     assert isinstance(rerun, EffectsUnknownError)
-    assert smtp.deliveries_by_key() == {f"{KEYS}{i}": 1 for i in range(30)}
+    assert all(n == 1 for n in smtp.deliveries_by_key().values())
+    assert set(smtp.deliveries_by_key()) | unknown == {f"{KEYS}{i}" for i in range(30)}
     assert {k for k, s in statuses(pg_dsn, "smtp").items() if s == "unknown"} == unknown
+    operator_resolves(pg_dsn, smtp)
+    assert send(pg_dsn, smtp, emails(30), batch_size=10).ok
+    assert smtp.deliveries_by_key() == {f"{KEYS}{i}": 1 for i in range(30)}
 
 
 def test_resolutions_are_audited_and_only_for_unknown_effects(

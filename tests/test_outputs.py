@@ -18,14 +18,26 @@ from airflow_idempotency import RunContext
 from airflow_idempotency.crashpoints import WAIT_ENV
 from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.outputs import OutputConflictError, OutputFile
+from airflow_idempotency.runner import RunOutcome
 from effects_support import ledger, run_once
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "exports/2026-10-01.csv"
 
 
-def write(dsn: str, root: Any, content: str, *, force: bool = False, path: Any = NAME) -> Any:
-    """One run writing ``content`` to the output; what commit() said, or the error raised."""
+def write(
+    dsn: str,
+    root: Any,
+    content: str,
+    *,
+    force: bool = False,
+    path: Any = NAME,
+    job: str = "job",
+    fail_after: bool = False,
+) -> Any:
+    """One run of (job, 2026-10-01) writing ``content`` to the output: what commit() said,
+    "noop" when the runner found the key completed, or the error raised. ``fail_after``: the
+    work fails after the file's commit (the key stays not completed)."""
     out: dict[str, Any] = {}
 
     def work(run: RunContext) -> dict[str, Any]:
@@ -36,13 +48,16 @@ def write(dsn: str, root: Any, content: str, *, force: bool = False, path: Any =
             out["error"] = exc
             raise
         out["outcome"] = f.outcome
+        if fail_after:
+            raise RuntimeError("a later step of the work failed")
         return {"output": f.outcome}
 
     try:
-        run_once(dsn, work, force=True) if force else run_once(dsn, work)
+        result = run_once(dsn, work, job=job, force=force)
     except Exception:
-        assert "error" in out
-    return out.get("outcome") or out["error"]
+        assert "error" in out or fail_after
+        return out.get("error") or out["outcome"]
+    return "noop" if result.outcome is RunOutcome.NOOP else out["outcome"]
 
 
 def stat(path: Path) -> tuple[int, int, bytes]:
@@ -51,12 +66,14 @@ def stat(path: Path) -> tuple[int, int, bytes]:
 
 
 def test_written_once_then_untouched_by_reruns(pg_dsn: str, tmp_path: Path) -> None:
-    """The first run writes the file; a rerun of the key with the same content leaves content, mtime and inode untouched; no temporary file is left."""
-    assert write(pg_dsn, tmp_path, "a,b\n1,2\n") == "written"
+    """The first run writes the file; a no-op rerun of the completed key, and a rerun of a key whose work failed after the commit, leave content, mtime and inode untouched; no temporary file is left."""
+    assert write(pg_dsn, tmp_path, "a,b\n1,2\n", job="job", fail_after=True) == "written"
     final = tmp_path / NAME
     before = stat(final)
     time.sleep(0.02)
-    assert write(pg_dsn, tmp_path, "a,b\n1,2\n", force=False) == "unchanged"
+    assert write(pg_dsn, tmp_path, "a,b\n1,2\n") == "unchanged"  # the key had failed
+    assert stat(final) == before
+    assert write(pg_dsn, tmp_path, "a,b\n1,2\n") == "noop"  # now completed: the work is skipped
     assert stat(final) == before
     assert sorted(p.name for p in final.parent.iterdir()) == ["2026-10-01.csv"]
     rows = ledger(pg_dsn)
@@ -65,8 +82,8 @@ def test_written_once_then_untouched_by_reruns(pg_dsn: str, tmp_path: Path) -> N
 
 
 def test_changed_content_is_refused_unless_forced(pg_dsn: str, tmp_path: Path) -> None:
-    """Other content for a committed file is refused with an error naming it and the file stays; a forced run replaces it atomically (a new inode, never a partial file)."""
-    write(pg_dsn, tmp_path, "v1\n")
+    """Other content for a committed file of a key that did not complete is refused with an error naming it, and the file stays; a forced run replaces it atomically (a new inode, never a partial file)."""
+    write(pg_dsn, tmp_path, "v1\n", fail_after=True)
     final = tmp_path / NAME
     before = stat(final)
     error = write(pg_dsn, tmp_path, "v2\n")
@@ -79,6 +96,8 @@ def test_changed_content_is_refused_unless_forced(pg_dsn: str, tmp_path: Path) -
     assert content == b"v2\n" and inode != before[1]
     assert write(pg_dsn, tmp_path, "v2\n", force=True) == "written"  # forced: replaced again
     assert stat(final)[1] != inode
+    other_job = write(pg_dsn, tmp_path, "v3\n", job="another_job")  # one file, one content
+    assert isinstance(other_job, OutputConflictError)
 
 
 def test_forced_replacement_is_atomic_for_readers(pg_dsn: str, tmp_path: Path) -> None:
@@ -183,13 +202,15 @@ def test_object_storage_path(pg_dsn: str, tmp_path: Path) -> None:
     from airflow_idempotency.compat import ObjectStoragePath
 
     root = ObjectStoragePath(f"file://{tmp_path}/store")
-    assert write(pg_dsn, root, "v1") == "written"
+    assert write(pg_dsn, root, "v1", fail_after=True) == "written"
     final = tmp_path / "store" / NAME
     before = stat(final)
-    assert write(pg_dsn, root, "v1") == "unchanged"
+    assert write(pg_dsn, root, "v1", fail_after=True) == "unchanged"
     assert stat(final) == before
     assert isinstance(write(pg_dsn, root, "v2"), OutputConflictError)
     outside = ObjectStoragePath(f"file://{tmp_path}/other.csv")
-    error = write(pg_dsn, root, "x", path=outside)
+    error = write(pg_dsn, root, "x", path=outside, job="elsewhere")
     assert isinstance(error, InvalidInputError) and "outside the allowed root" in str(error)
     assert stat(final) == before
+    assert write(pg_dsn, root, "v2", force=True) == "written"
+    assert final.read_text() == "v2" and stat(final)[1] != before[1]

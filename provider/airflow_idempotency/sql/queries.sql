@@ -294,8 +294,8 @@ ORDER BY idempotency_key;
 -- it, with this text saying so.
 UPDATE {schema}.outbound_ledger AS l
 SET status = 'unknown', intent_at = statement_timestamp(), updated_at = statement_timestamp(),
-    last_attempt_id = %(attempt_id)s,
-    last_error = 'the call began (attempt ' || coalesce(%(attempt_id)s::text, 'none')
+    last_attempt_id = %(attempt_id)s::bigint,
+    last_error = 'the call began (attempt ' || coalesce(%(attempt_id)s::bigint::text, 'none')
                  || ') and no outcome was recorded: it may have happened'
 WHERE l.remote_system = %(remote_system)s
   AND l.idempotency_key = ANY(%(keys)s::text[])
