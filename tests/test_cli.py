@@ -206,3 +206,255 @@ def test_run_exit_codes_through_airflow(airflow_home: Path, pg_dsn: str, tmp_pat
     assert listed.returncode == 0, listed.stdout + listed.stderr
     keys = {(r["run_key"], r["status"]) for r in json.loads(listed.stdout)}
     assert {("2026-10-01", "completed"), ("2026-10-02", "started")} <= keys  # holder runs
+
+
+# -- the CLI package: what each part promises -----------------------------------------------
+
+WITHOUT_AIRFLOW = """
+import json, sys
+sys.modules["airflow"] = None  # any `import airflow...` now raises ImportError
+from airflow_idempotency.cli import main
+dsn = sys.argv[1]
+codes = {}
+for argv in json.loads(sys.argv[2]):
+    codes[" ".join(argv)] = main([*argv, "--dsn", dsn])
+print(json.dumps(codes))
+"""
+
+
+def test_record_commands_work_where_airflow_cannot_be_imported(pg_dsn: str) -> None:
+    """runs, show, locks, ledger, reset, migrate, gaps and prune with --dsn run in a process
+    where importing Airflow fails: only the DAG commands need it."""
+    complete(pg_dsn, "job", "2026-10-01")
+    complete(pg_dsn, "job", "2026-10-02", fail=True)
+    commands = [
+        ["migrate"],
+        ["runs", "--json"],
+        ["runs", "--stale"],
+        ["show", "job", "2026-10-01"],
+        ["locks"],
+        ["ledger", "--all"],
+        ["gaps", "job", "--from", "2026-10-01", "--to", "2026-10-03"],
+        ["prune", "--attempts-older-than", "400d", "--dry-run"],
+        ["reset", "job", "2026-10-02", "--reason", "re-delivered"],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_AIRFLOW, pg_dsn, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert codes == {
+        "migrate": 0,
+        "runs --json": 0,
+        "runs --stale": 0,
+        "show job 2026-10-01": 0,
+        "locks": 0,
+        "ledger --all": 0,
+        "gaps job --from 2026-10-01 --to 2026-10-03": 1,  # 10-02 failed, 10-03 missing
+        "prune --attempts-older-than 400d --dry-run": 0,
+        "reset job 2026-10-02 --reason re-delivered": 0,
+    }, done.stderr
+    assert "ImportError" not in done.stderr, done.stderr
+
+
+def test_importing_the_cli_imports_no_airflow() -> None:
+    """`import airflow_idempotency.cli` (every command module) loads no Airflow module."""
+    code = (
+        "import sys, airflow_idempotency.cli;"
+        "print(sorted(m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("code", "outcomes", "dry_run", "verdict"),
+    [
+        (0, ["completed"], False, ("completed", 0)),
+        (0, ["dry_run"], True, ("dry run", 0)),
+        (0, ["noop"], False, ("no-op: already completed", 0)),
+        (0, ["noop", "completed"], False, ("completed", 0)),  # one task redid its key
+        (1, ["lock_held"], False, ("locked elsewhere", 75)),
+        (1, ["completed", "lock_held"], False, ("locked elsewhere", 75)),
+        (1, ["failed"], False, ("failed", 1)),
+        (0, ["completed", "lock_lost"], False, ("failed", 1)),
+        (1, ["completed"], False, ("failed", 1)),  # Airflow failed after the task
+        (0, [], False, ("failed", 1)),  # nothing recorded: the DAG never reached the task
+    ],
+)
+def test_run_judges_airflow_exit_code_and_the_recorded_outcomes(
+    code: int, outcomes: list[str], dry_run: bool, verdict: tuple[str, int]
+) -> None:
+    """`run`'s verdict: locked elsewhere wins, then any failure, then all no-ops, else done."""
+    from airflow_idempotency.cli.run import judge
+
+    judged = judge(code, outcomes, dry_run=dry_run)
+    assert (judged.text, judged.exit_code) == verdict
+
+
+def snapshot(dsn: str, schema: str = "idempotency") -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every table of the bookkeeping schema."""
+    with psycopg.connect(dsn) as conn:
+        tables = [
+            name
+            for (name,) in conn.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = %s"
+                " ORDER BY 1",
+                (schema,),
+            )
+        ]
+        return {
+            t: conn.execute(f'SELECT * FROM {schema}."{t}" ORDER BY 1').fetchall() for t in tables
+        }
+
+
+def test_refused_input_writes_nothing(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused commands (a reset of a completed or never-run key or with a bad schema name, a
+    reversed gaps range, an unknown job, an unreadable age) leave every table as it was."""
+    complete(pg_dsn, "job", "2026-10-01")
+    complete(pg_dsn, "job", "2026-10-02", fail=True)
+    before = snapshot(pg_dsn)
+    assert before["job_run_attempts"] and before["job_runs"]
+    refused = {
+        ("reset", "job", "2026-10-01", "--reason", "x"): 1,  # completed: force=true instead
+        ("reset", "job", "2026-09-30", "--reason", "x"): 1,  # never run
+        ("reset", "job", "2026-10-02", "--reason", "x", "--schema", "bad-name;"): 2,
+        ("gaps", "job", "--from", "2026-10-03", "--to", "2026-10-01"): 2,
+        ("gaps", "typo", "--from", "2026-10-01", "--to", "2026-10-02"): 2,
+        ("prune", "--attempts-older-than", "1y"): 2,
+        ("prune", "--attempts-older-than", "400d", "--batch-size", "0"): 2,
+    }
+    for argv, expected in refused.items():
+        code = main([*argv, "--dsn", pg_dsn])
+        assert code == expected, (argv, capsys.readouterr().err)
+        assert "error:" in capsys.readouterr().err, argv
+    assert snapshot(pg_dsn) == before
+
+
+def private_tmp_env(tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with its temporary files (`run`'s log) in a folder of the test's own."""
+    logs = tmp_path / "tmp"
+    logs.mkdir(exist_ok=True)
+    return {**env, "TMPDIR": str(logs)}
+
+
+def cli_logged(
+    airflow_home: Path, dsn: str, tmp_path: Path, *argv: str, dags: Path | None = None, **extra: str
+) -> subprocess.CompletedProcess[str]:
+    base = (
+        private_airflow_env(airflow_home, dsn, dags)
+        if dags
+        else private_airflow_env(airflow_home, dsn)
+    )
+    env = {**private_tmp_env(tmp_path, base), **extra}
+    return subprocess.run(
+        [sys.executable, "-m", "airflow_idempotency.cli", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def run_logs(tmp_path: Path, date: str) -> list[Path]:
+    """The logs `run` left for core_slow_job's ``date``."""
+    return sorted((tmp_path / "tmp").glob(f"core_slow_job-{date}-*.log"))
+
+
+def test_run_names_the_lock_holder_and_keeps_or_removes_its_log(
+    airflow_home: Path, pg_dsn: str, tmp_path: Path
+) -> None:
+    """Exit 75 prints the holder (its worker's host, pid and attempt), the line stored in the
+    `lock_held` row, and keeps the log; a success removes its log; a failure (exit 1) keeps it."""
+    release = tmp_path / "release"
+    holder = start_worker(
+        airflow_home, "core_slow_job", "2026-10-03", pg_dsn, {"IDEM_TEST_HOLD_FILE": str(release)}
+    )
+
+    def holder_attempt() -> Any:
+        with psycopg.connect(pg_dsn) as conn:
+            if not conn.execute("SELECT to_regclass('idempotency.job_run_attempts')").fetchone()[0]:  # type: ignore[index]
+                return None
+            return conn.execute(
+                "SELECT attempt_id, hostname, pid FROM idempotency.job_run_attempts"
+                " WHERE run_key = '2026-10-02' AND outcome = 'running'"
+            ).fetchone()
+
+    try:
+        attempt_id, hostname, pid = wait_until(
+            holder_attempt, timeout=90, what="the holder's attempt"
+        )
+        locked = cli_logged(
+            airflow_home, pg_dsn, tmp_path, "run", "core_slow_job", "--date", "2026-10-02"
+        )
+    finally:
+        release.touch()
+        holder.communicate(timeout=120)
+        kill_group(holder)
+    assert locked.returncode == 75, locked.stdout + locked.stderr
+    lines = locked.stdout.splitlines()
+    assert lines[0] == "core_slow_job 2026-10-02: locked elsewhere"
+    with psycopg.connect(pg_dsn) as conn:
+        ((error, details),) = conn.execute(
+            "SELECT error, details FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'"
+        ).fetchall()
+    assert lines[1] == error  # printed as recorded
+    assert f"worker {hostname} pid {pid} (attempt {attempt_id}, dag core_slow_job" in error
+    assert details["holder"]["attempt"]["attempt_id"] == attempt_id
+    (kept,) = run_logs(tmp_path, "2026-10-02")
+    assert f"log: {kept}" in locked.stdout and kept.stat().st_size > 0
+
+    done = cli_logged(
+        airflow_home, pg_dsn, tmp_path, "run", "core_slow_job", "--date", "2026-10-04"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "core_slow_job 2026-10-04: completed" in done.stdout and "log:" not in done.stdout
+    assert run_logs(tmp_path, "2026-10-04") == []  # removed: the attempts say it all
+
+    failed = cli_logged(
+        airflow_home,
+        pg_dsn,
+        tmp_path,
+        "run",
+        "core_slow_job",
+        "--date",
+        "2026-10-05",
+        IDEM_TEST_FAIL="1",
+    )
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "core_slow_job 2026-10-05: failed" in failed.stdout
+    (kept,) = run_logs(tmp_path, "2026-10-05")
+    assert f"log: {kept}" in failed.stdout
+    assert "failing on purpose (IDEM_TEST_FAIL)" in kept.read_text()
+
+
+def test_run_refuses_a_dag_without_the_operator_or_an_unended_date_writing_nothing(
+    airflow_home: Path, pg_dsn: str, tmp_path: Path
+) -> None:
+    """`run` of a DAG with no idempotent task, or of a date that has not ended, exits 2 before
+    Airflow runs anything: no bookkeeping schema is created, no log is left."""
+    from devtools.airflow_env import DAGS_FOLDER
+
+    plain = cli_logged(
+        airflow_home,
+        pg_dsn,
+        tmp_path,
+        "run",
+        "idempotency_watch",
+        "--date",
+        "2026-10-01",
+        dags=DAGS_FOLDER,
+    )
+    assert plain.returncode == 2, plain.stdout + plain.stderr
+    assert "DAG 'idempotency_watch' has no IdempotentRunOperator" in plain.stderr
+    future = cli_logged(
+        airflow_home, pg_dsn, tmp_path, "run", "core_slow_job", "--date", "2099-01-01"
+    )
+    assert future.returncode == 2 and "has not ended yet" in future.stderr
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT to_regnamespace('idempotency')").fetchone() == (None,)
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -30,6 +30,8 @@ def slow_work(run: RunContext) -> dict[str, int]:
         cur.execute(
             "INSERT INTO public.work_log (run_key, pid) VALUES (%s, %s)", (run.run_key, os.getpid())
         )
+    if os.environ.get("IDEM_TEST_FAIL"):
+        raise RuntimeError(f"failing on purpose (IDEM_TEST_FAIL): {run.run_key}")
     time.sleep(float(os.environ.get("IDEM_TEST_SLEEP", "0")))
     hold = os.environ.get("IDEM_TEST_HOLD_FILE")
     deadline = time.monotonic() + float(os.environ.get("IDEM_TEST_HOLD_MAX", "120"))

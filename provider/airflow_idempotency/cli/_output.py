@@ -1,0 +1,60 @@
+"""How commands print: a table for people, JSON with ``--json`` (stdout holds only that)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def json_value(value: Any) -> Any:
+    """JSON for what json cannot encode: ISO 8601 for dates and times, text otherwise."""
+    if isinstance(value, dt.date | dt.datetime | dt.time):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    return str(value)
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(value, default=json_value, indent=2))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat(timespec="seconds")
+    if isinstance(value, dict | list):
+        return json.dumps(value, default=json_value)
+    return "" if value is None else value
+
+
+def emit(
+    args: argparse.Namespace, title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]
+) -> None:
+    """Print rows as a table, or as JSON with --json."""
+    if args.json:
+        print_json([{c: r.get(c) for c in columns} for r in rows])
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(_plain(row.get(c))) for c in columns))
+    Console(width=max(120, os.get_terminal_size().columns if sys.stdout.isatty() else 160)).print(
+        table if rows else f"{title}: none"
+    )
+
+
+def age(value: dt.timedelta) -> str:
+    """``3d 4h 5m ago``: how long ago, to the minute."""
+    seconds = int(value.total_seconds())
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    return f"{days}d {hours}h {rest // 60}m ago" if days else f"{hours}h {rest // 60}m ago"

@@ -1,0 +1,39 @@
+"""``locks``: the run keys locked right now, and by whom."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from airflow_idempotency.cli._base import EXIT_OK, add_command, connect_read, fetch
+from airflow_idempotency.cli._output import emit
+
+if TYPE_CHECKING:
+    from airflow_idempotency.cli._base import Subcommands
+
+
+def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
+    add_command(commands, common, "locks", "run keys locked now, by whom", handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    """The run locks held now: the key, its status, the session and the worker holding it."""
+    with connect_read(args) as conn:
+        rows = fetch(conn, args.schema, "cli_locks")
+    emit(
+        args,
+        "held run locks",
+        rows,
+        [
+            "job_name",
+            "run_key",
+            "status",
+            "backend_pid",
+            "client",
+            "worker_host",
+            "worker_pid",
+            "attempt_started_at",
+            "dag_id",
+        ],
+    )
+    return EXIT_OK

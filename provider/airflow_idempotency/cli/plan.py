@@ -1,0 +1,68 @@
+"""``plan``: which business dates a backfill of a range would cover, and what each would do."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from airflow_idempotency.cli import _dags
+from airflow_idempotency.cli._base import (
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+    add_command,
+    connect,
+    instant,
+)
+from airflow_idempotency.cli._output import emit
+from airflow_idempotency.schema import current_version
+
+if TYPE_CHECKING:
+    from airflow_idempotency.cli._base import Subcommands
+
+
+def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
+    parser = add_command(
+        commands, common, "plan", "what a backfill of a range would run, date by date", handle
+    )
+    parser.add_argument("dag_id")
+    parser.add_argument("--from", dest="from_date", type=instant, required=True, metavar="DATE")
+    parser.add_argument("--to", dest="to_date", type=instant, required=True, metavar="DATE")
+    parser.add_argument(
+        "--command",
+        dest="command_name",
+        choices=["dags-backfill", "backfill-create"],
+        default=None,
+        help="the backfill command (default: this Airflow line's)",
+    )
+    _dags.add_dags_folder(parser)
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Which business dates a backfill would cover on this Airflow line, and what each does."""
+    from airflow_idempotency import compat, planning
+
+    command = args.command_name or compat.BACKFILL_COMMAND
+    if command != compat.BACKFILL_COMMAND:
+        line = "Airflow 3" if compat.AIRFLOW_V_3_0_PLUS else "Airflow 2"
+        raise CommandError(
+            f"this is {line}, whose backfill command is {compat.BACKFILL_COMMAND}; "
+            f"{command} belongs to the other line: run plan where that Airflow runs",
+            EXIT_USAGE,
+        )
+    if args.to_date < args.from_date:
+        raise CommandError(f"--from {args.from_date} is after --to {args.to_date}", EXIT_USAGE)
+    dag = _dags.load_dag(args)
+    with connect(args) as conn:
+        recorded = conn if current_version(conn, args.schema) else None  # else: all new
+        with _dags.airflow_quiet():
+            rows = planning.plan(dag, recorded, args.schema, args.from_date, args.to_date)
+    emit(
+        args,
+        f"{args.dag_id}: {command} {args.from_date.isoformat()} .. {args.to_date.isoformat()}",
+        rows,
+        ["logical_date", "task_id", "run_key", "status", "would", "explanation"]
+        if args.json
+        else ["logical_date", "task_id", "run_key", "status", "would"],
+    )
+    return EXIT_OK

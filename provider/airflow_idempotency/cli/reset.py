@@ -1,0 +1,86 @@
+"""``reset``: mark a failed or stuck run failed, with a reason, so the next run takes it over."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from airflow_idempotency import records
+from airflow_idempotency.cli._base import (
+    EXIT_LOCKED,
+    EXIT_OK,
+    CommandError,
+    add_command,
+    connect_write,
+    fetch,
+)
+from airflow_idempotency.locks import hold_run_lock, run_lock_key
+from airflow_idempotency.records import Trigger
+
+if TYPE_CHECKING:
+    from airflow_idempotency.cli._base import Subcommands
+
+
+def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
+    parser = add_command(
+        commands, common, "reset", "mark a failed or stuck run failed, with a reason", handle
+    )
+    parser.add_argument("job")
+    parser.add_argument("run_key")
+    parser.add_argument(
+        "--reason", required=True, help="why (recorded in job_runs and the attempts)"
+    )
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Mark a failed or stuck run failed with a reason, so the next run takes it over cleanly.
+
+    Refused (exit 75) while a worker holds the key's lock, and (exit 1) for a key that is
+    completed or was never run."""
+    lock_key = run_lock_key(args.job, args.run_key)
+    with (
+        connect_write(args) as conn,
+        hold_run_lock(
+            conn, lock_key, schema=args.schema, application_name="airflow-idempotency reset"
+        ) as lock,
+    ):
+        if lock is None:
+            raise CommandError(
+                f"run key {args.run_key!r} of {args.job!r} is locked: a worker is running it now "
+                "(see `airflow-idempotency locks`). Not resetting.",
+                EXIT_LOCKED,
+            )
+        run = records.get_run(conn, args.schema, args.job, args.run_key)
+        if run is None or run.status not in ("failed", "started"):
+            status = run.status if run else "never run"
+            raise CommandError(
+                f"nothing reset: job {args.job!r} run_key {args.run_key!r} is {status}, not "
+                "failed or started (a completed run is recomputed with force=true instead)."
+            )
+        # In the lock transaction: the reset attempt and the reset itself commit together.
+        trigger = Trigger(triggered_by="cli", triggering_user=os.environ.get("USER"))
+        attempt_id = records.insert_attempt(
+            conn,
+            args.schema,
+            job_name=args.job,
+            run_key=args.run_key,
+            lock_key=lock_key,
+            outcome="reset",
+            trigger=trigger,
+            lock=lock,
+            error=args.reason,
+        )
+        fetch(
+            conn,
+            args.schema,
+            "reset_run",
+            {
+                "job": args.job,
+                "run_key": args.run_key,
+                "reason": args.reason,
+                "attempt_id": attempt_id,
+            },
+        )
+    print(f"reset {args.job} {args.run_key} to failed (reason recorded, attempt {attempt_id})")
+    return EXIT_OK

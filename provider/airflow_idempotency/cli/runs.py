@@ -1,0 +1,85 @@
+"""``runs``: the job runs, filtered; ``runs --stale``: abandoned work nobody holds."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from airflow_idempotency.cli._base import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_command,
+    connect_read,
+    fetch,
+)
+from airflow_idempotency.cli._output import age, emit
+
+if TYPE_CHECKING:
+    from airflow_idempotency.cli._base import Subcommands
+
+
+def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
+    parser = add_command(commands, common, "runs", "list job runs", handle)
+    parser.add_argument("--job")
+    parser.add_argument("--status", choices=["started", "completed", "failed"])
+    parser.add_argument("--from", dest="from_key", metavar="RUN_KEY", help="run keys >= this")
+    parser.add_argument("--to", dest="to_key", metavar="RUN_KEY", help="run keys <= this")
+    parser.add_argument("--limit", type=int, default=100)
+    parser.add_argument(
+        "--stale",
+        action="store_true",
+        help="only attempts still running and keys still started whose lock nobody holds "
+        "(exit 1 when there are any)",
+    )
+
+
+def handle(args: argparse.Namespace) -> int:
+    """The job runs, newest key first, filtered by job, status and a range of run keys."""
+    if args.stale:
+        return stale(args)
+    with connect_read(args) as conn:
+        rows = fetch(
+            conn,
+            args.schema,
+            "cli_list_runs",
+            {
+                "job": args.job,
+                "status": args.status,
+                "from_key": args.from_key,
+                "to_key": args.to_key,
+                "limit": args.limit,
+            },
+        )
+    emit(
+        args,
+        "job_runs",
+        rows,
+        [
+            "job_name",
+            "run_key",
+            "status",
+            "triggered_by",
+            "attempt_count",
+            "started_at",
+            "completed_at",
+            "details",
+        ],
+    )
+    return EXIT_OK
+
+
+def stale(args: argparse.Namespace) -> int:
+    """Attempts still running and keys still started whose lock nobody holds; exit 1 if any."""
+    from airflow_idempotency import status
+
+    with connect_read(args) as conn:
+        rows = status.stale(conn, args.schema, args.job)
+    for row in rows:
+        row["age"] = age(row["age"])
+    emit(
+        args,
+        "stale: running or started, nobody holds the lock",
+        rows,
+        ["job_name", "run_key", "status", "attempt_id", "hostname", "pid", "started_at", "age"],
+    )
+    return EXIT_FAILED if rows else EXIT_OK

@@ -1,0 +1,64 @@
+"""``show``: one run and every attempt at it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from airflow_idempotency import records
+from airflow_idempotency.cli._base import EXIT_FAILED, EXIT_OK, add_command, connect_read, fetch
+from airflow_idempotency.cli._output import emit, print_json
+
+if TYPE_CHECKING:
+    from airflow_idempotency.cli._base import Subcommands
+
+RUN_COLUMNS = [
+    "status",
+    "triggered_by",
+    "triggering_user",
+    "dag_id",
+    "run_id",
+    "attempt_count",
+    "started_at",
+    "completed_at",
+    "details",
+]
+ATTEMPT_COLUMNS = [
+    "attempt_id",
+    "outcome",
+    "triggered_by",
+    "dag_id",
+    "task_id",
+    "try_number",
+    "hostname",
+    "pid",
+    "started_at",
+    "finished_at",
+    "error",
+]
+
+
+def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
+    parser = add_command(commands, common, "show", "one run and all its attempts", handle)
+    parser.add_argument("job")
+    parser.add_argument("run_key")
+
+
+def handle(args: argparse.Namespace) -> int:
+    """The job_runs row of one (job, run key) and all its attempts; exit 1 if none."""
+    with connect_read(args) as conn:
+        run = records.get_run(conn, args.schema, args.job, args.run_key)
+        attempts = fetch(
+            conn, args.schema, "cli_attempts", {"job": args.job, "run_key": args.run_key}
+        )
+    if run is None and not attempts:
+        print(f"no run recorded for job {args.job!r} run_key {args.run_key!r}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print_json({"run": run.__dict__ if run else None, "attempts": attempts})
+        return EXIT_OK
+    if run:
+        emit(args, f"{args.job} {args.run_key}", [run.__dict__], RUN_COLUMNS)
+    emit(args, "attempts", attempts, ATTEMPT_COLUMNS)
+    return EXIT_OK
