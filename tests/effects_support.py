@@ -20,15 +20,31 @@ def run_once(
     run_key: str = "2026-10-01",
     force: bool = False,
     dry_run: bool = False,
+    metrics: Any = None,
 ) -> RunResult:
     """One execution of (job, run_key) through the real runner and Postgres."""
+    extra = {"metrics": metrics} if metrics is not None else {}
     return run_idempotently(
         connect=lambda: psycopg.connect(dsn),
         job_name=job,
         run_key=run_key,
         work=work,
         options=RunOptions(force=force, dry_run=dry_run),
+        **extra,
     )
+
+
+class RecordedMetrics:
+    """A Metrics sink that keeps every counter increment: (name, count, tags)."""
+
+    def __init__(self) -> None:
+        self.counts: list[tuple[str, int, dict[str, str]]] = []
+
+    def incr(self, stat: str, count: int = 1, *, tags: Any = None) -> None:
+        self.counts.append((stat, count, dict(tags or {})))
+
+    def timing(self, stat: str, dt: Any, *, tags: Any = None) -> None:
+        return None
 
 
 def ledger(dsn: str, remote_system: str | None = None) -> dict[str, tuple[Any, ...]]:

@@ -24,7 +24,7 @@ from airflow_idempotency.exceptions import (
     RemoteCallError,
     TransientRemoteError,
 )
-from effects_support import ledger, run_once, statuses
+from effects_support import RecordedMetrics, ledger, run_once, statuses
 
 
 class Hook:
@@ -66,7 +66,7 @@ def posts(n: int) -> list[Effect]:
     return [Effect(f"chat:2026-10-01:{i}", {"n": i, "text": f"message {i}"}) for i in range(n)]
 
 
-def deliver(dsn: str, items: list[Effect], sender: Any) -> Any:
+def deliver(dsn: str, items: list[Effect], sender: Any, metrics: Any = None) -> Any:
     out: dict[str, Any] = {}
 
     def work(run: RunContext) -> None:
@@ -80,16 +80,17 @@ def deliver(dsn: str, items: list[Effect], sender: Any) -> Any:
             raise
 
     try:
-        run_once(dsn, work, force=True)
+        run_once(dsn, work, force=True, metrics=metrics)
     except Exception:
         assert "result" in out
     return out["result"]
 
 
 def test_webhook_that_does_not_deduplicate(pg_dsn: str, hook: Hook) -> None:
-    """A 2xx is sent, a 503 is retried (it was not processed), a 500 is unknown and never sent again, a 400 fails; the rerun sends nothing twice."""
+    """A 2xx is sent, a 503 is retried (it was not processed), a 500 is unknown (counted by the idempotency.ledger.unknown metric) and never sent again, a 400 fails; the rerun sends nothing twice."""
     hook.answers = {1: 500, 2: 400, 3: 503}
-    error = deliver(pg_dsn, posts(4), webhook(hook.url))
+    recorded = RecordedMetrics()
+    error = deliver(pg_dsn, posts(4), webhook(hook.url), recorded)
     assert isinstance(error, EffectsUnknownError)
     assert statuses(pg_dsn) == {
         "chat:2026-10-01:0": "succeeded",
@@ -98,8 +99,12 @@ def test_webhook_that_does_not_deduplicate(pg_dsn: str, hook: Hook) -> None:
         "chat:2026-10-01:3": "pending",
     }
     assert {r[1:3] for r in ledger(pg_dsn).values()} == {("webhook", False)}
+    tags = {"job": "job", "remote_system": "chat"}
+    assert ("idempotency.ledger.unknown", 1, tags) in recorded.counts
     hook.answers = {}
-    again = deliver(pg_dsn, posts(4), webhook(hook.url))
+    again_metrics = RecordedMetrics()
+    again = deliver(pg_dsn, posts(4), webhook(hook.url), again_metrics)
+    assert ("idempotency.ledger.unknown", 1, tags) in again_metrics.counts  # found unknown again
     assert isinstance(again, EffectsUnknownError)  # the 500's effect stays for an operator
     assert hook.acted == Counter({f"chat:2026-10-01:{i}": 1 for i in range(4)})
     assert statuses(pg_dsn)["chat:2026-10-01:1"] == "unknown"
