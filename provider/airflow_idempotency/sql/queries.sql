@@ -532,7 +532,7 @@ FROM (
     FROM {schema}.outbound_ledger AS l
     WHERE l.status <> 'succeeded'
     GROUP BY l.job_name, l.run_key, l.remote_system
-    ORDER BY unknown > 0 DESC, last_update DESC
+    ORDER BY count(*) FILTER (WHERE l.status = 'unknown') > 0 DESC, last_update DESC
 ) AS u
 LEFT JOIN LATERAL (
     -- LIMIT (the key is unique anyway) keeps this a lookup per row: a plain join is
