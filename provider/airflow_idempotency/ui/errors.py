@@ -1,0 +1,92 @@
+"""How the Airflow 3 view answers what it cannot show: a page that says why (HTML), or the
+same ``{"detail": ...}`` as JSON under ``/api``; a missing session is Airflow's login."""
+
+from __future__ import annotations
+
+import psycopg
+from airflow.api_fastapi.app import get_auth_manager
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.ui.database import ViewUnavailable
+from airflow_idempotency.ui.pages import PageError
+from airflow_idempotency.ui.rendering import Links, render
+
+TITLES = {
+    400: "Not a valid request",
+    403: "Not allowed",
+    404: "Not found",
+    422: "Not a valid request",
+}
+
+
+def wants_json(request: Request) -> bool:
+    """Whether the request is for a JSON twin (``/api/...`` under the mount)."""
+    root = str(request.scope.get("root_path", ""))
+    return request.url.path.removeprefix(root).startswith("/api/")
+
+
+def error_response(request: Request, status: int, title: str, detail: str) -> Response:
+    """``detail`` as JSON, or as the error page titled ``title``."""
+    if wants_json(request):
+        return JSONResponse({"detail": detail}, status_code=status)
+    page = render(
+        "error.html",
+        links=Links.under(str(request.scope.get("root_path", ""))),
+        settings=request.app.state.settings,
+        title=title,
+        detail=detail,
+    )
+    return HTMLResponse(page, status_code=status)
+
+
+def unavailable(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ViewUnavailable)
+    if wants_json(request):
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+    return error_response(request, 503, exc.title, exc.detail)
+
+
+def database_error(request: Request, exc: Exception) -> Response:
+    # A statement refused or cut short (permissions, the statement timeout, a lost
+    # server): said as it is, never a bare 500.
+    conn_id = request.app.state.settings.conn_id
+    detail = f"connection {conn_id!r}: {type(exc).__name__}: {str(exc).strip()}"
+    return error_response(request, 503, "The job database refused a read", detail)
+
+
+def invalid_input(request: Request, exc: Exception) -> Response:
+    return error_response(request, 422, TITLES[422], str(exc))
+
+
+def page_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, PageError)
+    return error_response(request, exc.status, TITLES.get(exc.status, "Error"), exc.detail)
+
+
+def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 401 and not wants_json(request):
+        # An expired or missing session: Airflow's login, then back to this page.
+        return RedirectResponse(
+            get_auth_manager().get_url_login(next_url=str(request.url)), status_code=303
+        )
+    if wants_json(request):
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+    return error_response(
+        request, exc.status_code, TITLES.get(exc.status_code, "Error"), str(exc.detail)
+    )
+
+
+def register_error_handlers(app: FastAPI) -> None:
+    """Answer the view's own failures, the job database's and HTTP errors as above."""
+    app.add_exception_handler(ViewUnavailable, unavailable)
+    app.add_exception_handler(psycopg.Error, database_error)
+    app.add_exception_handler(InvalidInputError, invalid_input)
+    app.add_exception_handler(PageError, page_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+__all__ = ["register_error_handlers", "wants_json"]
