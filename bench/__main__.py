@@ -29,6 +29,7 @@ BENCHMARKS = (
     "contention",
     "invoices",
     "export",
+    "emails",
     "airflow_e2e",
     "partitions_e2e",
     "ui",

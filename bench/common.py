@@ -39,12 +39,13 @@ class Size:
     export_shared_requests: int  # requests of the single-shared-AsyncClient loop (reference)
     export_concurrency: int
     contention_workers: int
+    email_messages: int  # emails through the ledger, and through each plain smtplib loop
 
 
 SIZES: dict[str, Size] = {
-    "tiny": Size("tiny", 20, 1, 1, False, 2_000, 500, 200, 100, 32, 4),
-    "small": Size("small", 300, 7, 1, True, 100_000, 10_000, 5_000, 1_000, 32, 32),
-    "full": Size("full", 1_000, 30, 3, True, 1_000_000, 100_000, 20_000, 2_000, 32, 32),
+    "tiny": Size("tiny", 20, 1, 1, False, 2_000, 500, 200, 100, 32, 4, 200),
+    "small": Size("small", 300, 7, 1, True, 100_000, 10_000, 5_000, 1_000, 32, 32, 2_000),
+    "full": Size("full", 1_000, 30, 3, True, 1_000_000, 100_000, 20_000, 2_000, 32, 32, 10_000),
 }
 
 

@@ -9,6 +9,11 @@ the same run to the same key.
 To rerun a date by hand, trigger with ``{"run_key": "2026-10-01"}`` (the trigger form's
 "Run key" field). ``force`` recomputes the internal writes but never resends a confirmed
 export; ``force_reconcile`` compares ledger, invoices and the accounting service.
+
+The date's export file (``invoices/<date>.csv`` below the ``invoice_exports`` connection's
+path) and the finance summary email (through the ``finance_smtp`` connection) go through the
+same contract: a rerun leaves the file alone and sends no second email. Each task is skipped,
+saying so, when its connection is not defined.
 """
 
 from __future__ import annotations
@@ -49,6 +54,26 @@ class ReconcileExportOperator(IdempotentRunOperator):
         )
 
 
+class ConfiguredOperator(IdempotentRunOperator):
+    """Runs only when the Airflow connection ``needs`` is defined; skipped, saying so, if not."""
+
+    def __init__(self, *, needs: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.needs = needs
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from airflow.providers.common.compat.sdk import BaseHook
+
+        try:
+            BaseHook.get_connection(self.needs)
+        except Exception as exc:
+            if type(exc).__name__ != "AirflowNotFoundException":
+                raise
+            message = f"no Airflow connection {self.needs!r}: not configured, nothing done"
+            raise AirflowSkipException(message) from None
+        return super().execute(context)
+
+
 # [START finalize_invoices]
 with DAG(
     dag_id="finalize_invoices",
@@ -84,5 +109,23 @@ with DAG(
         job_name="finalize_invoices.reconcile_export",
     )
 
-    create_invoices() >> rebuild_totals() >> export_invoices() >> reconcile
+    export_file = ConfiguredOperator(
+        task_id="write_export_file",
+        needs=tasks.EXPORTS_CONN,
+        postgres_conn_id=JOBS_DB,
+        job_name="finalize_invoices.write_export_file",
+        python_callable=tasks.write_export_file,
+    )
+    summary_mail = ConfiguredOperator(
+        task_id="email_finance_summary",
+        needs=tasks.FINANCE_MAIL_CONN,
+        postgres_conn_id=JOBS_DB,
+        job_name="finalize_invoices.email_finance_summary",
+        python_callable=tasks.email_finance_summary,
+        trigger_rule="none_failed",  # also when the export file is not configured (skipped)
+    )
+
+    exported = export_invoices()
+    create_invoices() >> rebuild_totals() >> exported >> [reconcile, export_file]
+    export_file >> summary_mail
 # [END finalize_invoices]

@@ -2,8 +2,11 @@
 
 What it runs, against a fresh PostgreSQL database and the accounting HTTP service:
 
-1. seed orders, then the nightly run of business date 2026-10-01 (fired 2026-10-02 01:00);
-2. the same date triggered again by hand (conf run_key): a no-op;
+1. seed orders, then the nightly run of business date 2026-10-01 (fired 2026-10-02 01:00):
+   invoices, totals, the export to accounting, the date's export file and the finance
+   summary email (to a local SMTP server the demo starts, which counts what it delivers);
+2. the same date triggered again by hand (conf run_key): a no-op, no second email, the
+   export file untouched;
 3. two runs of one date at once (two ``airflow dags test`` processes): the lock lets one
    work, the other waits and then no-ops;
 4. ``airflow backfill create`` over a week, then the same week again with
@@ -57,7 +60,10 @@ from devtools.demo_support import (
 if str(DAGS_FOLDER) not in sys.path:  # `invoicing` lives in dags/ (dev.py puts it on the path)
     sys.path.insert(0, str(DAGS_FOLDER))
 
-JOBS = ("create_invoices", "rebuild_totals", "export_invoices")
+JOBS = (
+    "create_invoices", "rebuild_totals", "export_invoices", "write_export_file",
+    "email_finance_summary",
+)  # fmt: skip
 SEED = 42
 FIRST_DATE = dt.date(2026, 10, 1)
 RACE_DATE = dt.date(2026, 10, 9)
@@ -171,6 +177,11 @@ class Demo(DemoRig):
                 ("exports skipped, already confirmed", export.get("exports_skipped_existing")),
                 ("exports failed / pending", _pair(export, "exports_failed", "exports_pending")),
                 ("invoices in the accounting service", state["remote"]),
+                (
+                    "finance summary emails delivered (email_finance_summary)",
+                    self.summary_mails(day),
+                ),
+                ("export file invoices/2026-10-01.csv, lines", _lines(self.export_file(day))),
             ],
         )
         self.say(f"[dim]tasks: {self.task_states(run.run_id)}[/dim]")
@@ -182,6 +193,12 @@ class Demo(DemoRig):
         )
         ok, detail = self.converged(day)
         self.check(ok, "exactly one remote invoice per order, every ledger row confirmed", detail)
+        exported = self.export_file(day)
+        self.check(
+            self.summary_mails(day) == 1 and _lines(exported) == n + 1,
+            f"one finance summary email sent; the export file has {n:,} invoices",
+            f"emails {self.summary_mails(day)}, file lines {_lines(exported)}",
+        )
 
     def step_manual_rerun(self) -> None:
         day = FIRST_DATE
@@ -191,6 +208,7 @@ class Demo(DemoRig):
             "A manual trigger has no logical date; the conf names the business date.",
         )
         before, requests, marker = self.fingerprint([day]), self.requests(), self.last_attempt_id()
+        exported, mails = self.export_file(day), len(self.smtp.deliveries())
         with self.console.status("Airflow runs finalize_invoices ..."), self.timed("step 2"):
             run = self.trigger(conf={"run_key": day.isoformat()})
         self.check(
@@ -215,6 +233,12 @@ class Demo(DemoRig):
         self.check(
             self.fingerprint([day]) == before,
             "invoices, daily totals and ledger unchanged (not even rewritten)",
+        )
+        mailed = len(self.smtp.deliveries()) - mails
+        self.check(mailed == 0, "no second finance summary email", f"{mailed} email(s) sent")
+        self.check(
+            exported is not None and self.export_file(day) == exported,
+            "the export file left alone: same content, modification time and inode",
         )
 
     def step_two_at_once(self) -> None:
@@ -525,9 +549,18 @@ class Demo(DemoRig):
         self.attempts_by_outcome()
         ledger = self.rows(
             "SELECT status, count(*), sum(call_count) FROM idempotency.outbound_ledger"
-            " GROUP BY 1 ORDER BY 1"
+            " WHERE remote_system = 'accounting' GROUP BY 1 ORDER BY 1"
         )
-        self.table("outbound ledger", ["status", "effects", "calls"], ledger)
+        self.table("outbound ledger: the export", ["status", "effects", "calls"], ledger)
+        others = self.rows(
+            "SELECT effect_kind, remote_system, status, count(*), sum(call_count)"
+            " FROM idempotency.outbound_ledger WHERE remote_system <> 'accounting'"
+            " GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
+        )
+        self.table(
+            "outbound ledger: emails and files", ["kind", "remote", "status", "effects", "calls"],
+            others,
+        )  # fmt: skip
         orders = int(self.value("SELECT count(*) FROM orders"))
         invoices = int(self.value("SELECT count(*) FROM invoices"))
         stats = self.service.stats()
@@ -572,6 +605,15 @@ class Demo(DemoRig):
             not duplicates and unknown == 0,
             "no duplicates: exactly one remote invoice per order",
             str(duplicates[:10]),
+        )
+        dates = self.plan.all_dates
+        mails = [self.summary_mails(d) for d in dates]
+        files = [self.export_file(d) is not None for d in dates]
+        self.check(
+            mails == [1] * len(dates) and len(self.smtp.deliveries()) == len(dates) and all(files),
+            f"{len(dates)} finance summary emails, one per date, none twice; "
+            f"{len(dates)} export files",
+            f"emails per date {mails}, files {files}",
         )
 
     # ---------------------------------------------------------------- the whole demo
@@ -620,6 +662,11 @@ class Demo(DemoRig):
             finally:
                 cleaning_begins()
         self.timings["total"] = time.monotonic() - started
+
+
+def _lines(exported: tuple[int, int, bytes] | None) -> int:
+    """Lines of an export file (header included); 0 when there is none."""
+    return exported[2].count(b"\n") if exported else 0
 
 
 def _pair(details: dict[str, Any], a: str, b: str) -> str:

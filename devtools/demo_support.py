@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import datetime as dt
 import fcntl
+import json
 import os
 import shlex
 import shutil
@@ -179,6 +180,7 @@ class DemoRig:
     server_note: str = ""
     server_source: str = ""
     service: Any = None
+    smtp: Any = None  # the local SMTP server the finance summary emails go to
     stack: Any = None
     conn_env: dict[str, str] = field(default_factory=dict)
     workers: list[Worker] = field(default_factory=list)
@@ -241,11 +243,11 @@ class DemoRig:
               (SELECT coalesce(sum(invoice_count), 0) FROM daily_invoice_totals
                 WHERE business_date = %(d)s::date),
               (SELECT count(*) FROM idempotency.outbound_ledger
-                WHERE run_key = %(k)s AND status = 'succeeded'),
+                WHERE run_key = %(k)s AND remote_system = 'accounting' AND status = 'succeeded'),
               (SELECT count(*) FROM idempotency.outbound_ledger
-                WHERE run_key = %(k)s AND status = 'pending'),
+                WHERE run_key = %(k)s AND remote_system = 'accounting' AND status = 'pending'),
               (SELECT count(*) FROM idempotency.outbound_ledger
-                WHERE run_key = %(k)s AND status = 'failed'),
+                WHERE run_key = %(k)s AND remote_system = 'accounting' AND status = 'failed'),
               (SELECT count(*) FROM accounting.invoices WHERE invoice->>'business_date' = %(k)s),
               (SELECT count(DISTINCT invoice->>'order_id') FROM accounting.invoices
                 WHERE invoice->>'business_date' = %(k)s)
@@ -380,7 +382,41 @@ class DemoRig:
         # batch_size: the ledger claims and confirms 50 invoices per statement (default 500),
         # so that the crash of step 5 leaves confirmed, pending and unclaimed invoices.
         self.conn_env = connection_env(self.dsn, self.service.url, timeout=10, batch_size=50)
+        self.start_mail_and_files(stack)
         self.write_env_file()
+
+    @property
+    def exports(self) -> Path:
+        """Where the example writes each date's export file (the invoice_exports connection)."""
+        return self.workdir / "exports"
+
+    def start_mail_and_files(self, stack: contextlib.ExitStack) -> None:
+        """A local SMTP server for the finance summary emails (it counts what it delivers) and
+        the export files' folder: the finance_smtp and invoice_exports connections."""
+        from devtools.smtp_server import SmtpServer, smtp_connection_env
+
+        self.smtp = SmtpServer(self.workdir / "mail")
+        self.smtp.start()
+        stack.callback(self.smtp.kill)
+        self.exports.mkdir(parents=True, exist_ok=True)
+        self.conn_env.update(
+            smtp_connection_env(self.smtp, "finance_smtp", "invoicing@example.com")
+        )
+        folder = {"conn_type": "fs", "extra": {"path": str(self.exports)}}
+        self.conn_env["AIRFLOW_CONN_INVOICE_EXPORTS"] = json.dumps(folder)
+
+    def summary_mails(self, day: dt.date) -> int:
+        """How many finance summary emails of ``day`` the SMTP server delivered."""
+        key = f"finalize_invoices:{day.isoformat()}:finance_summary"
+        return int(self.smtp.deliveries_by_key()[key])
+
+    def export_file(self, day: dt.date) -> tuple[int, int, bytes] | None:
+        """The export file of ``day``: (mtime in ns, inode, content), or None if absent."""
+        path = self.exports / "invoices" / f"{day.isoformat()}.csv"
+        if not path.exists():
+            return None
+        info = path.stat()
+        return info.st_mtime_ns, info.st_ino, path.read_bytes()
 
     def write_env_file(self) -> None:
         """``.demo/env.sh``: what a shell needs to look at the demo's Airflow and database."""

@@ -42,7 +42,10 @@ def test_quick_demo_passes_all_its_checks(tmp_path: Path) -> None:
     assert proc.returncode == 0, out[-8000:]
     for expected in (
         "200 orders -> 200 invoices created -> 200 exports sent",
+        "one finance summary email sent; the export file has 200 invoices",
         "every job recorded a noop attempt: the date was already completed",
+        "no second finance summary email",
+        "the export file left alone: same content, modification time and inode",
         "lock_held attempt(s): the second run was blocked by the lock",
         "each job completed exactly once; the blocked run then no-op'ed",
         "3 backfill runs, all success",
@@ -51,6 +54,7 @@ def test_quick_demo_passes_all_its_checks(tmp_path: Path) -> None:
         "the worker was SIGKILLed at ledger.after_remote_commit@70",
         "120 remote invoices for 120 orders: no duplicate",
         "no duplicates: exactly one remote invoice per order",
+        "finance summary emails, one per date, none twice",
         "All checks passed",
         "no process left running",
     ):

@@ -843,3 +843,33 @@ def test_pool_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__UI_POOL_TIMEOUT", "0")
     with pytest.raises(InvalidInputError, match=r"ui_pool_timeout must be a positive"):
         Settings.from_airflow_config()
+
+
+def test_unknown_effects_of_every_kind_come_first(auth_manager: Any, seeded: str) -> None:
+    """An email left unknown shows first among the overview's unconfirmed effects, with its kind, and on its key's page, with what to do about it; a later resolution is shown there (who, when)."""
+    rows(
+        seeded,
+        "INSERT INTO idempotency.outbound_ledger (remote_system, idempotency_key, job_name,"
+        " run_key, request_fingerprint, status, effect_kind, deduplicating, updated_at)"
+        " VALUES ('finance_mail', 'mail:1', 'demo_dag.load', '2026-10-03', 'f', 'unknown',"
+        " 'email', false, now() - interval '1 day')",
+    )
+    client = Client(auth_manager, "viewer")
+    unconfirmed = client.json("/api/overview")["overview"]["unconfirmed"]
+    assert (unconfirmed[0]["remote_system"], unconfirmed[0]["kinds"], unconfirmed[0]["unknown"]) == (
+        "finance_mail", "email", 1,
+    )  # fmt: skip
+    page = client.get("/", job="demo_dag.load")
+    assert page.status_code == 200 and "ledger-unknown" in page.text
+    key_page = client.get("/keys", job="demo_dag.load", run_key="2026-10-03")
+    assert "mark-sent" in key_page.text and "email" in key_page.text
+    from airflow_idempotency.resolutions import resolve_unknown
+
+    with psycopg.connect(seeded, autocommit=True) as conn:
+        resolve_unknown(conn, "idempotency", remote_system="finance_mail", idempotency_key="mail:1",
+                        action="resend", resolved_by="ann", reason="not in the mailbox")  # fmt: skip
+    detail = client.json("/api/keys", job="demo_dag.load", run_key="2026-10-03")["key"]
+    [effect] = [u for u in detail["unconfirmed"] if u["idempotency_key"] == "mail:1"]
+    assert (effect["status"], effect["last_resolution"], effect["resolved_by"]) == (
+        "pending", "resend", "ann",
+    )  # fmt: skip

@@ -128,3 +128,10 @@ SET orders_count = EXCLUDED.orders_count,
     runs = region_reconciliation.runs + 1,
     reconciled_at = now()
 RETURNING orders_count, invoiced_count, difference_cents, runs;
+
+-- name: daily_totals
+-- The date's totals per store (rebuilt by rebuild_totals), for the finance summary email.
+SELECT store_id, invoice_count, amount_cents
+FROM daily_invoice_totals
+WHERE business_date = %(business_date)s
+ORDER BY store_id;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
 from collections.abc import Iterator
 from typing import Any
@@ -10,12 +11,17 @@ import httpx
 
 from airflow_idempotency import Effect, OutboundLedger, RunContext, post_json
 from airflow_idempotency.crashpoints import crash_point
+from airflow_idempotency.mail import SmtpSender, email_effect
+from airflow_idempotency.outputs import OutputFile
 from airflow_idempotency.run_key import key_parts
 from invoicing import ensure_example_schema, queries
 
 KEY_PREFIX = "finalize_invoices"  # idempotency keys: finalize_invoices:<date>:order_<id>
 REMOTE_SYSTEM = "accounting"
 EXPORT_PATH = "/api/invoices"
+FINANCE_MAIL_CONN = "finance_smtp"  # an smtp connection; its extra from_email sends the mail
+FINANCE_TO = "finance@example.com"
+EXPORTS_CONN = "invoice_exports"  # a File (path) connection: extra {"path": "/data/exports"}
 
 
 def business_date(run: RunContext) -> dt.date:
@@ -147,6 +153,60 @@ def remote_invoices(base_url: str, key_prefix: str) -> dict[str, str]:
             after = body.get("next_after")
             if not after:
                 return found
+
+
+# [START finance_effects]
+def export_root(conn_id: str = EXPORTS_CONN) -> str:
+    """The folder of the export files: the ``path`` extra of a File (path) connection."""
+    from airflow.providers.common.compat.sdk import BaseHook
+
+    return str(BaseHook.get_connection(conn_id).extra_dejson["path"])
+
+
+def write_export_file(run: RunContext, root: str | None = None) -> dict[str, Any]:
+    """The date's invoices as one CSV file, written through the contract (once per content)."""
+    with OutputFile(run, f"invoices/{run.run_key}.csv", root=root or export_root()) as out:
+        writer = csv.writer(out.open("w", newline=""))
+        writer.writerow(["invoice_number", "order_id", "store_id", "amount_cents", "currency"])
+        for effect in invoice_effects(run):
+            r = effect.request
+            writer.writerow(
+                [
+                    r["invoice_number"],
+                    r["order_id"],
+                    r["store_id"],
+                    r["amount_cents"],
+                    r["currency"],
+                ]
+            )
+    return {"export_file": f"invoices/{run.run_key}.csv", "export_file_outcome": out.outcome}
+
+
+def finance_summary(run: RunContext) -> Effect:
+    """The "invoices finalized" email of the date: one key per date, the same text on reruns."""
+    rows = run.connection.execute(
+        queries()["daily_totals"], {"business_date": business_date(run)}
+    ).fetchall()
+    lines = [f"store {store}: {count} invoices, {cents / 100:,.2f}" for store, count, cents in rows]
+    count = sum(r[1] for r in rows)
+    total = sum(r[2] for r in rows) / 100
+    return email_effect(
+        f"{KEY_PREFIX}:{run.run_key}:finance_summary",
+        to=FINANCE_TO,
+        subject=f"Invoices finalized for {run.run_key}: {count} invoices",
+        text=f"Business date {run.run_key}: {count} invoices, {total:,.2f} in total.\n\n"
+        + "\n".join(lines),
+    )
+
+
+def email_finance_summary(run: RunContext, conn_id: str = FINANCE_MAIL_CONN) -> dict[str, int]:
+    """Send the date's summary to finance at most once (SMTP cannot deduplicate)."""
+    sender = SmtpSender.from_connection(conn_id)
+    summary = OutboundLedger(run, "finance_mail").send_all([finance_summary(run)], sender)
+    return summary.as_counts("summary_mail")
+
+
+# [END finance_effects]
 
 
 def reconcile_export(

@@ -16,13 +16,17 @@ from airflow_idempotency.provider_info import __version__
 if TYPE_CHECKING:
     from airflow_idempotency._sql import named_queries
     from airflow_idempotency.decorator import idempotent_run_task
+    from airflow_idempotency.effects import EffectSender, HttpSender, webhook
     from airflow_idempotency.exceptions import (
         ConfigurationError,
+        EffectsUnknownError,
         IdempotencyError,
         IdempotencyKeyConflictError,
+        InvalidEffectError,
         InvalidInputError,
         InvalidRunKeyError,
         LockLostError,
+        OutcomeUnknownError,
         PeriodNotEndedError,
         PermanentRemoteError,
         RemoteCallError,
@@ -41,7 +45,10 @@ if TYPE_CHECKING:
         OutboundLedger,
         post_json,
     )
+    from airflow_idempotency.mail import SmtpSender, email_effect
+    from airflow_idempotency.notifications import notify_once
     from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
+    from airflow_idempotency.outputs import OutputConflictError, OutputFile
     from airflow_idempotency.records import RunOptions, Trigger
     from airflow_idempotency.run_context import RunContext
     from airflow_idempotency.run_key import RunKeyRule
@@ -68,6 +75,14 @@ _EXPORTS = {
     "Confirmation": "ledger",
     "LedgerSummary": "ledger",
     "post_json": "ledger",
+    "EffectSender": "effects",
+    "HttpSender": "effects",
+    "webhook": "effects",
+    "SmtpSender": "mail",
+    "email_effect": "mail",
+    "notify_once": "notifications",
+    "OutputFile": "outputs",
+    "OutputConflictError": "outputs",
     "Trigger": "records",
     "IdempotencyError": "exceptions",
     "InvalidInputError": "exceptions",
@@ -83,6 +98,9 @@ _EXPORTS = {
     "RemoteUnreachableError": "exceptions",
     "TransientRemoteError": "exceptions",
     "PermanentRemoteError": "exceptions",
+    "OutcomeUnknownError": "exceptions",
+    "EffectsUnknownError": "exceptions",
+    "InvalidEffectError": "exceptions",
     "ConfigurationError": "exceptions",
 }
 

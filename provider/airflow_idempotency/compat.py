@@ -46,6 +46,10 @@ AIRFLOW_V_3_2_PLUS = AIRFLOW_VERSION >= (3, 2, 0)
 """Partitioned runs (AIP-76): ``dag_run.partition_key`` / ``partition_date``, partitioned
 timetables, partition keys on asset events."""
 
+if AIRFLOW_V_3_0_PLUS:
+    from airflow.sdk import ObjectStoragePath
+else:  # common-compat does not map it
+    from airflow.io.path import ObjectStoragePath
 if AIRFLOW_V_3_2_PLUS:
     from airflow.sdk.exceptions import AirflowRescheduleException
 else:  # 2.11 and 3.1 keep it in core (their task runners catch that one); common-compat
@@ -414,6 +418,7 @@ __all__ = [
     "BaseOperatorLink",
     "Context",
     "DecoratedOperator",
+    "ObjectStoragePath",
     "Param",
     "ReschedulingOperator",
     "Stats",

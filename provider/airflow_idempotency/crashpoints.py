@@ -18,9 +18,11 @@ Several points may be given, comma-separated. With none of these set (the normal
 a fault point costs four dictionary lookups.
 
 Points: runner.after_lock, runner.after_started, runner.before_completion,
-ledger.after_claim, ledger.before_remote_call, ledger.after_remote_commit,
-ledger.before_record_outcomes, and the example's invoices.before_commit,
-invoices.after_commit, totals.after_delete.
+ledger.after_claim, ledger.after_intent (a remote that does not deduplicate: the intent is
+committed, the call not made), ledger.before_remote_call, ledger.after_remote_commit,
+ledger.before_record_outcomes, files.after_write (an output file staged, not committed),
+files.after_rename (moved into place, not recorded), and the example's
+invoices.before_commit, invoices.after_commit, totals.after_delete.
 """
 
 from __future__ import annotations

@@ -10,8 +10,14 @@ What each means for a task (mapped to Airflow's failures in one place,
 - :class:`LockLostError`, :class:`WorkConflictError`, :class:`PoolExhaustedError` and
   :class:`RemoteCallError`: this try could not finish; a retry (or a rerun) converges, so
   Airflow's retries apply;
-- :class:`TransientRemoteError` and :class:`PermanentRemoteError`: raised by a ledger
-  sender to classify one external call; the ledger handles them.
+- :class:`TransientRemoteError`, :class:`OutcomeUnknownError` and
+  :class:`PermanentRemoteError`: raised by a ledger sender to classify one external call;
+  the ledger handles them;
+- :class:`EffectsUnknownError`: effects of a remote that does not deduplicate may have
+  happened and were not sent again: an operator resolves them, a retry cannot, so the task
+  fails without retrying;
+- :class:`InvalidEffectError`: some effects were malformed (no recipient, a path outside the
+  allowed root): they were not sent, the others were; fix the data and rerun.
 """
 
 from __future__ import annotations
@@ -116,5 +122,26 @@ class TransientRemoteError(RemoteError):
         self.unreachable = unreachable
 
 
+class OutcomeUnknownError(TransientRemoteError):
+    """The call may have reached the remote and acted on it (e.g. the connection dropped after
+    an email's data was sent, before the server's answer).
+
+    A remote that deduplicates gets it again with the same key (as any transient error). For
+    one that does not, the ledger leaves the effect ``unknown`` and never sends it on its own.
+    """
+
+
 class PermanentRemoteError(RemoteError):
     """The remote refused the request: retrying the same request will not help."""
+
+
+class EffectsUnknownError(RemoteCallError):
+    """Effects of a remote that does not deduplicate are ``unknown``: they may have happened.
+
+    They are never sent again on their own. An operator looks at the remote and resolves
+    each: ``airflow-idempotency ledger mark-sent`` or ``ledger resend``; then a rerun goes on.
+    """
+
+
+class InvalidEffectError(InvalidInputError):
+    """Some effects were malformed and not sent (each named); the others were processed."""

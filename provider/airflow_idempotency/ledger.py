@@ -18,6 +18,15 @@ The claim of each batch is fenced: it commits only while this run still holds it
 (:meth:`~airflow_idempotency.run_context.RunContext.fenced_transaction`).
 A crash anywhere leaves ``pending`` rows, which the rerun sends again under the same key,
 so the remote (which deduplicates by key) acts once.
+
+A remote that does not deduplicate (``EffectSender.deduplicating`` false: SMTP, a chat
+webhook, a notifier) gets step 2 as intent, call, outcome: before each call one fenced
+statement marks its key ``unknown`` (the intents of the calls about to start are
+group-committed, together with the outcomes that arrived meanwhile), and the outcome
+replaces it after the call. A crash in between leaves the key ``unknown``: the claim
+returns it, and it is counted and reported, never sent, until an operator resolves it
+(:mod:`airflow_idempotency.resolutions`). A crash leaves at most twice ``concurrency``
+keys unknown: the calls in flight and the outcomes not yet written.
 """
 
 from __future__ import annotations
@@ -25,21 +34,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import hashlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import httpx
 import psycopg
 from psycopg.rows import dict_row
 from tenacity import (
     AsyncRetrying,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_attempt,
     wait_exponential_jitter,
 )
@@ -47,83 +54,83 @@ from tenacity.wait import wait_base
 
 from airflow_idempotency import metrics
 from airflow_idempotency._sql import query
+from airflow_idempotency._transactions import rollback_quietly
 from airflow_idempotency.crashpoints import crash_point
+from airflow_idempotency.effects import (
+    Confirmation,
+    ConnectionPool,
+    Effect,
+    EffectSender,
+    HttpSender,
+    Sender,
+    post_json,
+)
 from airflow_idempotency.exceptions import (
+    EffectsUnknownError,
     IdempotencyKeyConflictError,
+    InvalidEffectError,
     InvalidInputError,
     LockLostError,
+    OutcomeUnknownError,
     PermanentRemoteError,
     RemoteCallError,
     RemoteUnreachableError,
     TransientRemoteError,
 )
+from airflow_idempotency.metrics import Metrics
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
 
-if TYPE_CHECKING:
-    from airflow_idempotency.run_context import RunContext
+__all__ = [
+    "Confirmation",
+    "Effect",
+    "EffectSender",
+    "LedgerScope",
+    "LedgerSummary",
+    "OutboundLedger",
+    "Sender",
+    "check_idempotency_key",
+    "post_json",
+]
 
 log = logging.getLogger(__name__)
 
-# The canonical JSON of a request: exactly json.dumps(request, sort_keys=True,
-# separators=(",", ":"), default=str), without building a new encoder for every call.
-_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
 # Pipeline mode needs libpq >= 14 (the psycopg[binary] wheels bundle a newer one).
 _PIPELINE = psycopg.Pipeline.is_supported()
 
 
-@dataclass(frozen=True)
-class Effect:
-    """One external side effect: a stable idempotency key and the JSON request it sends."""
-
-    idempotency_key: str
-    request: Mapping[str, Any]
+class LedgerScope(Protocol):
+    """What the ledger needs from the run it records effects for: a
+    :class:`~airflow_idempotency.run_context.RunContext`, or a notification's scope outside
+    a run (:mod:`airflow_idempotency.notifications`)."""
 
     @property
-    def fingerprint(self) -> str:
-        """SHA-256 of the canonical JSON of the request (computed on each access)."""
-        return hashlib.sha256(_CANONICAL_JSON.encode(self.request).encode()).hexdigest()
+    def job_name(self) -> str: ...
 
+    @property
+    def run_key(self) -> str: ...
 
-@dataclass(frozen=True)
-class Confirmation:
-    """The remote's confirmation of an effect."""
+    @property
+    def attempt_id(self) -> int | None: ...
 
-    reference: str
-    response: Mapping[str, Any] | None = None
-    replayed: bool = False  # the remote answered with the result it had stored for the key
+    @property
+    def dry_run(self) -> bool: ...
 
+    @property
+    def schema(self) -> str: ...
 
-Sender = Callable[[httpx.AsyncClient, Effect], Awaitable[Confirmation]]
+    @property
+    def metrics(self) -> Metrics: ...
 
+    @property
+    def log(self) -> Any: ...
 
-def post_json(path: str, *, reference_field: str = "reference") -> Sender:
-    """A sender that POSTs the request as JSON with an ``Idempotency-Key`` header.
+    def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool: ...
 
-    2xx confirms (``reference_field`` of the JSON answer is the remote reference; an
-    ``Idempotent-Replayed: true`` header, as Stripe and the example service send, marks
-    a replay of an earlier answer);
-    408, 409 (the same key is in flight), 425, 429 and 5xx are transient; any other 4xx
-    is permanent. Timeouts and connection errors are transient.
-    """
+    def fenced_transaction(self, conn: psycopg.Connection) -> AbstractContextManager[None]: ...
 
-    async def send(client: httpx.AsyncClient, effect: Effect) -> Confirmation:
-        try:
-            response = await client.post(
-                path, json=effect.request, headers={"Idempotency-Key": effect.idempotency_key}
-            )
-        except httpx.TransportError as exc:  # timeouts, resets, refused connections
-            raise TransientRemoteError(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
-        status = response.status_code
-        if 200 <= status < 300:
-            body = response.json()
-            replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
-            return Confirmation(str(body[reference_field]), body, replayed)
-        detail = f"HTTP {status}: {response.text[:300]}"
-        if status in (408, 409, 425, 429) or status >= 500:
-            raise TransientRemoteError(detail)
-        raise PermanentRemoteError(detail)
+    def translate_error(self, exc: psycopg.Error, conn: psycopg.Connection) -> BaseException: ...
 
-    return send
+    def bookkeeping_connection(self) -> AbstractContextManager[psycopg.Connection]: ...
 
 
 @dataclass
@@ -138,12 +145,14 @@ class LedgerSummary:
     conflicts: int = 0
     calls: int = 0
     replayed: int = 0  # of ``sent``: the remote replayed its answer (it had the key)
+    unknown: int = 0  # not deduplicating: may have happened, not sent again (an operator decides)
+    invalid: int = 0  # refused by the sender's check: neither recorded nor sent
     errors: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         """Every effect is confirmed (sent now or before)."""
-        return self.failed == 0 and self.pending == 0 and self.conflicts == 0
+        return not (self.failed or self.pending or self.conflicts or self.unknown or self.invalid)
 
     def as_counts(self, prefix: str) -> dict[str, int]:
         """Counts for job_runs.details, e.g. ``exports_sent``."""
@@ -153,6 +162,8 @@ class LedgerSummary:
             f"{prefix}_failed": self.failed,
             f"{prefix}_pending": self.pending,
             f"{prefix}_conflicts": self.conflicts,
+            f"{prefix}_unknown": self.unknown,
+            f"{prefix}_invalid": self.invalid,
         }
 
 
@@ -164,6 +175,7 @@ class _Batch:
     keys: list[str]
     fingerprints: list[str]
     position: dict[str, int]  # key -> index in the three lists
+    invalid: list[str] = field(default_factory=list)  # "key: why", refused by the sender
 
 
 def _attempt(call: Callable[[], _Batch | None]) -> _Batch | Exception | None:
@@ -182,56 +194,6 @@ class _Outcome:
     error: str | None
     calls: int
     replayed: bool = False
-
-
-class _ClientPool:
-    """Up to ``size`` HTTP clients of one connection each, each lent to one call at a time.
-
-    One ``httpx.AsyncClient`` with N connections costs O(N) per request: its pool
-    (httpcore 1.0) checks every connection it holds, polling each idle socket, whenever a
-    request starts or ends. At 32 concurrent calls that made a shared client ~3x slower
-    than 32 clients of one connection each (see BENCHMARKS.md). Here the bound on
-    concurrent calls is the number of clients, so each request sees a pool of one.
-
-    Clients are created on first need (an export whose effects are all confirmed opens
-    none) and share one SSL context: building a context loads the CA bundle, ~10-120 ms.
-    """
-
-    def __init__(self, base_url: str, timeout: float, size: int) -> None:
-        self._base_url = base_url
-        self._timeout = timeout
-        self._slots = asyncio.Semaphore(size)
-        self._idle: list[httpx.AsyncClient] = []
-        self._all: list[httpx.AsyncClient] = []
-        self._ssl_context: Any = None
-
-    @contextlib.asynccontextmanager
-    async def client(self) -> AsyncIterator[httpx.AsyncClient]:
-        """Wait for a free slot and lend its client (the most recently returned one)."""
-        async with self._slots:
-            client = self._idle.pop() if self._idle else self._new_client()
-            try:
-                yield client
-            finally:
-                self._idle.append(client)
-
-    def _new_client(self) -> httpx.AsyncClient:
-        if self._ssl_context is None:
-            self._ssl_context = httpx.create_ssl_context()  # what each client would build
-        client = httpx.AsyncClient(
-            base_url=self._base_url,
-            timeout=self._timeout,
-            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-            verify=self._ssl_context,
-        )
-        self._all.append(client)
-        return client
-
-    async def aclose(self) -> None:
-        for client in self._all:
-            await client.aclose()
-        self._all.clear()
-        self._idle.clear()
 
 
 def _backoff(initial: float, maximum: float) -> wait_base:
@@ -319,10 +281,11 @@ class OutboundLedger:
 
     Get one from a run: ``OutboundLedger(run, "accounting")``.
 
-    :param concurrency: calls in flight at once (each on its own one-connection HTTP client).
+    :param concurrency: calls in flight at once (each on its own connection), unless the
+        sender names its own.
     :param batch_size: effects claimed and recorded per statement.
     :param max_attempts: tries per effect and call of :meth:`send_all` (transient errors).
-    :param timeout: seconds per HTTP request.
+    :param timeout: seconds per HTTP request (the ``post_json`` form of :meth:`send_all`).
     :param lock_check_interval: before a call, re-check (at most this often) that the run
         still holds its lock; once it is lost no further call is made.
     :param unreachable_after: stop the export early when no call has had any answer for
@@ -334,7 +297,7 @@ class OutboundLedger:
 
     def __init__(
         self,
-        run: RunContext,
+        run: LedgerScope,
         remote_system: str,
         *,
         concurrency: int = 16,
@@ -369,36 +332,69 @@ class OutboundLedger:
     def send_all(
         self,
         effects: Iterable[Effect],
-        sender: Sender,
+        sender: EffectSender[Any] | Sender,
         *,
-        base_url: str,
+        base_url: str | None = None,
         total: int | None = None,
         raise_on_failure: bool = True,
     ) -> LedgerSummary:
         """Send every effect not yet confirmed; return the counts.
 
+        ``sender`` is an :class:`~airflow_idempotency.effects.EffectSender` (SMTP, a webhook,
+        a notifier, ...), or an HTTP call such as :func:`post_json`, sent to ``base_url``
+        (a deduplicating remote).
+
         ``effects`` is consumed lazily, ``batch_size`` at a time. In a dry run nothing is
         sent and nothing written: the summary says what would be sent or skipped.
-        Raises :class:`RemoteCallError` at the end when an effect failed or stayed pending
-        (after the whole stream was processed), and :class:`IdempotencyKeyConflictError`
-        when a key was reused for a different request.
+        After the whole stream was processed, raises
+        :class:`IdempotencyKeyConflictError` when a key was reused for a different request,
+        :class:`InvalidEffectError` when the sender refused effects (they were not sent, the
+        others were), :class:`EffectsUnknownError` when effects of a remote that does not
+        deduplicate are unknown (never resent on their own), and :class:`RemoteCallError`
+        when an effect failed or stayed pending.
         """
+        if not isinstance(sender, EffectSender):
+            if base_url is None:
+                raise InvalidInputError(
+                    f"{self.remote_system}: an HTTP sender such as post_json(...) needs base_url="
+                )
+            sender = HttpSender(base_url, sender, timeout=self.timeout)
         summary = LedgerSummary()
         self._reach = _Reachability(self.unreachable_after)
         try:
             with self.run.bookkeeping_connection() as conn:
                 self._conn = conn
-                asyncio.run(self._send_all(conn, effects, sender, base_url, total, summary))
+                asyncio.run(self._send_all(conn, effects, sender, total, summary))
         finally:
             if not self.run.dry_run:
                 self._count(summary)
         self._log_progress(summary, total, final=True)
+        self._raise_for(summary, raise_on_failure)
+        return summary
+
+    def _raise_for(self, summary: LedgerSummary, raise_on_failure: bool) -> None:
+        """The error :meth:`send_all` ends with, worst first (each names its effects)."""
         if summary.conflicts:
             raise IdempotencyKeyConflictError(
                 f"{summary.conflicts} idempotency key(s) of {self.remote_system!r} were already "
-                f"used for a different request, e.g. {summary.errors[:3]}. Nothing was sent for "
-                "them. A key must name one request forever: fix the data or use new keys on "
-                "purpose (never for an effect that may already have happened)."
+                f"used for a different request, e.g. {_of(summary, 'request differs')}. Nothing "
+                "was sent for them. A key must name one request forever: fix the data or use new "
+                "keys on purpose (never for an effect that may already have happened)."
+            )
+        if summary.invalid:
+            raise InvalidEffectError(
+                f"{summary.invalid} effect(s) of {self.remote_system!r} refused, neither recorded "
+                f"nor sent: {_of(summary, 'refused')}. The other effects were processed "
+                f"({summary.sent} sent, {summary.skipped_existing} already confirmed). Fix the "
+                "data and rerun: confirmed effects are not sent again."
+            )
+        if summary.unknown and raise_on_failure:
+            raise EffectsUnknownError(
+                f"{summary.unknown} effect(s) of {self.remote_system!r} are unknown: their call "
+                "began and no outcome was recorded, so they may have happened; they are not "
+                f"sent again on their own: {_of(summary, 'unknown')}. Look at the remote, then "
+                f"`airflow-idempotency ledger mark-sent {self.remote_system} KEY --reason ...` "
+                "or `... ledger resend ...`, and rerun the key."
             )
         if raise_on_failure and not summary.ok:
             raise RemoteCallError(
@@ -406,7 +402,6 @@ class OutboundLedger:
                 f"stayed pending of {summary.total}; first errors: {summary.errors[:3]}. "
                 "They are in the outbound ledger; a rerun retries them with the same keys."
             )
-        return summary
 
     def _count(self, summary: LedgerSummary) -> None:
         counts = {
@@ -415,6 +410,8 @@ class OutboundLedger:
             "replayed": summary.replayed,
             "failed": summary.failed,
             "pending": summary.pending,
+            "unknown": summary.unknown,
+            "invalid": summary.invalid,
         }
         metrics.ledger_counts(self.run.metrics, counts, self.run.job_name, self.remote_system)
 
@@ -434,26 +431,28 @@ class OutboundLedger:
         self,
         conn: psycopg.Connection,
         effects: Iterable[Effect],
-        sender: Sender,
-        base_url: str,
+        sender: EffectSender[Any],
         total: int | None,
         summary: LedgerSummary,
     ) -> LedgerSummary:
-        clients = _ClientPool(base_url, self.timeout, self.concurrency)
-        batches = (self._prepare(batch) for batch in _batches(effects, self.batch_size))
+        pool = ConnectionPool(sender, sender.concurrency or self.concurrency)
+        batches = (self._prepare(batch, sender) for batch in _batches(effects, self.batch_size))
         try:
             batch = next(batches, None)
             while batch is not None:
                 # The next batch is pulled and prepared while the database runs this batch's
                 # claim; an error in doing so is raised once this batch is done, as before.
-                rows, upcoming = self._claim(conn, batch, lambda: next(batches, None))
+                rows, upcoming = self._claim(conn, batch, sender, lambda: next(batches, None))
                 to_send = self._classify(batch, rows, summary)
                 if to_send and not self.run.dry_run:
-                    outcomes = await asyncio.gather(
-                        *(self._call(clients, sender, effect) for effect in to_send)
-                    )
-                    crash_point("ledger.before_record_outcomes")
-                    self._record(conn, outcomes, summary)
+                    if sender.deduplicating:
+                        outcomes = await asyncio.gather(
+                            *(self._call(pool, sender, effect) for effect in to_send)
+                        )
+                        crash_point("ledger.before_record_outcomes")
+                        self._record(conn, outcomes, summary)
+                    else:
+                        await self._deliver(conn, pool, sender, to_send, summary)
                     if self._lock_lost:
                         raise LockLostError(
                             f"job {self.run.job_name!r} run_key {self.run.run_key!r} lost its lock "
@@ -462,7 +461,7 @@ class OutboundLedger:
                         )
                     if self._reach.down:
                         self._log_progress(summary, total)
-                        raise self._unreachable(base_url, summary, total)
+                        raise self._unreachable(sender.target, summary, total)
                 elif to_send:
                     summary.sent += len(to_send)  # would be sent
                 self._log_progress(summary, total)
@@ -470,21 +469,43 @@ class OutboundLedger:
                     raise upcoming
                 batch = upcoming
         finally:
-            await clients.aclose()
+            await pool.aclose()
         return summary
 
-    def _prepare(self, effects: list[Effect]) -> _Batch:
-        """Check a batch's keys and compute each request's fingerprint, once."""
+    def _prepare(self, effects: list[Effect], sender: EffectSender[Any]) -> _Batch:
+        """Check a batch's keys and effects; compute each request's fingerprint, once.
+
+        A malformed key refuses the batch (as ever); an effect the sender refuses (no
+        recipient, a path outside the root) is left out of it, named, and the rest goes on.
+        """
         keys = [check_idempotency_key(effect.idempotency_key) for effect in effects]
         position = {key: i for i, key in enumerate(keys)}
         if len(position) != len(effects):
             raise InvalidInputError(
                 f"duplicate idempotency keys in one batch of {self.remote_system!r}"
             )
-        return _Batch(effects, keys, [effect.fingerprint for effect in effects], position)
+        invalid = []
+        if type(sender).check is not EffectSender.check:
+            kept = []
+            for effect in effects:
+                try:
+                    sender.check(effect)
+                except InvalidInputError as exc:
+                    invalid.append(f"{effect.idempotency_key}: refused: {exc}")
+                else:
+                    kept.append(effect)
+            if invalid:
+                effects = kept
+                keys = [effect.idempotency_key for effect in effects]
+                position = {key: i for i, key in enumerate(keys)}
+        return _Batch(effects, keys, [e.fingerprint for e in effects], position, invalid)
 
     def _claim(
-        self, conn: psycopg.Connection, batch: _Batch, meanwhile: Callable[[], _Batch | None]
+        self,
+        conn: psycopg.Connection,
+        batch: _Batch,
+        sender: EffectSender[Any],
+        meanwhile: Callable[[], _Batch | None],
     ) -> tuple[list[tuple[Any, ...]], _Batch | Exception | None]:
         """Claim a batch (fenced); call ``meanwhile`` while the database runs the statement.
 
@@ -505,6 +526,8 @@ class OutboundLedger:
             "job_name": self.run.job_name,
             "run_key": self.run.run_key,
             "attempt_id": self.run.attempt_id,
+            "effect_kind": sender.kind,
+            "deduplicating": sender.deduplicating,
         }
         pipeline = conn.pipeline() if _PIPELINE else contextlib.nullcontext()
         if self.run.dry_run:
@@ -519,6 +542,7 @@ class OutboundLedger:
                     upcoming = _attempt(meanwhile)
                 rows = cursor.fetchall()
         except psycopg.Error as exc:
+            rollback_quietly(conn)
             raise self.run.translate_error(exc, conn) from exc
         crash_point("ledger.after_claim")
         return rows, upcoming
@@ -526,8 +550,11 @@ class OutboundLedger:
     def _classify(
         self, batch: _Batch, rows: list[tuple[Any, ...]], summary: LedgerSummary
     ) -> list[Effect]:
-        """Count a claimed batch; return the effects to send (conflicts are never sent)."""
-        summary.total += len(batch.effects)
+        """Count a claimed batch; return the effects to send (conflicts are never sent, nor
+        are unknown effects: only an operator's resolution makes those pending again)."""
+        summary.total += len(batch.effects) + len(batch.invalid)
+        summary.invalid += len(batch.invalid)
+        summary.errors.extend(batch.invalid)
         summary.skipped_existing += len(batch.effects) - len(rows)
         to_send = []
         for key, status, stored_fingerprint in rows:
@@ -537,17 +564,20 @@ class OutboundLedger:
                 summary.errors.append(f"{key}: request differs from the one first sent")
             elif status == "succeeded":
                 summary.skipped_existing += 1  # not returned by the statements; kept for safety
+            elif status == "unknown":
+                summary.unknown += 1
+                summary.errors.append(f"{key}: unknown (a call began, no outcome recorded)")
             else:
                 to_send.append(batch.effects[i])
         return to_send
 
     def _unreachable(
-        self, base_url: str, summary: LedgerSummary, total: int | None
+        self, target: str, summary: LedgerSummary, total: int | None
     ) -> RemoteUnreachableError:
         since = self._reach.silent_since_wall
         unclaimed = f" and {total - summary.total} not yet claimed" if total is not None else ""
         return RemoteUnreachableError(
-            f"{self.remote_system} unreachable at {base_url} since "
+            f"{self.remote_system} unreachable at {target} since "
             f"{since.isoformat(timespec='seconds') if since else 'now'} (no answer for "
             f"{self.unreachable_after:g} s; last error: {self._reach.last_error}); "
             f"{summary.pending} effect(s) left pending{unclaimed}, {summary.sent} sent: a rerun "
@@ -555,11 +585,11 @@ class OutboundLedger:
         )
 
     async def _send(
-        self, client: httpx.AsyncClient, sender: Sender, effect: Effect
+        self, connection: Any, sender: EffectSender[Any], effect: Effect
     ) -> Confirmation:
         """One try of one call, noting whether the remote answered at all."""
         try:
-            confirmation = await sender(client, effect)
+            confirmation = await sender.send(connection, effect)
         except TransientRemoteError as exc:
             if exc.unreachable:
                 self._reach.no_answer(str(exc))
@@ -572,30 +602,42 @@ class OutboundLedger:
         self._reach.answered()
         return confirmation
 
-    async def _call(self, clients: _ClientPool, sender: Sender, effect: Effect) -> _Outcome:
+    async def _call(
+        self, pool: ConnectionPool[Any], sender: EffectSender[Any], effect: Effect
+    ) -> _Outcome:
+        """One effect: its first try, then retries of transient errors.
+
+        A deduplicating remote is called only while the lock is held (checked at most every
+        ``lock_check_interval``). For one that does not deduplicate, the intent recorded
+        just before (fenced) is the check, and an :class:`OutcomeUnknownError` ends the call
+        at once: the effect is unknown and is not tried again.
+        """
         key = effect.idempotency_key
-        async with clients.client() as client:
-            crash_point("ledger.before_remote_call")
-            if not self._lock_still_held():
-                return _Outcome(key, "pending", None, _NOT_SENT, 0)
-            if self._reach.down:
-                return _Outcome(key, "pending", None, _UNREACHABLE, 0)
-            try:
-                # Most calls succeed at once: only a transient error pays for the retry loop.
-                confirmation = await self._send(client, sender, effect)
-            except TransientRemoteError as exc:
-                return await self._retry(client, sender, effect, exc)
-            except PermanentRemoteError as exc:
-                return _Outcome(key, "failed", None, str(exc), 1)
-            crash_point("ledger.after_remote_commit")
-            return _Outcome(
-                key, "succeeded", confirmation.reference, None, 1, confirmation.replayed
-            )
+        fenced_here = sender.deduplicating
+        crash_point("ledger.before_remote_call")
+        if fenced_here and not self._lock_still_held():
+            return _Outcome(key, "pending", None, _NOT_SENT, 0)
+        if self._reach.down:
+            return _Outcome(key, "pending", None, _UNREACHABLE, 0)
+        try:
+            # Most calls succeed at once: only a transient error pays for the retry loop.
+            async with pool.connection() as connection:
+                confirmation = await self._send(connection, sender, effect)
+        except OutcomeUnknownError as exc:
+            if not sender.deduplicating:
+                return _Outcome(key, "unknown", None, f"outcome unknown: {exc}", 1)
+            return await self._retry(pool, sender, effect, exc)
+        except TransientRemoteError as exc:
+            return await self._retry(pool, sender, effect, exc)
+        except PermanentRemoteError as exc:
+            return _Outcome(key, "failed", None, str(exc), 1)
+        crash_point("ledger.after_remote_commit")
+        return _Outcome(key, "succeeded", confirmation.reference, None, 1, confirmation.replayed)
 
     async def _retry(
         self,
-        client: httpx.AsyncClient,
-        sender: Sender,
+        pool: ConnectionPool[Any],
+        sender: EffectSender[Any],
         effect: Effect,
         first_error: TransientRemoteError,
     ) -> _Outcome:
@@ -603,12 +645,21 @@ class OutboundLedger:
 
         The retry loop's attempt 1 re-raises that first error instead of calling again, so
         the attempt count, the waits and the final error are exactly those of one loop
-        around every try.
+        around every try. For a remote that does not deduplicate, only errors that say the
+        effect was not delivered are retried (under the same intent).
         """
+        key = effect.idempotency_key
         calls = 1
+        dedup = sender.deduplicating
+
+        def retryable(exc: BaseException) -> bool:
+            return isinstance(exc, TransientRemoteError) and (
+                dedup or not isinstance(exc, OutcomeUnknownError)
+            )
+
         try:
             async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(TransientRemoteError),
+                retry=retry_if_exception(retryable),
                 stop=stop_after_attempt(self.max_attempts),
                 wait=_backoff(self.backoff_initial, self.backoff_max),
                 reraise=True,
@@ -616,33 +667,118 @@ class OutboundLedger:
                 with attempt:
                     if attempt.retry_state.attempt_number == 1:
                         raise first_error
-                    if not self._lock_still_held():
-                        return _Outcome(effect.idempotency_key, "pending", None, _NOT_SENT, calls)
+                    if dedup and not self._lock_still_held():
+                        return _Outcome(key, "pending", None, _NOT_SENT, calls)
                     if self._reach.down:
-                        return _Outcome(
-                            effect.idempotency_key, "pending", None, _UNREACHABLE, calls
-                        )
+                        return _Outcome(key, "pending", None, _UNREACHABLE, calls)
                     calls += 1
-                    confirmation = await self._send(client, sender, effect)
+                    async with pool.connection() as connection:
+                        confirmation = await self._send(connection, sender, effect)
+        except OutcomeUnknownError as exc:
+            if not dedup:
+                return _Outcome(key, "unknown", None, f"outcome unknown: {exc}", calls)
+            return _Outcome(key, "pending", None, f"gave up after {calls} tries: {exc}", calls)
         except TransientRemoteError as exc:
-            return _Outcome(
-                effect.idempotency_key,
-                "pending",
-                None,
-                f"gave up after {calls} tries: {exc}",
-                calls,
-            )
+            return _Outcome(key, "pending", None, f"gave up after {calls} tries: {exc}", calls)
         except PermanentRemoteError as exc:
-            return _Outcome(effect.idempotency_key, "failed", None, str(exc), calls)
+            return _Outcome(key, "failed", None, str(exc), calls)
         crash_point("ledger.after_remote_commit")
         return _Outcome(
-            effect.idempotency_key,
-            "succeeded",
-            confirmation.reference,
-            None,
-            calls,
-            confirmation.replayed,
+            key, "succeeded", confirmation.reference, None, calls, confirmation.replayed
         )
+
+    # -- a remote that does not deduplicate: intent, call, outcome --------------------------
+
+    async def _deliver(
+        self,
+        conn: psycopg.Connection,
+        pool: ConnectionPool[Any],
+        sender: EffectSender[Any],
+        effects: list[Effect],
+        summary: LedgerSummary,
+    ) -> None:
+        """Send a claimed batch, each call after its intent is committed.
+
+        ``concurrency`` calls run at once; the intents of the calls about to start and the
+        outcomes that arrived meanwhile are written by one statement pair (a thread runs it
+        while the calls in flight go on), so a call waits for one commit, not one each.
+        """
+        intents = _IntentWriter(
+            lambda outcomes, keys: self._write_intents(conn, outcomes, keys),
+            lambda outcomes: self._tally(outcomes, summary),
+        )
+        queue = iter(effects)
+
+        async def slot() -> None:
+            for effect in queue:
+                key = effect.idempotency_key
+                if self._reach.down:
+                    intents.outcome(_Outcome(key, "pending", None, _UNREACHABLE, 0))
+                    continue
+                if not await intents.intent(key):
+                    if self._lock_lost:
+                        intents.outcome(_Outcome(key, "pending", None, _NOT_SENT, 0))
+                    else:  # another attempt or an operator moved it meanwhile
+                        summary.skipped_existing += 1
+                    continue
+                crash_point("ledger.after_intent")
+                intents.outcome(await self._call(pool, sender, effect))
+
+        size = sender.concurrency or self.concurrency
+        await asyncio.gather(*(slot() for _ in range(min(size, len(effects)))))
+        crash_point("ledger.before_record_outcomes")
+        intents.flush()
+
+    def _write_intents(
+        self,
+        conn: psycopg.Connection,
+        outcomes: list[_Outcome],
+        keys: list[str],
+    ) -> set[str]:
+        """Record ``outcomes`` and the intents of ``keys`` in one transaction (fenced when
+        there are intents); return the keys that may be called now.
+
+        A lost lock refuses the intents, not the outcomes: those are facts about the remote
+        and are written alone then.
+        """
+        granted: set[str] = set()
+        fenced = bool(keys) and not self._lock_lost
+        pipeline = conn.pipeline() if _PIPELINE else contextlib.nullcontext()
+        try:
+            with pipeline:
+                with self.run.fenced_transaction(conn) if fenced else conn.transaction():
+                    if outcomes:
+                        conn.execute(
+                            query("ledger_record_outcomes", self.run.schema),
+                            self._outcome_params(outcomes),
+                        )
+                    if fenced:  # no intent commits without the lock
+                        cursor = conn.execute(
+                            query("ledger_record_intents", self.run.schema),
+                            {
+                                "keys": keys,
+                                "remote_system": self.remote_system,
+                                "attempt_id": self.run.attempt_id,
+                            },
+                        )
+                if fenced:
+                    granted = {key for (key,) in cursor.fetchall()}
+        except psycopg.Error as exc:
+            lost = self.run.translate_error(exc, conn)
+            if not isinstance(lost, LockLostError):
+                raise lost from exc
+            rollback_quietly(conn)
+            self._lock_lost = True
+            if outcomes:
+                with conn.transaction():
+                    conn.execute(
+                        query("ledger_record_outcomes", self.run.schema),
+                        self._outcome_params(outcomes),
+                    )
+            granted = set()
+        return granted
+
+    # -- recording outcomes -------------------------------------------------------------
 
     def _lock_still_held(self) -> bool:
         """Re-check the lock at most every ``lock_check_interval`` seconds (~0.2 ms a check).
@@ -659,21 +795,27 @@ class OutboundLedger:
             self._lock_checked_at = now
         return not self._lock_lost
 
+    def _outcome_params(self, outcomes: list[_Outcome]) -> dict[str, Any]:
+        return {
+            "keys": [o.key for o in outcomes],
+            "statuses": [o.status for o in outcomes],
+            "references": [o.reference for o in outcomes],
+            "errors": [o.error for o in outcomes],
+            "calls": [o.calls for o in outcomes],
+            "remote_system": self.remote_system,
+            "attempt_id": self.run.attempt_id,
+        }
+
     def _record(
         self, conn: psycopg.Connection, outcomes: list[_Outcome], summary: LedgerSummary
     ) -> None:
         conn.execute(
-            query("ledger_record_outcomes", self.run.schema),
-            {
-                "keys": [o.key for o in outcomes],
-                "statuses": [o.status for o in outcomes],
-                "references": [o.reference for o in outcomes],
-                "errors": [o.error for o in outcomes],
-                "calls": [o.calls for o in outcomes],
-                "remote_system": self.remote_system,
-                "attempt_id": self.run.attempt_id,
-            },
+            query("ledger_record_outcomes", self.run.schema), self._outcome_params(outcomes)
         )
+        self._tally(outcomes, summary)
+
+    @staticmethod
+    def _tally(outcomes: list[_Outcome], summary: LedgerSummary) -> None:
         for outcome in outcomes:
             summary.calls += outcome.calls
             if outcome.status == "succeeded":
@@ -682,6 +824,9 @@ class OutboundLedger:
             elif outcome.status == "failed":
                 summary.failed += 1
                 summary.errors.append(f"{outcome.key}: {outcome.error}")
+            elif outcome.status == "unknown":
+                summary.unknown += 1
+                summary.errors.append(f"{outcome.key}: unknown: {outcome.error}")
             else:
                 summary.pending += 1
                 summary.errors.append(f"{outcome.key}: {outcome.error}")
@@ -690,8 +835,8 @@ class OutboundLedger:
         of = f" of {total}" if total is not None else ""
         verb = "would send" if self.run.dry_run else "sent"
         self.run.log.info(
-            "%s %s: %s %d, skipped %d (already confirmed), failed %d, pending %d, conflicts %d; "
-            "%d processed%s",
+            "%s %s: %s %d, skipped %d (already confirmed), failed %d, pending %d, conflicts %d, "
+            "unknown %d, invalid %d; %d processed%s",
             "export finished" if final else "export progress",
             self.remote_system,
             verb,
@@ -700,6 +845,68 @@ class OutboundLedger:
             summary.failed,
             summary.pending,
             summary.conflicts,
+            summary.unknown,
+            summary.invalid,
             summary.total,
             of,
         )
+
+
+def _of(summary: LedgerSummary, marker: str, limit: int = 3) -> list[str]:
+    """The first ``limit`` errors of ``summary`` that mention ``marker``."""
+    return [e for e in summary.errors if marker in e][:limit]
+
+
+class _IntentWriter:
+    """Group commit of intents, with the outcomes that arrived meanwhile.
+
+    A call asks for its intent and waits; the first ask starts a flush, which writes every
+    intent asked for by then (and every outcome handed in) in one transaction, in a thread,
+    so that calls in flight go on meanwhile; asks that arrive during a write go in the next.
+    """
+
+    def __init__(
+        self,
+        write: Callable[[list[_Outcome], list[str]], set[str]],
+        tally: Callable[[list[_Outcome]], None],
+    ) -> None:
+        self._write = write
+        self._tally = tally  # on the event loop's thread: the summary is counted there only
+        self._asked: dict[str, asyncio.Future[bool]] = {}
+        self._outcomes: list[_Outcome] = []
+        self._flushing: asyncio.Task[None] | None = None
+
+    def outcome(self, outcome: _Outcome) -> None:
+        self._outcomes.append(outcome)
+
+    async def intent(self, key: str) -> bool:
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._asked[key] = future
+        if self._flushing is None:
+            self._flushing = asyncio.ensure_future(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            await asyncio.sleep(0)  # the calls ready at this moment ask too: one commit for all
+            while self._asked:
+                asked, self._asked = self._asked, {}
+                outcomes, self._outcomes = self._outcomes, []
+                try:
+                    granted = await asyncio.to_thread(self._write, outcomes, list(asked))
+                except Exception as exc:  # each waiting call raises it (no orphan task error)
+                    for future in asked.values():
+                        future.set_exception(exc)
+                    return
+                self._tally(outcomes)
+                for key, future in asked.items():
+                    future.set_result(key in granted)
+        finally:
+            self._flushing = None
+
+    def flush(self) -> None:
+        """Write the outcomes not written yet (after the last call)."""
+        outcomes, self._outcomes = self._outcomes, []
+        if outcomes:
+            self._write(outcomes, [])
+            self._tally(outcomes)

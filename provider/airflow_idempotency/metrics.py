@@ -28,6 +28,10 @@ name                                         meaning
 ``idempotency.ledger.failed``                effects the remote refused permanently
 ``idempotency.ledger.pending``               effects left pending (retries ran out, the
                                              remote unreachable, the lock lost)
+``idempotency.ledger.unknown``               effects of a remote that does not deduplicate
+                                             found or left unknown (a call began, no
+                                             outcome recorded): an operator must resolve
+``idempotency.ledger.invalid``               effects refused as malformed (not sent)
 ===========================================  =================================================
 """
 
@@ -39,7 +43,7 @@ from typing import Protocol
 
 PREFIX = "idempotency"
 RUN_OUTCOMES = ("completed", "noop", "failed", "lock_held", "lock_lost", "dry_run")
-LEDGER_COUNTS = ("sent", "skipped", "replayed", "failed", "pending")
+LEDGER_COUNTS = ("sent", "skipped", "replayed", "failed", "pending", "unknown", "invalid")
 
 
 class Metrics(Protocol):

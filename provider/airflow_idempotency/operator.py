@@ -31,6 +31,7 @@ from airflow_idempotency.compat import (
 )
 from airflow_idempotency.exceptions import (
     ConfigurationError,
+    EffectsUnknownError,
     IdempotencyError,
     InvalidInputError,
     RunLockedError,
@@ -322,6 +323,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             raise self.airflow_failure(context, exc) from exc
 
     def _execute(self, context: Context) -> dict[str, Any]:
+        self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
         job_name = check_text(self.effective_job_name, "job name")
         resolved = self.resolve_run_key(context)
         options = self.run_options(context)
@@ -348,6 +350,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             logger=self.log,  # type: ignore[arg-type]
             metrics=AIRFLOW_METRICS,
         )
+        self.last_run_outcome = result.outcome.value
         if result.outcome is RunOutcome.NOOP and self.on_completed == "skip":
             raise AirflowSkipException(
                 f"job={job_name} run_key={resolved.run_key}: already completed, skipping"
@@ -386,12 +389,13 @@ class IdempotentRunOperator(ReschedulingOperator):
         """The Airflow exception that ends this try for ``exc``: the one place that maps them.
 
         Bad input and configuration: fail without retrying (a retry would meet the same
-        refusal). A locked key: the ``on_locked`` policy. A lost lock or unfinished
+        refusal), and so do effects left unknown (only an operator's resolution lets the
+        key go on). A locked key: the ``on_locked`` policy. A lost lock or unfinished
         effects: an ordinary failure, so Airflow's retries apply and a retry converges.
         """
         if isinstance(exc, RunLockedError):
             return self._on_locked(context, exc)
-        if isinstance(exc, InvalidInputError | ConfigurationError):
+        if isinstance(exc, InvalidInputError | ConfigurationError | EffectsUnknownError):
             return AirflowFailException(str(exc))
         return AirflowException(str(exc))
 

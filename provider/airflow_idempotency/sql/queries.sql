@@ -255,10 +255,11 @@ WITH known AS (
 ),
 inserted AS (
     INSERT INTO {schema}.outbound_ledger (
-        remote_system, idempotency_key, job_name, run_key, request_fingerprint, last_attempt_id
+        remote_system, idempotency_key, job_name, run_key, request_fingerprint, last_attempt_id,
+        effect_kind, deduplicating
     )
     SELECT %(remote_system)s, k.idempotency_key, %(job_name)s, %(run_key)s,
-           k.request_fingerprint, %(attempt_id)s
+           k.request_fingerprint, %(attempt_id)s, %(effect_kind)s, %(deduplicating)s
     FROM known AS k
     WHERE k.status IS NULL
     ON CONFLICT (remote_system, idempotency_key) DO NOTHING
@@ -311,6 +312,80 @@ FROM {schema}.outbound_ledger
 WHERE job_name = %(job_name)s AND run_key = %(run_key)s AND remote_system = %(remote_system)s
 ORDER BY idempotency_key;
 
+-- name: ledger_record_intents
+-- A not-deduplicating remote (SMTP, a chat webhook, a notifier): the intent, committed before
+-- the call. Only keys neither confirmed nor already unknown move to 'unknown'; the keys returned
+-- are the ones this attempt may call now (one another attempt took meanwhile, or an operator
+-- resolved, is not returned: the row lock and this WHERE decide, never a read before). The
+-- outcome replaces 'unknown' after the call (ledger_record_outcomes); a crash in between leaves
+-- it, with this text saying so.
+UPDATE {schema}.outbound_ledger AS l
+SET status = 'unknown', intent_at = statement_timestamp(), updated_at = statement_timestamp(),
+    last_attempt_id = %(attempt_id)s::bigint,
+    last_error = 'the call began (attempt ' || coalesce(%(attempt_id)s::bigint::text, 'none')
+                 || ') and no outcome was recorded: it may have happened'
+WHERE l.remote_system = %(remote_system)s
+  AND l.idempotency_key = ANY(%(keys)s::text[])
+  AND l.status IN ('pending', 'failed')
+RETURNING l.idempotency_key;
+
+-- name: ledger_restage_output
+-- An output file about to be committed (outputs.py): its row takes this content's fingerprint
+-- when the content it had was never committed (pending, failed: an attempt that crashed between
+-- the write and the record), or, in a forced run, even when it was (succeeded): the claim then
+-- finds the row pending for this very content and the ledger moves the file into place.
+UPDATE {schema}.outbound_ledger
+SET request_fingerprint = %(fingerprint)s, status = 'pending', last_error = NULL,
+    last_attempt_id = %(attempt_id)s, updated_at = statement_timestamp()
+WHERE remote_system = %(remote_system)s AND idempotency_key = %(key)s
+  AND ((status IN ('pending', 'failed') AND request_fingerprint <> %(fingerprint)s)
+       OR (%(force)s AND status = 'succeeded'));
+
+-- name: ledger_effect
+-- One effect by its key (the CLI; its job and run key name the lock a resolution takes).
+SELECT ledger_id, remote_system, idempotency_key, job_name, run_key, status, effect_kind,
+       deduplicating, intent_at, last_attempt_id, last_error
+FROM {schema}.outbound_ledger
+WHERE remote_system = %(remote_system)s AND idempotency_key = %(key)s;
+
+-- name: ledger_effect_for_update
+-- One effect, locked for an operator's resolution (the CLI's ledger mark-sent / resend).
+SELECT ledger_id, remote_system, idempotency_key, job_name, run_key, status, effect_kind,
+       deduplicating, intent_at, last_attempt_id, last_error
+FROM {schema}.outbound_ledger
+WHERE remote_system = %(remote_system)s AND idempotency_key = %(key)s
+FOR UPDATE;
+
+-- name: ledger_resolve_unknown
+-- An operator's explicit choice for an effect left unknown, audited in one statement: the row
+-- moves (mark_sent: succeeded; resend: pending, sent by the next run of its key) only if it is
+-- still unknown, and the resolution row records who, when, why and what it was.
+WITH moved AS (
+    UPDATE {schema}.outbound_ledger
+    SET status = CASE WHEN %(action)s = 'mark_sent' THEN 'succeeded' ELSE 'pending' END,
+        confirmed_at = CASE WHEN %(action)s = 'mark_sent' THEN statement_timestamp()
+                            ELSE confirmed_at END,
+        remote_reference = CASE WHEN %(action)s = 'mark_sent'
+                                THEN coalesce(remote_reference, 'marked sent by ' || %(resolved_by)s)
+                                ELSE remote_reference END,
+        last_error = CASE WHEN %(action)s = 'mark_sent' THEN NULL
+                          ELSE 'resend chosen by ' || %(resolved_by)s || ': ' || %(reason)s END,
+        updated_at = statement_timestamp()
+    WHERE ledger_id = %(ledger_id)s AND status = 'unknown'
+    RETURNING ledger_id
+)
+INSERT INTO {schema}.outbound_ledger_resolutions (ledger_id, action, previous_status, resolved_by, reason)
+SELECT moved.ledger_id, %(action)s, 'unknown', %(resolved_by)s, %(reason)s FROM moved
+RETURNING resolution_id, resolved_at;
+
+-- name: ledger_resolutions
+-- The audit of an effect's resolutions, oldest first.
+SELECT r.resolution_id, r.action, r.previous_status, r.resolved_by, r.reason, r.resolved_at
+FROM {schema}.outbound_ledger_resolutions AS r
+JOIN {schema}.outbound_ledger AS l ON l.ledger_id = r.ledger_id
+WHERE l.remote_system = %(remote_system)s AND l.idempotency_key = %(key)s
+ORDER BY r.resolution_id;
+
 -- name: cli_list_runs
 -- Filters are optional: a NULL parameter matches everything.
 SELECT job_name, run_key, status, triggered_by, triggering_user, dag_id, run_id,
@@ -349,22 +424,34 @@ LEFT JOIN LATERAL (
 ORDER BY a.backend_start;
 
 -- name: cli_ledger_summary
-SELECT job_name, run_key, remote_system, status, count(*) AS effects,
+-- Effects of every kind per job, key, remote and status; the unknown ones first.
+SELECT job_name, run_key, remote_system, effect_kind, status, count(*) AS effects,
        max(updated_at) AS last_update
 FROM {schema}.outbound_ledger
 WHERE (%(job)s::text IS NULL OR job_name = %(job)s)
   AND (%(run_key)s::text IS NULL OR run_key = %(run_key)s)
   AND (%(all)s OR status <> 'succeeded')
-GROUP BY job_name, run_key, remote_system, status
-ORDER BY run_key DESC, job_name, status;
+GROUP BY job_name, run_key, remote_system, effect_kind, status
+ORDER BY status = 'unknown' DESC, run_key DESC, job_name, status;
 
 -- name: cli_ledger_problems
-SELECT job_name, run_key, remote_system, idempotency_key, status, call_count, last_error, updated_at
-FROM {schema}.outbound_ledger
-WHERE status <> 'succeeded'
-  AND (%(job)s::text IS NULL OR job_name = %(job)s)
-  AND (%(run_key)s::text IS NULL OR run_key = %(run_key)s)
-ORDER BY updated_at DESC
+-- Effects not confirmed (unknown, pending, failed), unknown first, each with its last
+-- resolution (who, when) if an operator resolved it before.
+SELECT l.job_name, l.run_key, l.remote_system, l.effect_kind, l.idempotency_key, l.status,
+       l.deduplicating, l.call_count, l.intent_at, l.last_error, l.updated_at,
+       res.action AS last_resolution, res.resolved_by, res.resolved_at
+FROM {schema}.outbound_ledger AS l
+LEFT JOIN LATERAL (
+    SELECT r.action, r.resolved_by, r.resolved_at
+    FROM {schema}.outbound_ledger_resolutions AS r
+    WHERE r.ledger_id = l.ledger_id
+    ORDER BY r.resolution_id DESC
+    LIMIT 1
+) AS res ON true
+WHERE l.status <> 'succeeded'
+  AND (%(job)s::text IS NULL OR l.job_name = %(job)s)
+  AND (%(run_key)s::text IS NULL OR l.run_key = %(run_key)s)
+ORDER BY l.status = 'unknown' DESC, l.updated_at DESC
 LIMIT %(limit)s;
 
 -- name: reset_run
@@ -455,20 +542,24 @@ WHERE %(all_dags)s OR att.dag_id = ANY(%(dag_ids)s::text[])
 ORDER BY att.started_at;
 
 -- name: ui_unconfirmed
--- Run keys with external effects not confirmed by the remote (pending or failed), per
--- remote system, most recently touched first (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
+-- Run keys with external effects not confirmed by the remote (unknown, pending or failed), per
+-- remote system, those with unknown effects first, then most recently touched first
+-- (outbound_ledger_unconfirmed_idx: confirmed rows are not read).
 -- The keys come sorted out of the subquery, so each one's job_runs row is looked up (by
 -- primary key) only until the page is full.
-SELECT u.job_name, u.run_key, u.remote_system, r.dag_id, u.pending, u.failed, u.last_update
+SELECT u.job_name, u.run_key, u.remote_system, u.kinds, r.dag_id, u.unknown, u.pending,
+       u.failed, u.last_update
 FROM (
     SELECT l.job_name, l.run_key, l.remote_system,
+           string_agg(DISTINCT l.effect_kind, ', ') AS kinds,
+           count(*) FILTER (WHERE l.status = 'unknown') AS unknown,
            count(*) FILTER (WHERE l.status = 'pending') AS pending,
            count(*) FILTER (WHERE l.status = 'failed') AS failed,
            max(l.updated_at) AS last_update
     FROM {schema}.outbound_ledger AS l
     WHERE l.status <> 'succeeded'
     GROUP BY l.job_name, l.run_key, l.remote_system
-    ORDER BY last_update DESC
+    ORDER BY count(*) FILTER (WHERE l.status = 'unknown') > 0 DESC, last_update DESC
 ) AS u
 LEFT JOIN LATERAL (
     -- LIMIT (the key is unique anyway) keeps this a lookup per row: a plain join is
@@ -478,7 +569,7 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) AS r ON true
 WHERE %(all_dags)s OR r.dag_id = ANY(%(dag_ids)s::text[])
-ORDER BY u.last_update DESC
+ORDER BY u.unknown > 0 DESC, u.last_update DESC
 LIMIT %(limit)s;
 
 -- name: ui_unconfirmed_by_remote

@@ -1,0 +1,296 @@
+"""What an external effect is, and how it reaches its remote: the sender interface.
+
+An :class:`Effect` is a stable idempotency key and the request it stands for. An
+:class:`EffectSender` delivers effects of one kind to one remote, and says which contract
+the outbound ledger must keep for it (``deduplicating``):
+
+- **deduplicating**: the remote honours the key (an HTTP API with ``Idempotency-Key``, a
+  webhook that deduplicates, an atomic file replace). On doubt (a timeout, a crash) the
+  ledger sends the effect again with the same key and the remote acts once: *exactly once,
+  with the remote's help*;
+- **not deduplicating**: the remote cannot tell a resend (SMTP, a chat webhook, a notifier).
+  The ledger records the intent before each call and the outcome after it; a crash or a
+  lost answer in between leaves the effect ``unknown``, which is never sent again on its own
+  until an operator resolves it (mark it sent, or resend it): *at most once*.
+
+A sender classifies each call by what it raises: nothing (a :class:`Confirmation`),
+:class:`~airflow_idempotency.exceptions.TransientRemoteError` (not delivered; try again),
+:class:`~airflow_idempotency.exceptions.OutcomeUnknownError` (it may have been delivered),
+:class:`~airflow_idempotency.exceptions.PermanentRemoteError` (refused). ``check`` refuses a
+malformed effect before anything is written for it.
+
+The senders of this module speak HTTP: :func:`post_json` (the deduplicating JSON POST the
+example uses) and :func:`webhook` (a JSON POST to a hook, deduplicating or not). Email is in
+:mod:`airflow_idempotency.mail`, notifiers in :mod:`airflow_idempotency.notifications`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import httpx
+
+from airflow_idempotency.exceptions import (
+    OutcomeUnknownError,
+    PermanentRemoteError,
+    TransientRemoteError,
+)
+
+# The canonical JSON of a request: exactly json.dumps(request, sort_keys=True,
+# separators=(",", ":"), default=str), without building a new encoder for every call.
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One external side effect: a stable idempotency key and the JSON request it sends."""
+
+    idempotency_key: str
+    request: Mapping[str, Any]
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the canonical JSON of the request (computed on each access)."""
+        return hashlib.sha256(_CANONICAL_JSON.encode(self.request).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The remote's confirmation of an effect."""
+
+    reference: str
+    response: Mapping[str, Any] | None = None
+    replayed: bool = False  # the remote answered with the result it had stored for the key
+
+
+ConnectionT = TypeVar("ConnectionT")
+
+
+class EffectSender(ABC, Generic[ConnectionT]):
+    """Delivers effects of one kind to one remote, over connections the ledger pools.
+
+    Subclasses set :attr:`kind` and :attr:`deduplicating` (the contract, see the module
+    doc), and implement :meth:`connect` and :meth:`send`.
+
+    :ivar kind: what the effects are, as the ledger, the CLI and the Run keys view show it
+        (``http``, ``email``, ``notification``, ``webhook``, ``file``, or your own word).
+    :ivar deduplicating: the remote honours the idempotency key, so a resend on doubt is
+        safe. ``False`` is the safe default: at most once.
+    :ivar concurrency: calls in flight at once (one connection each); ``None``: the ledger's.
+    :ivar target: where the effects go, for messages (a URL, ``smtp://host:port``).
+    """
+
+    kind: str = "custom"
+    deduplicating: bool = False
+    concurrency: int | None = None
+    target: str = ""
+
+    def check(self, effect: Effect) -> None:
+        """Refuse a malformed effect with :class:`InvalidInputError` naming it (no recipient,
+        an invalid address, ...). A refused effect is neither recorded nor sent; the others
+        are; the ledger raises at the end, naming each."""
+
+    @abstractmethod
+    async def connect(self) -> ConnectionT:
+        """Open one connection to the remote (lent to one call at a time)."""
+
+    async def disconnect(self, connection: ConnectionT) -> None:
+        """Close a connection :meth:`connect` opened (nothing by default)."""
+
+    @abstractmethod
+    async def send(self, connection: ConnectionT, effect: Effect) -> Confirmation:
+        """Deliver one effect, or raise the error that classifies what happened."""
+
+    async def discard(self, connection: ConnectionT) -> None:
+        """Drop a connection after an error that may have left it unusable (closes it)."""
+        with contextlib.suppress(Exception):
+            await self.disconnect(connection)
+
+
+class ConnectionPool(Generic[ConnectionT]):
+    """Up to ``size`` connections of one sender, each lent to one call at a time.
+
+    Connections are opened on first need (an export whose effects are all confirmed opens
+    none) and reused most-recently-returned first. A call that ends in an error other than
+    a confirmation or a refusal returns its connection broken: it is closed, and the next
+    call opens a new one.
+    """
+
+    def __init__(self, sender: EffectSender[ConnectionT], size: int) -> None:
+        self._sender = sender
+        self._slots = asyncio.Semaphore(size)
+        self._idle: list[ConnectionT] = []
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[ConnectionT]:
+        async with self._slots:
+            connection = self._idle.pop() if self._idle else await self._sender.connect()
+            try:
+                yield connection
+            except (TransientRemoteError, OSError, asyncio.TimeoutError):
+                await self._sender.discard(connection)
+                raise
+            except BaseException:
+                self._idle.append(connection)
+                raise
+            self._idle.append(connection)
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            with contextlib.suppress(Exception):
+                await self._sender.disconnect(connection)
+
+
+# -- HTTP -------------------------------------------------------------------------------
+
+Sender = Callable[[httpx.AsyncClient, Effect], Awaitable[Confirmation]]
+"""One HTTP call of an effect on a client: what :func:`post_json` returns."""
+
+
+def post_json(path: str, *, reference_field: str = "reference") -> Sender:
+    """A sender that POSTs the request as JSON with an ``Idempotency-Key`` header.
+
+    For a remote that deduplicates by that key. 2xx confirms (``reference_field`` of the
+    JSON answer is the remote reference; an ``Idempotent-Replayed: true`` header, as Stripe
+    and the example service send, marks a replay of an earlier answer);
+    408, 409 (the same key is in flight), 425, 429 and 5xx are transient; any other 4xx
+    is permanent. Timeouts and connection errors are transient.
+    """
+
+    async def send(client: httpx.AsyncClient, effect: Effect) -> Confirmation:
+        try:
+            response = await client.post(
+                path, json=effect.request, headers={"Idempotency-Key": effect.idempotency_key}
+            )
+        except httpx.TransportError as exc:  # timeouts, resets, refused connections
+            raise TransientRemoteError(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
+        status = response.status_code
+        if 200 <= status < 300:
+            body = response.json()
+            replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
+            return Confirmation(str(body[reference_field]), body, replayed)
+        detail = f"HTTP {status}: {response.text[:300]}"
+        if status in (408, 409, 425, 429) or status >= 500:
+            raise TransientRemoteError(detail)
+        raise PermanentRemoteError(detail)
+
+    return send
+
+
+def _post_hook(path: str, deduplicating: bool) -> Sender:
+    """A JSON POST of the request to a hook; the answer's body is not read.
+
+    Deduplicating: every transport error and 408/409/425/429/5xx is transient (sent again
+    with the same key). Not deduplicating: an error is "not delivered" only when the hook
+    cannot have acted (no connection; 408, 429, 503: it says it did not process the
+    request); a lost answer or another 5xx may hide a delivery: unknown.
+    """
+
+    async def send(client: httpx.AsyncClient, effect: Effect) -> Confirmation:
+        headers = {"Idempotency-Key": effect.idempotency_key}
+        try:
+            response = await client.post(path, json=effect.request, headers=headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise TransientRemoteError(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
+        except httpx.TransportError as exc:  # sent, maybe acted on, answer lost
+            error = OutcomeUnknownError if not deduplicating else TransientRemoteError
+            raise error(
+                f"{type(exc).__name__} after the request was sent: {exc}", unreachable=True
+            ) from exc
+        status = response.status_code
+        if 200 <= status < 300:
+            return Confirmation(response.headers.get("x-request-id") or f"HTTP {status}")
+        detail = f"HTTP {status}: {response.text[:300]}"
+        if status in (408, 429, 503) or (deduplicating and (status in (409, 425) or status >= 500)):
+            raise TransientRemoteError(detail)
+        if status >= 500:
+            raise OutcomeUnknownError(detail)
+        raise PermanentRemoteError(detail)
+
+    return send
+
+
+class HttpSender(EffectSender[httpx.AsyncClient]):
+    """Effects as HTTP calls (``call``, e.g. :func:`post_json`) to ``base_url``.
+
+    Each connection is an ``httpx.AsyncClient`` of one connection: one client with N
+    connections costs O(N) per request (httpcore 1.0 checks every connection it holds
+    whenever a request starts or ends; at 32 calls in flight a shared client was ~3x slower,
+    see BENCHMARKS.md). Clients share one SSL context: building one loads the CA bundle,
+    ~10-120 ms.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        call: Sender,
+        *,
+        timeout: float = 10.0,
+        deduplicating: bool = True,
+        kind: str = "http",
+        concurrency: int | None = None,
+    ) -> None:
+        self.base_url = base_url
+        self.target = base_url
+        self.call = call
+        self.timeout = timeout
+        self.deduplicating = deduplicating
+        self.kind = kind
+        self.concurrency = concurrency
+        self._ssl_context: Any = None
+
+    async def connect(self) -> httpx.AsyncClient:
+        if self._ssl_context is None:
+            self._ssl_context = httpx.create_ssl_context()  # what each client would build
+        return httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=self.timeout,
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            verify=self._ssl_context,
+        )
+
+    async def disconnect(self, connection: httpx.AsyncClient) -> None:
+        await connection.aclose()
+
+    async def discard(self, connection: httpx.AsyncClient) -> None:
+        # An httpx client survives transport errors (it drops the broken connection itself):
+        # closing it would only cost a new client and SSL set-up.
+        await self.disconnect(connection)
+
+    async def send(self, connection: httpx.AsyncClient, effect: Effect) -> Confirmation:
+        return await self.call(connection, effect)
+
+
+def webhook(
+    url: str,
+    *,
+    deduplicating: bool = False,
+    timeout: float = 10.0,
+    concurrency: int | None = None,
+) -> HttpSender:
+    """A JSON POST of each effect's request to ``url``, with an ``Idempotency-Key`` header.
+
+    ``deduplicating=False`` (the default: Slack's and most chat webhooks cannot tell a
+    resend) keeps at most once: a lost answer or a 5xx other than 503 leaves the effect
+    ``unknown``. ``deduplicating=True`` for a hook that honours the header: it is then sent
+    again on doubt, as :func:`post_json` does. A 2xx confirms; the reference is the answer's
+    ``X-Request-Id`` header, if any.
+    """
+    parsed = httpx.URL(url)
+    base_url = str(parsed.copy_with(raw_path=b"/", query=None, fragment=None)).rstrip("/")
+    path = parsed.raw_path.decode() or "/"
+    call = _post_hook(path, deduplicating)
+    sender = HttpSender(
+        base_url, call, timeout=timeout, deduplicating=deduplicating, kind="webhook",
+        concurrency=concurrency,
+    )  # fmt: skip
+    sender.target = url
+    return sender

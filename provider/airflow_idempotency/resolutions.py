@@ -1,0 +1,146 @@
+"""An operator's explicit choice for an effect left ``unknown``: mark it sent, or resend it.
+
+An effect of a remote that does not deduplicate is ``unknown`` when its call began and no
+outcome was recorded (a crash, a lost answer): it may have happened, and the ledger never
+sends it again on its own. Someone who can look at the remote (the mailbox, the channel)
+decides:
+
+- **mark sent** (``mark_sent``): it did happen; the row becomes ``succeeded`` and is never
+  sent again;
+- **resend** (``resend``): it did not happen (or a second one is acceptable); the row becomes
+  ``pending`` and the next run of its key sends it.
+
+Each choice is one statement that also appends who, when, why and the previous status to
+``outbound_ledger_resolutions`` (the audit), and it is taken while holding the run lock of the
+effect's (job, run key), so that no attempt of that key is sending at the same moment. Only an
+``unknown`` effect can be resolved: anything else is refused and nothing is written.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import psycopg
+from psycopg.rows import dict_row
+
+from airflow_idempotency._sql import query
+from airflow_idempotency.exceptions import InvalidInputError, RunLockedError
+from airflow_idempotency.locks import hold_run_lock, run_lock_key
+from airflow_idempotency.run_key import check_text
+
+Action = Literal["mark_sent", "resend"]
+ACTIONS: tuple[Action, ...] = ("mark_sent", "resend")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """One recorded resolution."""
+
+    resolution_id: int
+    remote_system: str
+    idempotency_key: str
+    job_name: str
+    run_key: str
+    action: Action
+    resolved_by: str
+    reason: str
+    resolved_at: dt.datetime
+
+    @property
+    def new_status(self) -> str:
+        return "succeeded" if self.action == "mark_sent" else "pending"
+
+
+def resolve_unknown(
+    conn: psycopg.Connection,
+    schema: str,
+    *,
+    remote_system: str,
+    idempotency_key: str,
+    action: Action,
+    resolved_by: str,
+    reason: str,
+) -> Resolution:
+    """Resolve one unknown effect (see the module doc); ``conn``: autocommit and idle.
+
+    Raises :class:`InvalidInputError` (nothing written) for an unknown action, an empty
+    reason or name, a key the ledger does not have, or an effect that is not ``unknown``;
+    :class:`RunLockedError` while an attempt of the effect's key runs.
+    """
+    if action not in ACTIONS:
+        raise InvalidInputError(f"action must be one of {ACTIONS}, not {action!r}")
+    check_text(remote_system, "remote system name")
+    check_text(idempotency_key, "idempotency key")
+    if not isinstance(reason, str) or not reason.strip():
+        raise InvalidInputError("a reason is required: say what you checked at the remote")
+    if not isinstance(resolved_by, str) or not resolved_by.strip():
+        raise InvalidInputError("who resolves it is required (--by, or $USER)")
+    effect = _effect(conn, schema, remote_system, idempotency_key)
+    lock_key = run_lock_key(effect["job_name"], effect["run_key"])
+    with hold_run_lock(
+        conn, lock_key, schema=schema, application_name="airflow-idempotency ledger"
+    ) as lock:
+        if lock is None:
+            raise RunLockedError(
+                f"run key {effect['run_key']!r} of {effect['job_name']!r} is locked: an attempt "
+                "is running it now (see `airflow-idempotency locks`). Resolve when it has ended."
+            )
+        with conn.cursor(row_factory=dict_row) as cur:
+            row = cur.execute(
+                query("ledger_effect_for_update", schema),
+                {"remote_system": remote_system, "key": idempotency_key},
+            ).fetchone()
+            if row is None or row["status"] != "unknown":
+                status = row["status"] if row else "gone"
+                raise InvalidInputError(
+                    f"effect {idempotency_key!r} of {remote_system!r} is {status}, not unknown: "
+                    "nothing to resolve (only an effect whose outcome was lost can be)"
+                )
+            done = cur.execute(
+                query("ledger_resolve_unknown", schema),
+                {
+                    "ledger_id": row["ledger_id"],
+                    "action": action,
+                    "resolved_by": resolved_by.strip(),
+                    "reason": reason.strip(),
+                },
+            ).fetchone()
+    assert done is not None  # the row was locked FOR UPDATE and unknown
+    return Resolution(
+        resolution_id=done["resolution_id"],
+        remote_system=remote_system,
+        idempotency_key=idempotency_key,
+        job_name=effect["job_name"],
+        run_key=effect["run_key"],
+        action=action,
+        resolved_by=resolved_by.strip(),
+        reason=reason.strip(),
+        resolved_at=done["resolved_at"],
+    )
+
+
+def _effect(conn: psycopg.Connection, schema: str, remote_system: str, key: str) -> dict[str, Any]:
+    """The effect's row, read before the lock is taken (its job and run key name the lock)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(
+            query("ledger_effect", schema), {"remote_system": remote_system, "key": key}
+        ).fetchone()
+    if row is None:
+        raise InvalidInputError(
+            f"no effect {key!r} of remote system {remote_system!r} in the ledger "
+            "(`airflow-idempotency ledger` lists them)"
+        )
+    return row
+
+
+def resolutions(
+    conn: psycopg.Connection, schema: str, remote_system: str, idempotency_key: str
+) -> list[dict[str, Any]]:
+    """The audit of one effect: every resolution, oldest first."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(
+            query("ledger_resolutions", schema),
+            {"remote_system": remote_system, "key": idempotency_key},
+        ).fetchall()

@@ -1,0 +1,64 @@
+"""What the tests of every kind of effect share: one idempotent run around some work, the
+ledger's rows, and an operator's resolution as the CLI would make it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from airflow_idempotency import RunContext, run_idempotently
+from airflow_idempotency.runner import RunOptions, RunResult
+
+
+def run_once(
+    dsn: str,
+    work: Callable[[RunContext], Any],
+    *,
+    job: str = "job",
+    run_key: str = "2026-10-01",
+    force: bool = False,
+    dry_run: bool = False,
+    metrics: Any = None,
+) -> RunResult:
+    """One execution of (job, run_key) through the real runner and Postgres."""
+    extra = {"metrics": metrics} if metrics is not None else {}
+    return run_idempotently(
+        connect=lambda: psycopg.connect(dsn),
+        job_name=job,
+        run_key=run_key,
+        work=work,
+        options=RunOptions(force=force, dry_run=dry_run),
+        **extra,
+    )
+
+
+class RecordedMetrics:
+    """A Metrics sink that keeps every counter increment: (name, count, tags)."""
+
+    def __init__(self) -> None:
+        self.counts: list[tuple[str, int, dict[str, str]]] = []
+
+    def incr(self, stat: str, count: int = 1, *, tags: Any = None) -> None:
+        self.counts.append((stat, count, dict(tags or {})))
+
+    def timing(self, stat: str, dt: Any, *, tags: Any = None) -> None:
+        return None
+
+
+def ledger(dsn: str, remote_system: str | None = None) -> dict[str, tuple[Any, ...]]:
+    """idempotency key -> (status, effect_kind, deduplicating, call_count, last_error)."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT idempotency_key, status, effect_kind, deduplicating, call_count, last_error"
+            " FROM idempotency.outbound_ledger"
+            " WHERE %(remote)s::text IS NULL OR remote_system = %(remote)s ORDER BY ledger_id",
+            {"remote": remote_system},
+        ).fetchall()
+    return {row[0]: tuple(row[1:]) for row in rows}
+
+
+def statuses(dsn: str, remote_system: str | None = None) -> dict[str, str]:
+    """idempotency key -> status."""
+    return {key: row[0] for key, row in ledger(dsn, remote_system).items()}

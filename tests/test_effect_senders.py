@@ -1,0 +1,181 @@
+"""The sender interface with remotes of both kinds: a local HTTP webhook that does not
+deduplicate (and one that does), and a sender of our own (the documented example), against
+real Postgres: how each outcome is recorded, and what a rerun sends again."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_idempotency import OutboundLedger, RunContext
+from airflow_idempotency.effects import Confirmation, Effect, EffectSender, webhook
+from airflow_idempotency.exceptions import (
+    EffectsUnknownError,
+    InvalidInputError,
+    OutcomeUnknownError,
+    PermanentRemoteError,
+    RemoteCallError,
+    TransientRemoteError,
+)
+from effects_support import RecordedMetrics, ledger, run_once, statuses
+
+
+class Hook:
+    """A local webhook: answers each POST with the status its test chose for the body's key,
+    counting what it acted on (2xx and 500: a 500 here has acted, the answer says otherwise)."""
+
+    def __init__(self) -> None:
+        self.acted: Counter[str] = Counter()
+        self.answers: dict[str, int] = {}
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                key = self.headers["Idempotency-Key"]
+                status = hook.answers.get(body["n"], 200)
+                if status in (200, 500):
+                    hook.acted[key] += 1
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/chat"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def hook() -> Iterator[Hook]:
+    server = Hook()
+    yield server
+    server.server.shutdown()
+
+
+def posts(n: int) -> list[Effect]:
+    return [Effect(f"chat:2026-10-01:{i}", {"n": i, "text": f"message {i}"}) for i in range(n)]
+
+
+def deliver(dsn: str, items: list[Effect], sender: Any, metrics: Any = None) -> Any:
+    out: dict[str, Any] = {}
+
+    def work(run: RunContext) -> None:
+        ledger_ = OutboundLedger(
+            run, "chat", backoff_initial=0.01, backoff_max=0.02, max_attempts=2
+        )
+        try:
+            out["result"] = ledger_.send_all(items, sender)
+        except Exception as exc:
+            out["result"] = exc
+            raise
+
+    try:
+        run_once(dsn, work, force=True, metrics=metrics)
+    except Exception:
+        assert "result" in out
+    return out["result"]
+
+
+def test_webhook_that_does_not_deduplicate(pg_dsn: str, hook: Hook) -> None:
+    """A 2xx is sent, a 503 is retried (it was not processed), a 500 is unknown (counted by the idempotency.ledger.unknown metric) and never sent again, a 400 fails; the rerun sends nothing twice."""
+    hook.answers = {1: 500, 2: 400, 3: 503}
+    recorded = RecordedMetrics()
+    error = deliver(pg_dsn, posts(4), webhook(hook.url), recorded)
+    assert isinstance(error, EffectsUnknownError)
+    assert statuses(pg_dsn) == {
+        "chat:2026-10-01:0": "succeeded",
+        "chat:2026-10-01:1": "unknown",
+        "chat:2026-10-01:2": "failed",
+        "chat:2026-10-01:3": "pending",
+    }
+    assert {r[1:3] for r in ledger(pg_dsn).values()} == {("webhook", False)}
+    tags = {"job": "job", "remote_system": "chat"}
+    assert ("idempotency.ledger.unknown", 1, tags) in recorded.counts
+    hook.answers = {}
+    again_metrics = RecordedMetrics()
+    again = deliver(pg_dsn, posts(4), webhook(hook.url), again_metrics)
+    assert ("idempotency.ledger.unknown", 1, tags) in again_metrics.counts  # found unknown again
+    assert isinstance(again, EffectsUnknownError)  # the 500's effect stays for an operator
+    assert hook.acted == Counter({f"chat:2026-10-01:{i}": 1 for i in range(4)})
+    assert statuses(pg_dsn)["chat:2026-10-01:1"] == "unknown"
+
+
+def test_webhook_that_deduplicates_is_sent_again_on_doubt(pg_dsn: str, hook: Hook) -> None:
+    """deduplicating=True: a 500 stays pending and the rerun sends it again with the same key."""
+    hook.answers = {0: 500}
+    error = deliver(pg_dsn, posts(2), webhook(hook.url, deduplicating=True))
+    assert isinstance(error, RemoteCallError) and not isinstance(error, EffectsUnknownError)
+    assert statuses(pg_dsn)["chat:2026-10-01:0"] == "pending"
+    hook.answers = {}
+    assert deliver(pg_dsn, posts(2), webhook(hook.url, deduplicating=True)).ok
+    assert hook.acted["chat:2026-10-01:0"] == 3  # twice in the first run (a retry), once now
+
+
+def test_webhook_down_leaves_effects_pending(pg_dsn: str, hook: Hook) -> None:
+    """No connection at all proves nothing was delivered: the effects stay pending, not unknown."""
+    hook.server.shutdown()
+    hook.server.server_close()
+    error = deliver(pg_dsn, posts(3), webhook(hook.url))
+    assert isinstance(error, RemoteCallError) and not isinstance(error, EffectsUnknownError)
+    assert set(statuses(pg_dsn).values()) == {"pending"}
+
+
+# [START custom_sender]
+class AppendToJournal(EffectSender[Path]):
+    """Appends each effect's text to a journal file: a remote that cannot tell a resend."""
+
+    kind = "journal"
+    deduplicating = False  # at most once: a lost outcome leaves the effect unknown
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.target = str(path)
+
+    def check(self, effect: Effect) -> None:
+        if not effect.request.get("text"):
+            raise InvalidInputError(f"journal effect {effect.idempotency_key!r}: no text")
+
+    async def connect(self) -> Path:
+        return self.path
+
+    async def send(self, connection: Path, effect: Effect) -> Confirmation:
+        line = f"{effect.idempotency_key} {effect.request['text']}\n"
+        if "offline" in effect.request["text"]:
+            raise TransientRemoteError("journal offline: nothing written")  # retried
+        if "refuse" in effect.request["text"]:
+            raise PermanentRemoteError("journal refuses this text")  # failed
+        with connection.open("a") as journal:
+            journal.write(line)
+        if "lost" in effect.request["text"]:
+            raise OutcomeUnknownError("written, then the answer was lost")  # unknown
+        return Confirmation(reference=f"line {sum(1 for _ in connection.open())}")
+
+
+# [END custom_sender]
+
+
+def test_a_sender_of_your_own(pg_dsn: str, tmp_path: Path) -> None:
+    """The documented example sender: each outcome it raises lands in its state, a malformed effect is refused by check() and named, and a rerun appends nothing twice."""
+    journal = tmp_path / "journal.txt"
+    items = [
+        Effect(f"j:{i}", {"text": text})
+        for i, text in enumerate(["one", "lost", "refuse", "two", "", "offline"])
+    ]
+    error = deliver(pg_dsn, items, AppendToJournal(journal))
+    assert isinstance(error, ValueError) and "journal effect 'j:4': no text" in str(error)
+    assert statuses(pg_dsn) == {
+        "j:0": "succeeded", "j:1": "unknown", "j:2": "failed", "j:3": "succeeded",
+        "j:5": "pending",
+    }  # fmt: skip
+    deliver(pg_dsn, items, AppendToJournal(journal))
+    assert journal.read_text().splitlines() == ["j:0 one", "j:1 lost", "j:3 two"]
