@@ -46,13 +46,16 @@ from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 from urllib.parse import quote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from devtools import airflow_env
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 TERMINAL_TI_STATES = frozenset({"success", "failed", "skipped", "upstream_failed", "removed"})
@@ -973,6 +976,16 @@ def run_id_from_trigger_output(out: str) -> str:
     raise StackError(f"no run id in `airflow dags trigger` output:\n{out[-2000:]}")
 
 
+class StackOptions(TypedDict, total=False):
+    """The keyword options of :class:`AirflowStack`, passed through by :func:`airflow_stack`."""
+
+    dag_processor: bool
+    triggerer: bool
+    db_template: bool
+    metadata_dsn: str | None
+    celery_workers: Sequence[str]
+
+
 @contextmanager
 def airflow_stack(
     home: Path,
@@ -980,23 +993,14 @@ def airflow_stack(
     extra_env: dict[str, str] | None = None,
     port: int | None = None,
     *,
-    dag_processor: bool = True,
-    triggerer: bool = False,
     start_timeout: float = 120.0,
-    metadata_dsn: str | None = None,
-    celery_workers: Sequence[str] = (),
+    **options: Unpack[StackOptions],
 ) -> Iterator[AirflowStack]:
-    """Start a stack on ``home`` / ``dags_folder``; kill all its processes on exit."""
-    stack = AirflowStack(
-        home,
-        dags_folder,
-        extra_env,
-        port,
-        dag_processor=dag_processor,
-        triggerer=triggerer,
-        metadata_dsn=metadata_dsn,
-        celery_workers=celery_workers,
-    )
+    """Start a stack on ``home`` / ``dags_folder``; kill all its processes on exit.
+
+    ``options``: those of :class:`AirflowStack`, every one of them.
+    """
+    stack = AirflowStack(home, dags_folder, extra_env, port, **options)
     try:
         stack.start(start_timeout)
         yield stack

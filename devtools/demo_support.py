@@ -369,7 +369,7 @@ class DemoRig:
 
     @staticmethod
     def _stop_server(server: Any) -> None:
-        server.stop()
+        server.close()
 
     def start_service(self, stack: contextlib.ExitStack) -> None:
         from devtools.accounting import run_accounting_service

@@ -125,7 +125,7 @@ def postgres_versions() -> dict[str, str]:
                 row = conn.execute("SELECT version()").fetchone()
             versions[f"{server.source} server"] = str(row[0]).split(" on ")[0] if row else "?"
         finally:
-            server.stop()
+            server.close()
     except Exception as exc:  # the report says what it could not find
         versions["server"] = f"unknown ({type(exc).__name__}: {exc})"
     try:

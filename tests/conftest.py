@@ -35,7 +35,7 @@ def pg_server() -> Iterator[PostgresServer]:
     """The PostgreSQL server for the session: a DSN, the local server or an embedded one."""
     server = find_server()
     yield server
-    server.stop()
+    server.close()
 
 
 @pytest.fixture
