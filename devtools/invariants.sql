@@ -86,7 +86,8 @@ SELECT job_name, status FROM idempotency.job_runs
 WHERE run_key = %(day)s AND starts_with(job_name, 'finalize_invoices.') ORDER BY job_name;
 
 -- name: state_counts
--- One date's counts in every place the job writes to (the demo's tables).
+-- One date's counts in every place the job writes to (the demo's tables). The date is
+-- one parameter: cast where it is compared as text.
 SELECT
   (SELECT count(*) FROM orders WHERE shipped_on = %(day)s::date) AS orders,
   (SELECT count(*) FROM invoices WHERE business_date = %(day)s::date) AS invoices,
@@ -95,15 +96,15 @@ SELECT
   (SELECT coalesce(sum(invoice_count), 0) FROM daily_invoice_totals
     WHERE business_date = %(day)s::date) AS totals,
   (SELECT count(*) FROM idempotency.outbound_ledger
-    WHERE run_key = %(day)s AND status = 'succeeded') AS ledger_succeeded,
+    WHERE run_key = %(day)s::text AND status = 'succeeded') AS ledger_succeeded,
   (SELECT count(*) FROM idempotency.outbound_ledger
-    WHERE run_key = %(day)s AND status = 'pending') AS ledger_pending,
+    WHERE run_key = %(day)s::text AND status = 'pending') AS ledger_pending,
   (SELECT count(*) FROM idempotency.outbound_ledger
-    WHERE run_key = %(day)s AND status = 'failed') AS ledger_failed,
-  (SELECT count(*) FROM accounting.invoices WHERE invoice->>'business_date' = %(day)s)
+    WHERE run_key = %(day)s::text AND status = 'failed') AS ledger_failed,
+  (SELECT count(*) FROM accounting.invoices WHERE invoice->>'business_date' = %(day)s::text)
     AS remote,
   (SELECT count(DISTINCT invoice->>'order_id') FROM accounting.invoices
-    WHERE invoice->>'business_date' = %(day)s) AS remote_orders;
+    WHERE invoice->>'business_date' = %(day)s::text) AS remote_orders;
 
 -- name: state_fingerprint
 -- A digest of everything a no-op must leave alone on the dates %(keys)s (rows, statuses,
@@ -118,7 +119,7 @@ SELECT
   (SELECT md5(coalesce(string_agg(idempotency_key || ':' || status || ':'
      || coalesce(remote_reference, '') || ':' || call_count, ','
      ORDER BY idempotency_key), ''))
-     FROM idempotency.outbound_ledger WHERE run_key = ANY(%(keys)s)),
+     FROM idempotency.outbound_ledger WHERE run_key = ANY(%(keys)s::text[])),
   (SELECT count(*) FROM accounting.invoices),
   (SELECT coalesce(max(id), 0) FROM accounting.invoices);
 
