@@ -126,41 +126,21 @@ SELECT
 -- ------------------------------------------------------------------- invariants: history
 -- Facts about what happened: they hold at any moment, runs in flight or not.
 
--- name: recomputed_without_force_witnessed
--- Attempts that committed work (the witness) on a key already completed, not forced, with
--- no unfinished forced recompute between that completion and them (a plain run finishes
--- a forced recompute that did not complete: README, "force").
+-- name: recomputed_without_force
+-- Work attempts on a key already completed, not forced, with no unfinished forced
+-- recompute between that completion and them (a plain run finishes a forced recompute
+-- that did not complete: README, "force"). Which attempts did work, %(seen_by)s:
+-- 'witness', those that committed a work transaction (work_witness); 'records', those the
+-- provider recorded as work (not noop, lock_held, reset or a dry run).
 WITH work AS (
     SELECT w.job_name, w.run_key, w.attempt_id, bool_or(w.forced) AS forced
     FROM work_witness AS w
-    WHERE w.run_key = ANY(%(keys)s)
+    WHERE %(seen_by)s = 'witness' AND w.run_key = ANY(%(keys)s)
     GROUP BY w.job_name, w.run_key, w.attempt_id
-)
-SELECT w.job_name, w.run_key, w.attempt_id, c.attempt_id AS previous_completion
-FROM work AS w
-JOIN LATERAL (
-    SELECT a.attempt_id FROM idempotency.job_run_attempts AS a
-    WHERE a.job_name = w.job_name AND a.run_key = w.run_key
-      AND a.attempt_id < w.attempt_id AND a.outcome = 'completed'
-    ORDER BY a.attempt_id DESC LIMIT 1
-) AS c ON true
-WHERE NOT w.forced
-  AND NOT EXISTS (
-      SELECT FROM idempotency.job_run_attempts AS f
-      WHERE f.job_name = w.job_name AND f.run_key = w.run_key
-        AND f.attempt_id > c.attempt_id AND f.attempt_id < w.attempt_id
-        AND f.force AND NOT f.dry_run
-        AND f.outcome NOT IN ('completed', 'noop', 'lock_held', 'reset')
-  )
-ORDER BY w.job_name, w.run_key, w.attempt_id;
-
--- name: recomputed_without_force_recorded
--- The same rule on the provider's own records: work attempts are those that are not
--- noop, lock_held, reset or dry runs.
-WITH work AS (
-    SELECT a.job_name, a.run_key, a.attempt_id, a.force AS forced
+    UNION ALL
+    SELECT a.job_name, a.run_key, a.attempt_id, a.force
     FROM idempotency.job_run_attempts AS a
-    WHERE a.run_key = ANY(%(keys)s) AND NOT a.dry_run
+    WHERE %(seen_by)s = 'records' AND a.run_key = ANY(%(keys)s) AND NOT a.dry_run
       AND a.outcome NOT IN ('noop', 'lock_held', 'reset')
 )
 SELECT w.job_name, w.run_key, w.attempt_id, c.attempt_id AS previous_completion

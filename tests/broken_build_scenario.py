@@ -59,30 +59,34 @@ def slowly(work: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return later
 
 
-def in_thread(target: Callable[[], str], outcomes: list[str]) -> threading.Thread:
-    thread = threading.Thread(target=lambda: outcomes.append(target()), daemon=True)
+def slow_create(dsn: str, outcomes: list[str]) -> threading.Thread:
+    """create_invoices in a thread, its work 2 s after the start (lock held, not done)."""
+
+    def create() -> str:
+        return run(dsn, CREATE, slowly(tasks.create_invoices))
+
+    thread = threading.Thread(target=lambda: outcomes.append(create()), daemon=True)
     thread.start()
     return thread
 
 
 def fence(dsn: str) -> list[str]:
     outcomes: list[str] = []
-    thread = in_thread(lambda: run(dsn, CREATE, slowly(tasks.create_invoices)), outcomes)
+    thread = slow_create(dsn, outcomes)
     time.sleep(1)
     chaos = Chaos(parser().parse_args(["--seed", "1"]))
     chaos.dsn = dsn
-    outcomes.append(
-        chaos.terminate_lock(Event(1, "terminate_lock", "", 0), {"pick": 0, "work": True})
-    )
+    event = Event(1, "terminate_lock", "", 0)
+    outcomes.append(chaos.terminate_lock(event, {"pick": 0, "work": True}))
     thread.join()
     return outcomes
 
 
 def lock(dsn: str) -> list[str]:
     outcomes: list[str] = []
-    first = in_thread(lambda: run(dsn, CREATE, slowly(tasks.create_invoices)), outcomes)
+    first = slow_create(dsn, outcomes)
     time.sleep(0.5)
-    second = in_thread(lambda: run(dsn, CREATE, slowly(tasks.create_invoices)), outcomes)
+    second = slow_create(dsn, outcomes)
     first.join()
     second.join()
     return outcomes

@@ -199,9 +199,10 @@ def test_recompute_without_force_is_caught_by_the_witness_and_the_records(
         history.attempt(attempt_id, outcome, attempt_id * 10, force=force, dry_run=dry)
         if not dry:
             history.work(attempt_id, attempt_id * 10 + 1, attempt_id * 10 + 2, forced=force)
-    for query in ("recomputed_without_force_witnessed", "recomputed_without_force_recorded"):
-        flagged = invariants.dict_rows(history.conn, query, {"keys": [D]})
-        assert {r["attempt_id"] for r in flagged} == expected, query
+    for seen_by in ("witness", "records"):
+        params = {"keys": [D], "seen_by": seen_by}
+        flagged = invariants.dict_rows(history.conn, "recomputed_without_force", params)
+        assert {r["attempt_id"] for r in flagged} == expected, seen_by
 
 
 def test_witness_counts_executions_the_records_do_not_show(history: History) -> None:
