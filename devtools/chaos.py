@@ -84,7 +84,6 @@ RECONCILE_EXPORT_JOB = f"{FINALIZE}.{FINALIZE_TASKS[3]}"
 # Jobs whose work transactions the example witnesses (work_witness).
 WITNESSED_JOBS = (f"{FINALIZE}.create_invoices", f"{FINALIZE}.rebuild_totals", RECONCILE_JOB)
 FIRST_DATE = dt.date(2026, 10, 1)
-PHASE_DATES = 12  # business dates reserved for each later phase (disjoint Airflow runs)
 DATABASE = "chaos"
 TERMINAL = frozenset({"success", "failed"})
 
@@ -347,12 +346,20 @@ class Chaos:
                 self.run_phase()
 
     def new_phase(self, build: Build, index: int) -> Phase:
+        """The phase of ``build``: business dates after every earlier phase's (so that their
+        Airflow runs never collide), and its seed."""
         dates = build.dates or self.args.dates
         steps = self.args.steps if not build.broken else self.args.broken_steps
         count = dates + (steps // self.args.new_date_every if self.args.new_date_every else 0)
-        first = FIRST_DATE + dt.timedelta(days=index * PHASE_DATES)
-        if index:
-            count = min(count, PHASE_DATES)
+        first = self.phases[-1].dates[-1] + dt.timedelta(days=1) if self.phases else FIRST_DATE
+        last = first + dt.timedelta(days=count - 1)
+        yesterday = dt.datetime.now(dt.timezone.utc).date() - dt.timedelta(days=1)
+        if last > yesterday:
+            raise SystemExit(
+                f"phase {build.name} would need business dates up to {last}, and only ended "
+                f"days (up to {yesterday}) can run: fewer --steps or --builds, or a larger "
+                "--new-date-every"
+            )
         # A broken build runs with its own fixed seed (chosen so that it is caught every
         # time), unless --broken-seed says otherwise; a correct one with --seed.
         seed = self.seed

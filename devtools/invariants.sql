@@ -74,7 +74,7 @@ WHERE business_date = %(day)s::date ORDER BY store_id;
 
 -- name: state_ledger
 SELECT idempotency_key, status, remote_reference FROM idempotency.outbound_ledger
-WHERE run_key = %(day)s ORDER BY idempotency_key;
+WHERE run_key = %(day)s AND remote_system = 'accounting' ORDER BY idempotency_key;
 
 -- name: state_remote
 SELECT idempotency_key, id, (invoice->>'order_id')::bigint FROM accounting.invoices
@@ -96,11 +96,11 @@ SELECT
   (SELECT coalesce(sum(invoice_count), 0) FROM daily_invoice_totals
     WHERE business_date = %(day)s::date) AS totals,
   (SELECT count(*) FROM idempotency.outbound_ledger
-    WHERE run_key = %(day)s::text AND status = 'succeeded') AS ledger_succeeded,
+    WHERE run_key = %(day)s::text AND remote_system = 'accounting' AND status = 'succeeded') AS ledger_succeeded,
   (SELECT count(*) FROM idempotency.outbound_ledger
-    WHERE run_key = %(day)s::text AND status = 'pending') AS ledger_pending,
+    WHERE run_key = %(day)s::text AND remote_system = 'accounting' AND status = 'pending') AS ledger_pending,
   (SELECT count(*) FROM idempotency.outbound_ledger
-    WHERE run_key = %(day)s::text AND status = 'failed') AS ledger_failed,
+    WHERE run_key = %(day)s::text AND remote_system = 'accounting' AND status = 'failed') AS ledger_failed,
   (SELECT count(*) FROM accounting.invoices WHERE invoice->>'business_date' = %(day)s::text)
     AS remote,
   (SELECT count(DISTINCT invoice->>'order_id') FROM accounting.invoices
@@ -119,7 +119,8 @@ SELECT
   (SELECT md5(coalesce(string_agg(idempotency_key || ':' || status || ':'
      || coalesce(remote_reference, '') || ':' || call_count, ','
      ORDER BY idempotency_key), ''))
-     FROM idempotency.outbound_ledger WHERE run_key = ANY(%(keys)s::text[])),
+     FROM idempotency.outbound_ledger
+     WHERE run_key = ANY(%(keys)s::text[]) AND remote_system = 'accounting'),
   (SELECT count(*) FROM accounting.invoices),
   (SELECT coalesce(max(id), 0) FROM accounting.invoices);
 
@@ -207,7 +208,8 @@ ORDER BY w.job_name, w.run_key, w.attempt_id;
 SELECT l.run_key, l.idempotency_key, l.confirmed_at, r.received_at, r.outcome
 FROM idempotency.outbound_ledger AS l
 JOIN accounting.requests AS r ON r.idempotency_key = l.idempotency_key
-WHERE l.run_key = ANY(%(keys)s) AND l.status = 'succeeded' AND r.received_at > l.confirmed_at
+WHERE l.run_key = ANY(%(keys)s) AND l.remote_system = 'accounting' AND l.status = 'succeeded'
+  AND r.received_at > l.confirmed_at
 ORDER BY l.run_key, l.idempotency_key, r.received_at;
 
 -- name: remote_duplicate_orders
@@ -256,7 +258,7 @@ SELECT l.run_key, l.idempotency_key, l.status, l.remote_reference, r.id AS remot
        l.last_error
 FROM idempotency.outbound_ledger AS l
 LEFT JOIN accounting.invoices AS r USING (idempotency_key)
-WHERE l.run_key = ANY(%(keys)s)
+WHERE l.run_key = ANY(%(keys)s) AND l.remote_system = 'accounting'
   AND EXISTS (
       SELECT FROM idempotency.job_runs AS j
       WHERE j.job_name = 'finalize_invoices.export_invoices'
@@ -358,9 +360,10 @@ WITH counts AS (
       (SELECT coalesce(sum(invoice_count), 0) FROM daily_invoice_totals
         WHERE business_date = k.run_key::date) AS totals,
       (SELECT count(*) FROM idempotency.outbound_ledger
-        WHERE run_key = k.run_key AND status = 'succeeded') AS ledger_succeeded,
-      (SELECT count(*) FROM idempotency.outbound_ledger WHERE run_key = k.run_key)
-        AS ledger_rows,
+        WHERE run_key = k.run_key AND remote_system = 'accounting' AND status = 'succeeded')
+        AS ledger_succeeded,
+      (SELECT count(*) FROM idempotency.outbound_ledger
+        WHERE run_key = k.run_key AND remote_system = 'accounting') AS ledger_rows,
       (SELECT count(*) FROM accounting.invoices WHERE invoice->>'business_date' = k.run_key)
         AS remote,
       (SELECT count(DISTINCT invoice->>'order_id') FROM accounting.invoices
@@ -403,7 +406,8 @@ ORDER BY l.terminated_at;
 SELECT r.id, r.idempotency_key, r.outcome, r.received_at, r.answered_at, r.invoice_id,
        l.status AS ledger_status, l.confirmed_at AS ledger_confirmed_at
 FROM accounting.requests AS r
-LEFT JOIN idempotency.outbound_ledger AS l USING (idempotency_key)
+LEFT JOIN idempotency.outbound_ledger AS l
+  ON l.remote_system = 'accounting' AND l.idempotency_key = r.idempotency_key
 WHERE starts_with(r.idempotency_key, 'finalize_invoices:' || %(run_key)s || ':')
 ORDER BY r.id
 LIMIT 40;

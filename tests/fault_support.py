@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 
 from devtools import invariants
-from devtools.airflow_env import DAGS_FOLDER
+from devtools.airflow_env import AIRFLOW_2, DAGS_FOLDER
 from devtools.invariants import fire_time
 from devtools.workers import connection_env, dags_test, kill_group
 from workers import private_airflow_env
@@ -26,7 +26,9 @@ from workers import private_airflow_env
 __all__ = ["connection_env", "kill_group"]  # the scenarios import them from here too
 
 D = "2026-10-01"  # the business date of every finalize_invoices scenario
-FIRE = fire_time(D)  # the scheduled run that processes it: 2026-10-02T01:00:00+00:00
+# The scheduled run that processes it (0 1 * * *): fired at D+1 01:00, its logical date on
+# Airflow 3; Airflow 2 names it by the start of its interval, D 01:00.
+FIRE = fire_time(D, interval_start=AIRFLOW_2)
 JOBS = ("create_invoices", "rebuild_totals", "export_invoices")
 
 

@@ -325,8 +325,8 @@ def test_the_witness_takes_the_commit_time_at_commit_and_keeps_no_rolled_back_wo
 
 def test_real_runs_leave_one_witness_row_per_execution_and_break_nothing(job_db: str) -> None:
     """The example's create_invoices run by the provider: the first run, a forced rerun and
-    a dry run leave one plain and one forced witness row (a no-op and the dry run none),
-    and every history invariant holds."""
+    a forced dry run leave one plain and one forced witness row (a no-op and the dry run
+    none), and every history invariant holds."""
     from invoicing import tasks
 
     def run(options: RunOptions = PLAIN) -> str:
@@ -336,7 +336,7 @@ def test_real_runs_leave_one_witness_row_per_execution_and_break_nothing(job_db:
         run(),
         run(),
         run(RunOptions(force=True)),
-        run(RunOptions(dry_run=True)),
+        run(RunOptions(force=True, dry_run=True)),
     ] == ["completed", "noop", "completed", "dry_run"]
     witnessed = invariants.rows(job_db, "history_witness", {"run_key": D, "job_name": JOB})
     assert [forced for _, _, _, _, forced, *_ in witnessed] == [False, True]
