@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{name} done in {result.seconds:.0f} s")
             results.append(result)
     finally:
-        server.stop()
+        server.close()
     machine["load average (end)"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     table = render_table(results)
     print(table)

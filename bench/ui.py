@@ -694,4 +694,4 @@ if __name__ == "__main__":  # a quick look: python -m bench.ui tiny
         for row in res.rows:
             print(f"{row.figure:70s} {row.shown():>10s} {row.unit} {row.verdict}")
     finally:
-        srv.stop()
+        srv.close()

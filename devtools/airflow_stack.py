@@ -46,13 +46,16 @@ from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 from urllib.parse import quote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from devtools import airflow_env
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 TERMINAL_TI_STATES = frozenset({"success", "failed", "skipped", "upstream_failed", "removed"})
@@ -390,6 +393,18 @@ class AirflowStack:
                 start_new_session=True,
             )
 
+    def restart_component(self, name: str, timeout: float = 180.0) -> None:
+        """SIGKILL one component (with everything it started: a scheduler's task processes)
+        and start it again with :attr:`env` as it is now; for the scheduler, wait until the
+        new one heartbeats."""
+        since = datetime.now(timezone.utc)
+        if name in self.procs:
+            self.kill_component(name)
+        self.start_component(name)
+        if name == "scheduler":
+            what = "the restarted scheduler to heartbeat"
+            self._wait(lambda: self._scheduler_ready(since), timeout, what, "scheduler")
+
     def kill_component(self, name: str) -> None:
         """SIGKILL one component with everything it started (a machine that died): its
         process group and every descendant. The stack then runs without it."""
@@ -498,14 +513,15 @@ class AirflowStack:
     def _api_ready(self) -> bool:
         return self.health() is not None
 
-    def _scheduler_ready(self) -> bool:
-        assert self.started_at is not None
+    def _scheduler_ready(self, since: datetime | None = None) -> bool:
+        since = since or self.started_at
+        assert since is not None
         row = self._query_one(
             "SELECT max(latest_heartbeat) FROM job WHERE job_type = 'SchedulerJob' "
             "AND state = 'running'"
         )
         beat = _parse_ts(row[0]) if row else None
-        return beat is not None and beat >= self.started_at
+        return beat is not None and beat >= since
 
     # ---------------------------------------------------------------- CLI and API
 
@@ -787,7 +803,7 @@ class AirflowStack:
         remaining = max(1.0, timeout - (time.monotonic() - t0))
         self.wait_for_runs(dag_id, run_ids, remaining)
         if mark_complete:
-            self._mark_backfill_complete(backfill_id)
+            self.mark_backfill_complete(backfill_id)
         else:
             self._wait(
                 lambda: (
@@ -848,7 +864,7 @@ class AirflowStack:
                 )
                 run_ids = [r.run_id for r in self.backfill_runs(half_made)]
                 self.wait_for_runs(dag_id, run_ids, max(1.0, deadline - time.monotonic()))
-                self._mark_backfill_complete(half_made)
+                self.mark_backfill_complete(half_made)
             elif "Another backfill is running" in text:
                 pass  # an earlier backfill is still active: wait for it
             elif "database is locked" not in text or attempt >= 8:
@@ -886,7 +902,7 @@ class AirflowStack:
         with closing(sqlite3.connect(self.db_path, timeout=30)) as lite, lite:
             lite.execute(sql, values)
 
-    def _mark_backfill_complete(self, backfill_id: int) -> None:
+    def mark_backfill_complete(self, backfill_id: int) -> None:
         """What SchedulerJobRunner._mark_backfills_complete does, without its 30 s timer."""
         self._write(
             "UPDATE backfill SET completed_at = ? WHERE id = ? AND completed_at IS NULL "
@@ -973,6 +989,16 @@ def run_id_from_trigger_output(out: str) -> str:
     raise StackError(f"no run id in `airflow dags trigger` output:\n{out[-2000:]}")
 
 
+class StackOptions(TypedDict, total=False):
+    """The keyword options of :class:`AirflowStack`, passed through by :func:`airflow_stack`."""
+
+    dag_processor: bool
+    triggerer: bool
+    db_template: bool
+    metadata_dsn: str | None
+    celery_workers: Sequence[str]
+
+
 @contextmanager
 def airflow_stack(
     home: Path,
@@ -980,23 +1006,14 @@ def airflow_stack(
     extra_env: dict[str, str] | None = None,
     port: int | None = None,
     *,
-    dag_processor: bool = True,
-    triggerer: bool = False,
     start_timeout: float = 120.0,
-    metadata_dsn: str | None = None,
-    celery_workers: Sequence[str] = (),
+    **options: Unpack[StackOptions],
 ) -> Iterator[AirflowStack]:
-    """Start a stack on ``home`` / ``dags_folder``; kill all its processes on exit."""
-    stack = AirflowStack(
-        home,
-        dags_folder,
-        extra_env,
-        port,
-        dag_processor=dag_processor,
-        triggerer=triggerer,
-        metadata_dsn=metadata_dsn,
-        celery_workers=celery_workers,
-    )
+    """Start a stack on ``home`` / ``dags_folder``; kill all its processes on exit.
+
+    ``options``: those of :class:`AirflowStack`, every one of them.
+    """
+    stack = AirflowStack(home, dags_folder, extra_env, port, **options)
     try:
         stack.start(start_timeout)
         yield stack

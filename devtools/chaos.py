@@ -1,17 +1,27 @@
 """Chaos: seeded, overlapping actions and faults against the real stack, checked against invariants.
 
-``python3 dev.py chaos [--seed N] [--steps N] [--minutes M] [--broken skip-confirmed]``
+``python3 dev.py chaos [--seed N] [--steps N] [--minutes M] [--builds correct,lock-off,...]``
 
 What runs: a PRIVATE embedded PostgreSQL (the job database; private so that it can be
 restarted), the example accounting service on it, and a real Airflow 3 stack (scheduler,
 dag-processor, api-server) with the example DAGs of ``dags/``: ``finalize_invoices`` and
 the pasted-twice pair ``daily_reconciliation`` / ``daily_reconciliation_pasted_twice``.
 
+Builds and phases: ``--builds`` names the provider builds to run, one phase each, in turn
+on ONE stack (devtools/chaos_builds.py): ``correct`` (this checkout's provider) and the
+deliberately broken copies ``lock-off``, ``completed-check-off``, ``fence-off``,
+``skip-confirmed``. Each phase gets a fresh job database (same name, so the same DSN), its
+own business dates, a fresh accounting service on the same port, and a scheduler restarted
+with the phase's PYTHONPATH and sleep points (its task processes import the phase's
+provider). A correct build must keep every invariant; a broken one must be caught, and its
+phase ends as soon as it is.
+
 Each step draws from the seed one action over a few business dates (a window of
 ``--dates`` that moves on by one date every ``--new-date-every`` steps, so that first-time
-work keeps happening under the faults), and independently
-(with probability ``--fault-rate``) one fault. An action runs in its own thread and the next
-step starts after a short random pause, so actions overlap (at most ``--overlap`` at once).
+work keeps happening under the faults), and independently (with probability
+``--fault-rate``) one fault. An action runs in its own thread and the next step starts
+after a short random pause, so actions overlap (at most ``--overlap`` at once). A broken
+build's phase opens with the actions that expose it and uses its own weights.
 
 Actions: ``scheduled`` (a run at the exact fire time, as the scheduler creates it: the
 REST API with that logical date), ``manual_key`` (the UI's Trigger with ``run_key``),
@@ -22,23 +32,22 @@ at the same instant).
 
 Faults: ``crash`` (a crash point armed in AIRFLOW_IDEMPOTENCY_FAULT_DIR: the next worker
 process that reaches it SIGKILLs itself), ``terminate_lock`` (pg_terminate_backend of a
-session holding a run lock), ``remote_5xx``, ``remote_reset``, ``remote_timeout``
-(commit then no answer), ``remote_latency`` (the accounting service's fault injection,
-for some seconds), ``service_kill`` (the accounting service SIGKILLed, restarted on the
-same port after a few seconds), ``pg_restart`` (the job database stopped fast or
-immediate, started again).
+session holding a run lock; the database clock once that backend is gone is recorded in
+``witness_lock_losses``), ``remote_5xx``, ``remote_reset``, ``remote_timeout`` (commit then
+no answer), ``remote_latency`` (the accounting service's fault injection, for some
+seconds), ``service_kill`` (the accounting service SIGKILLed, restarted on the same port
+after a few seconds), ``pg_restart`` (the job database stopped fast or immediate, started
+again).
 
-Every ``--check-every`` steps the runner waits for quiescence (all actions done, no DAG
-run active) and checks the invariants; at the end it disarms every fault, reruns every
-touched date until all its jobs are completed (convergence) and checks them all again.
-A violation prints the seed, the step, the action log and the offending rows, and the
-command exits 1. ``--seed N`` replays the same sequence of actions and faults (their
-timing, and so the interleaving, depends on the machine).
-
-``--broken skip-confirmed`` runs the stack against a patched COPY of the provider (in the
-work folder, first on the stack's PYTHONPATH) whose ledger no longer skips confirmed keys:
-the demonstration that the invariants catch a real regression. The switch exists only in
-this developer tool; nothing in the provider reads it.
+Invariants (devtools/invariants.py): the history invariants (``always``: executions
+counted by the witnesses) after every step; the end-state ones at every ``--check-every``
+steps once quiescent (all actions done, no DAG run active); at the end of a correct phase
+every fault is disarmed, ``--require-fired`` faults that did not fire are forced until they
+do, every touched date is rerun until all its jobs completed (convergence) and everything is
+checked again. A violation prints the seed, the step, the action log, the offending rows
+and the history of their keys. ``--seed N`` replays the same sequence of actions and faults
+(their timing, and so the interleaving, depends on the machine). The command exits 0 when
+every phase ended as it must (correct: no violation; broken: caught), else 1.
 """
 
 from __future__ import annotations
@@ -55,24 +64,28 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 import psycopg
 
-from devtools import airflow_env
+from devtools import airflow_env, invariants
 from devtools.airflow_env import DAGS_FOLDER, ROOT
+from devtools.chaos_builds import BROKEN, BUILDS, CORRECT, Build, patched_copy
+from devtools.chaos_report import render_markdown, write_faults_md
+from devtools.invariants import FINALIZE, RECONCILE_JOB, fire_time
 
-FINALIZE = "finalize_invoices"
 RECONCILE_DAGS = ("daily_reconciliation", "daily_reconciliation_pasted_twice")
 FINALIZE_TASKS = ("create_invoices", "rebuild_totals", "export_invoices", "reconcile_export")
-# The jobs every touched date must have completed after convergence. reconcile_export runs
-# only with force_reconcile (and then always forced), so it is not one of them.
-JOBS = (*(f"{FINALIZE}.{t}" for t in FINALIZE_TASKS[:3]), "daily_reconciliation")
-RECONCILE_JOB = f"{FINALIZE}.{FINALIZE_TASKS[3]}"
+RECONCILE_EXPORT_JOB = f"{FINALIZE}.{FINALIZE_TASKS[3]}"
+# Jobs whose work transactions the example witnesses (work_witness).
+WITNESSED_JOBS = (f"{FINALIZE}.create_invoices", f"{FINALIZE}.rebuild_totals", RECONCILE_JOB)
 FIRST_DATE = dt.date(2026, 10, 1)
+DATABASE = "chaos"
+TERMINAL = frozenset({"success", "failed"})
 
 ACTIONS: dict[str, int] = {  # kind -> weight
     "scheduled": 3,
@@ -108,59 +121,14 @@ CRASH_POINTS = (
     "invoices.after_commit",
     "totals.after_delete",
 )
-BROKEN: dict[str, list[tuple[str, str, str]]] = {
-    # The ledger no longer skips confirmed keys: its claim statement returns them too, and
-    # the Python safety net that would still skip them is gone. (file, old text, new text)
-    "skip-confirmed": [
-        (
-            "sql/queries.sql",
-            "WHERE k.status IS DISTINCT FROM 'succeeded'\n   OR k.stored_fingerprint <> "
-            "k.request_fingerprint;",
-            "WHERE true;",
-        ),
-        (
-            "ledger.py",
-            'elif status == "succeeded":\n                summary.skipped_existing += 1',
-            "elif False:\n                summary.skipped_existing += 1",
-        ),
-    ],
-}
-TERMINAL = frozenset({"success", "failed"})
+# What --require-fired can ask for, and the fault that fires it.
+PROOFS = {"crash": "crash", "terminate_lock": "terminate_lock", "restart": "pg_restart"}
 
-
-def fire_time(day: dt.date, at: str = "01:00:00") -> str:
-    """The logical date of the scheduled run that processes business date ``day``."""
-    return f"{day + dt.timedelta(days=1)}T{at}+00:00"
+_T = TypeVar("_T")
 
 
 def say(text: str) -> None:
     print(f"[chaos {dt.datetime.now(dt.timezone.utc):%H:%M:%S}] {text}", flush=True)
-
-
-# ------------------------------------------------------------------------- the job database
-
-
-class PrivateServer:
-    """An embedded PostgreSQL owned by this run: a DSN, and restarts of that very server."""
-
-    def __init__(self, data_dir: Path) -> None:
-        from devtools.postgres import start_embedded
-
-        self.server = start_embedded(data_dir)
-        self.name = self.server.create_database("chaos")
-        self.dsn = self.server.dsn(self.name)
-
-    def restart(self, mode: str, down_seconds: float) -> None:
-        from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
-
-        handle = self.server._handle
-        pg_ctl(["-w", "-m", mode, "stop"], pgdata=handle.pgdata, user=handle.system_user)
-        time.sleep(down_seconds)
-        with handle._lock:  # the same options and socket directory: the DSN stays valid
-            handle.ensure_postgres_running()
-
-    def stop(self) -> None:
-        self.server.stop()
 
 
 # ------------------------------------------------------------------------- the action log
@@ -184,79 +152,106 @@ class Event:
         )
 
 
+class PhaseOver(Exception):
+    """The phase ends now: an invariant broke (reported before)."""
+
+
 @dataclass
-class Violation:
-    invariant: str
-    detail: str
-    rows: list[Any]
+class Phase:
+    """One build's run: its dates, its log, what it did and what it found."""
 
-    def text(self) -> str:
-        shown = "\n".join(f"      {r}" for r in self.rows[:20])
-        more = f"\n      ... {len(self.rows) - 20} more" if len(self.rows) > 20 else ""
-        return f"  VIOLATED {self.invariant}: {self.detail}\n{shown}{more}"
+    build: Build
+    index: int
+    seed: int
+    dates: list[dt.date]
+    window_size: int
+    rng: random.Random
+    t0: float = field(default_factory=time.monotonic)
+    loop_t0: float = 0.0
+    base_run_id: int = 0  # dag_run ids above this one are this phase's
+    events: list[Event] = field(default_factory=list)
+    touched: set[dt.date] = field(default_factory=set)
+    actions: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    fault_results: Counter[str] = field(default_factory=Counter)
+    checker: invariants.Checker = field(default_factory=invariants.Checker)
+    violations: list[invariants.Violation] = field(default_factory=list)
+    caught_at_step: int | None = None
+    caught_after: float | None = None
+    steps: int = 0
+    quiescent_points: int = 0
+    backfills: list[int] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def keys(self) -> list[str]:
+        return sorted(d.isoformat() for d in self.touched)
 
-class ChaosFailure(RuntimeError):
-    """An invariant broke (the report is printed before)."""
+    @property
+    def ok(self) -> bool:
+        """A correct build kept every invariant; a broken one was caught by what must."""
+        if not self.build.broken:
+            return not self.violations and bool(self.summary.get("converged"))
+        names = {v.invariant.name for v in self.violations}
+        return bool(names & set(self.build.caught_by))
 
 
 # ------------------------------------------------------------------------- the runner
 
 
 class Chaos:
+    """The stack, the job database and the service, shared by the phases."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.seed: int = args.seed
-        self.rng = random.Random(self.seed)
         self.workdir: Path = args.workdir.resolve()
-        # A window of --dates business dates moves on by one date every --new-date-every
-        # steps: every date gets first-time work (its first export) under the faults, not
-        # only the first few minutes of a long run.
-        count = args.dates + (args.steps // args.new_date_every if args.new_date_every else 0)
-        self.dates = [FIRST_DATE + dt.timedelta(days=i) for i in range(count)]
-        self.events: list[Event] = []
         self.lock = threading.Lock()
         self.t0 = time.monotonic()
-        self.touched: set[dt.date] = set()
-        self.actions_by_kind: Counter[str] = Counter()
-        self.faults_by_kind: Counter[str] = Counter()
-        self.fault_results: Counter[str] = Counter()
-        self.checks: Counter[str] = Counter()
-        self.confirmed: dict[str, int] = {}  # ledger key -> call_count, when last seen succeeded
-        self.steps_done = 0
-        self.quiescent_points = 0
         self.service: Any = None
+        self.service_cm: Any = None
         self.service_port = 0
         self.service_lock = threading.Lock()
         self.fault_timers: list[threading.Timer] = []
-        self.violations: list[Violation] = []
         self.revive_lock = threading.Lock()
         self.revived: Counter[str] = Counter()
+        self.phases: list[Phase] = []
+        self.phase: Phase | None = None
+        self.startup_seconds = 0.0
+        self.dsn = ""
 
     # ---------------------------------------------------------------- small helpers
 
+    @property
+    def p(self) -> Phase:
+        assert self.phase is not None
+        return self.phase
+
     def log(self, event: Event) -> Event:
         with self.lock:
-            self.events.append(event)
+            self.p.events.append(event)
         return event
 
-    def rows(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-        with psycopg.connect(self.dsn, connect_timeout=10) as conn:
-            return conn.execute(sql, params).fetchall()
-
-    def db_rows(self, sql: str, params: Any = None, attempts: int = 30) -> list[tuple[Any, ...]]:
-        """:meth:`rows`, again while the database is restarting."""
+    def retrying(self, what: Callable[[], _T], attempts: int = 30) -> _T:
+        """``what()``, again while the database is restarting."""
         for attempt in range(attempts):
             try:
-                return self.rows(sql, params)
+                return what()
             except psycopg.OperationalError:
                 if attempt == attempts - 1:
                     raise
                 time.sleep(1)
-        return []
+        raise AssertionError("unreachable")
+
+    def db_rows(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        def read() -> list[tuple[Any, ...]]:
+            with psycopg.connect(self.dsn, connect_timeout=10) as conn:
+                return conn.execute(sql, params).fetchall()
+
+        return self.retrying(read)
 
     def api(self, method: str, path: str, body: Any = None) -> Any:
-        """The REST API, again on a 5xx (SQLite's "database is locked" comes back as one)."""
+        """The REST API, again on a 5xx."""
         from devtools.airflow_stack import StackError
 
         for attempt in range(1, 7):
@@ -268,37 +263,7 @@ class Chaos:
                 time.sleep(attempt)
         return None
 
-    # ---------------------------------------------------------------- set-up
-
-    def broken_pythonpath(self) -> str | None:
-        """A patched copy of the provider for ``--broken``; its folder, for PYTHONPATH."""
-        if not self.args.broken:
-            return None
-        target = self.workdir / "broken"
-        shutil.rmtree(target, ignore_errors=True)
-        package = target / "airflow_idempotency"
-        shutil.copytree(ROOT / "provider" / "airflow_idempotency", package)
-        for name, old, new in BROKEN[self.args.broken]:
-            text = (package / name).read_text(encoding="utf-8")
-            if old not in text:
-                raise SystemExit(f"--broken {self.args.broken}: {name} has no {old!r} to patch")
-            (package / name).write_text(text.replace(old, new, 1), encoding="utf-8")
-        say(f"BROKEN BUILD: {self.args.broken} (patched copy in {target})")
-        return str(target)
-
-    def check_broken_is_used(self, folder: str) -> None:
-        """The stack's processes import the patched copy, not this checkout's provider."""
-        import subprocess
-
-        found = subprocess.run(
-            [sys.executable, "-c", "import airflow_idempotency as p; print(p.__file__)"],
-            env=self.stack.env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        if not found.startswith(folder):
-            raise SystemExit(f"--broken: the stack would import {found}, not the copy in {folder}")
+    # ---------------------------------------------------------------- the service
 
     def start_service(self) -> None:
         from devtools.accounting import run_accounting_service
@@ -337,13 +302,295 @@ class Chaos:
                     raise
                 time.sleep(1)
 
-    def seed_orders(self) -> None:
+    # ---------------------------------------------------------------- set-up
+
+    def run(self) -> None:
+        """Every phase on one stack; the set-up and clean-up of what they share."""
+        from devtools.postgres import find_server, private_embedded, temporary_database
+
+        if self.workdir.exists():
+            shutil.rmtree(self.workdir)
+        self.workdir.mkdir(parents=True)
+        self.fault_dir = self.workdir / "faults"
+        self.fault_dir.mkdir()
+        say(
+            f"seed {self.seed}, builds {', '.join(self.args.builds)}; {self.args.steps} steps "
+            f"a correct phase (at most {self.args.minutes} min), {self.args.broken_steps} a "
+            f"broken one; work folder {self.workdir}"
+        )
+        with contextlib.ExitStack() as stack:
+            self.pg = stack.enter_context(private_embedded("chaos"))
+            self.pg.create_database(name=DATABASE)
+            self.dsn = self.pg.dsn(DATABASE)
+            metadata_dsn = None
+            if self.args.airflow_db == "postgres":
+                # Airflow's metadata on the shared server, not the private one the faults
+                # restart: the scheduler on SQLite died of "database is locked" in long runs.
+                metadata_dsn = stack.enter_context(
+                    temporary_database(find_server(), "idem_chaos_airflow")
+                )
+            stack.callback(self.stop_service)
+            first = BUILDS[self.args.builds[0]]
+            self.phase = self.new_phase(first, 0)
+            self.prepare_database()
+            self.start_service()
+            stack.callback(self.stop_stack)
+            self.start_stack(first, metadata_dsn)
+            self.startup_seconds = time.monotonic() - self.t0
+            say(f"stack up after {self.startup_seconds:.0f} s")
+            for index, name in enumerate(self.args.builds):
+                if index:
+                    self.phase = self.new_phase(BUILDS[name], index)
+                    self.switch_to(self.p)
+                self.phases.append(self.p)
+                self.run_phase()
+
+    def new_phase(self, build: Build, index: int) -> Phase:
+        """The phase of ``build``: business dates after every earlier phase's (so that their
+        Airflow runs never collide), and its seed."""
+        dates = build.dates or self.args.dates
+        steps = self.args.steps if not build.broken else self.args.broken_steps
+        count = dates + (steps // self.args.new_date_every if self.args.new_date_every else 0)
+        first = self.phases[-1].dates[-1] + dt.timedelta(days=1) if self.phases else FIRST_DATE
+        last = first + dt.timedelta(days=count - 1)
+        yesterday = dt.datetime.now(dt.timezone.utc).date() - dt.timedelta(days=1)
+        if last > yesterday:
+            raise SystemExit(
+                f"phase {build.name} would need business dates up to {last}, and only ended "
+                f"days (up to {yesterday}) can run: fewer --steps or --builds, or a larger "
+                "--new-date-every"
+            )
+        # A broken build runs with its own fixed seed (chosen so that it is caught every
+        # time), unless --broken-seed says otherwise; a correct one with --seed.
+        seed = self.seed
+        if build.broken:
+            seed = self.args.broken_seed or build.seed
+        elif index:
+            seed = random.Random(f"{self.seed}:{index}").randrange(1, 10**6)
+        return Phase(
+            build=build,
+            index=index,
+            seed=seed,
+            dates=[first + dt.timedelta(days=i) for i in range(count)],
+            window_size=min(dates, count),
+            rng=random.Random(seed),
+        )
+
+    def prepare_database(self) -> None:
+        """The phase's job database: empty, with the example's orders of its dates."""
         from invoicing.seed import seed_orders
 
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            seed_orders(conn, self.dates[0], self.dates[-1], self.args.orders, self.seed % 1000)
+            dates = self.p.dates
+            seed_orders(conn, dates[0], dates[-1], self.args.orders, self.p.seed % 1000)
+        invariants.prepare(self.dsn)
+
+    def phase_env(self, build: Build) -> dict[str, str]:
+        folder = None
+        if build.broken:
+            folder = str(patched_copy(build, self.workdir / "builds" / build.name))
+            say(f"BROKEN BUILD: {build.name}: {build.what} (patched copy in {folder})")
+        pythonpath = [
+            p for p in (folder, str(ROOT), str(DAGS_FOLDER), os.environ.get("PYTHONPATH")) if p
+        ]
+        env = {"PYTHONPATH": os.pathsep.join(pythonpath)}
+        if build.sleep_at:
+            env["AIRFLOW_IDEMPOTENCY_SLEEP_AT"] = build.sleep_at
+        return env
+
+    def start_stack(self, build: Build, metadata_dsn: str | None) -> None:
+        from devtools.airflow_stack import AirflowStack
+
+        url = urlsplit(self.service.url)
+        options = {
+            "timeout": 2,
+            "backoff_initial": 0.05,
+            "backoff_max": 0.5,
+            "batch_size": 10,
+            "unreachable_after": 10,
+        }
+        env = {
+            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(self.dsn),
+            "AIRFLOW_CONN_ACCOUNTING_API": json.dumps(
+                {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": options}
+            ),
+            "AIRFLOW_IDEMPOTENCY_FAULT_DIR": str(self.fault_dir),
+            "AIRFLOW__CORE__PARALLELISM": str(self.args.parallelism),
+            **self.phase_env(build),
+        }
+        self.stack = AirflowStack(
+            self.workdir / "airflow", DAGS_FOLDER, env, metadata_dsn=metadata_dsn
+        )
+        self.check_build_is_used(build)
+        self.stack.start(300)
+        for dag_id in (FINALIZE, *RECONCILE_DAGS):
+            self.stack.unpause(dag_id, timeout=300)
+
+    def stop_stack(self) -> None:
+        for timer in self.fault_timers:
+            timer.cancel()
+        if hasattr(self, "stack"):
+            self.stack.stop()
+
+    def check_build_is_used(self, build: Build) -> None:
+        """The stack's processes import the phase's provider: the patched copy or this
+        checkout's."""
+        import subprocess
+
+        found = subprocess.run(
+            [sys.executable, "-c", "import airflow_idempotency as p; print(p.__file__)"],
+            env=self.stack.env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        wanted = self.workdir / "builds" / build.name if build.broken else ROOT / "provider"
+        if not found.startswith(str(wanted)):
+            raise SystemExit(f"build {build.name}: the stack would import {found}, not {wanted}")
+
+    def switch_to(self, phase: Phase) -> None:
+        """A fresh job database and service, and a scheduler that imports ``phase``'s build."""
+        t0 = time.monotonic()
+        self.stop_service()
+        self.pg.drop_database(DATABASE)
+        self.pg.create_database(name=DATABASE)
+        for armed in self.fault_dir.iterdir():
+            armed.unlink()
+        self.prepare_database()
+        self.start_service()
+        for name in ("AIRFLOW_IDEMPOTENCY_SLEEP_AT", "PYTHONPATH"):
+            self.stack.env.pop(name, None)
+        self.stack.env.update(self.phase_env(phase.build))
+        self.check_build_is_used(phase.build)
+        self.stack.restart_component("scheduler")
+        for dag_id in (FINALIZE, *RECONCILE_DAGS):
+            self.stack.unpause(dag_id)
+        say(f"phase {phase.build.name}: switched in {time.monotonic() - t0:.0f} s")
+
+    def end_phase_now(self) -> None:
+        """Stop what a phase ended by a violation still runs: no new tasks, its runs failed,
+        its backfills done (the next phase's scheduler, restarted, starts on a clean slate)."""
+        for dag_id in (FINALIZE, *RECONCILE_DAGS):
+            with contextlib.suppress(Exception):
+                self.stack.pause(dag_id)
+        for row in self.stack.query(
+            "SELECT dag_id, run_id FROM dag_run WHERE state IN ('running', 'queued') AND id > ?",
+            (self.p.base_run_id,),
+        ):
+            with contextlib.suppress(Exception):
+                quoted = quote(row["run_id"], safe="")
+                self.api(
+                    "PATCH", f"/api/v2/dags/{row['dag_id']}/dagRuns/{quoted}", {"state": "failed"}
+                )
+        for backfill_id in self.p.backfills:
+            with contextlib.suppress(Exception):
+                self.stack.mark_backfill_complete(backfill_id)
+
+    # ---------------------------------------------------------------- one phase
+
+    def run_phase(self) -> None:
+        phase = self.p
+        phase.t0 = time.monotonic()
+        base = self.stack.query("SELECT coalesce(max(id), 0) FROM dag_run")[0][0]
+        phase.base_run_id = int(base)
+        say(
+            f"phase {phase.index + 1}: build {phase.build.name}, seed {phase.seed}, dates "
+            f"{phase.dates[0]}..{phase.dates[-1]}, {self.args.orders} orders each"
+        )
+        threads: list[threading.Thread] = []
+        try:
+            self.loop(threads)
+            if not phase.build.broken:
+                self.quiesce(threads)
+                self.prove_faults(threads)
+                self.disarm()
+                self.converge()
+                self.quiesce(threads)
+                self.verify(("always", "quiescent", "converged"), final=True)
+                phase.summary["converged"] = True
+            else:
+                say(f"phase {phase.build.name}: NOT caught in {phase.steps} steps")
+        except PhaseOver:
+            pass
+        finally:
+            if phase.caught_at_step is not None:
+                self.end_phase_now()
+            for thread in threads:  # the actions see their runs end; faults are short
+                thread.join(timeout=120)
+            self.disarm()
+            with contextlib.suppress(Exception):
+                phase.summary.update(self.summary())
+
+    def loop(self, threads: list[threading.Thread]) -> None:
+        phase = self.p
+        broken = phase.build.broken
+        steps = self.args.broken_steps if broken else self.args.steps
+        phase.loop_t0 = time.monotonic()
+        deadline = phase.loop_t0 + self.args.minutes * 60  # after start-up: steps only
+        for step in range(1, steps + 1):
+            threads[:] = [t for t in threads if t.is_alive()]
+            while len([t for t in threads if t.name.startswith("action")]) >= self.args.overlap:
+                next(t for t in threads if t.name.startswith("action")).join(timeout=1)
+                threads[:] = [t for t in threads if t.is_alive()]
+                self.verify(("always",))
+            threads.append(self.start_action(step))
+            fault = self.start_fault(step)
+            if fault is not None:
+                threads.append(fault)
+            phase.steps = step
+            self.pause(self.p.rng.uniform(0.5, self.args.max_gap))
+            if step % self.args.check_every == 0 and not broken:
+                self.quiesce(threads)
+                self.verify(("always", "quiescent"))
+            if time.monotonic() > deadline:
+                say(f"time is up after step {step}")
+                break
+        if broken:
+            # The runs it started finish; what they did is judged once more.
+            self.quiesce(threads)
+            self.verify(("always", "quiescent"))
+
+    def pause(self, seconds: float) -> None:
+        """Wait ``seconds``, checking the history invariants every second meanwhile."""
+        end = time.monotonic() + seconds
+        while True:
+            self.verify(("always",))
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(1.0, left))
 
     # ---------------------------------------------------------------- actions
+
+    def window(self, step: int) -> list[dt.date]:
+        """The business dates actions of ``step`` draw from."""
+        phase = self.p
+        start = step // self.args.new_date_every if self.args.new_date_every else 0
+        start = min(start, len(phase.dates) - phase.window_size)
+        return phase.dates[start : start + phase.window_size]
+
+    def plan_action(self, step: int, kind: str | None = None) -> tuple[str, dict[str, Any]]:
+        """Draw the next action (unless ``kind`` is given) and its parameters from the seed
+        (nothing is done yet); a phase opens with its build's opening actions."""
+        phase = self.p
+        weights = phase.build.actions or ACTIONS
+        drawn = phase.rng.choices(list(weights), weights=list(weights.values()))[0]
+        if kind is None:
+            opening = phase.build.opening
+            kind = opening[step - 1] if step <= len(opening) else drawn
+        window = self.window(step)
+        day = phase.rng.choice(window)
+        params: dict[str, Any] = {"day": day}
+        if kind == "manual_date":
+            params["at"] = f"{phase.rng.randrange(1, 24):02d}:{phase.rng.randrange(60):02d}"
+        elif kind == "backfill":
+            i = window.index(day)
+            params["last"] = window[min(len(window) - 1, i + phase.rng.randrange(3))]
+            params["reprocess"] = phase.rng.choice(["none", "completed"])
+        elif kind in ("clear_run", "clear_task"):
+            params["pick"] = phase.rng.random()
+            params["task"] = phase.rng.choice(FINALIZE_TASKS[:3])
+        return kind, params
 
     def trigger(
         self, dag_id: str, logical_date: str | None, conf: dict[str, Any]
@@ -361,15 +608,14 @@ class Chaos:
         return dag_id, str(run["dag_run_id"])
 
     def revive(self) -> None:
-        """Start again a stack component that died (the scheduler dies now and then on
-        SQLite's "database is locked" under this load): an infrastructure failure of the
-        test stack, logged, not an invariant of the provider."""
+        """Start again a stack component that died (an infrastructure failure of the test
+        stack, logged, not an invariant of the provider)."""
         revivable = ("api-server", "scheduler", "dag-processor")
         with self.revive_lock:
             for name, proc in list(self.stack.procs.items()):
                 if proc.poll() is None or name not in revivable:
                     continue
-                self.log(Event(self.steps_done, "revive", name, time.monotonic()))
+                self.log(Event(self.p.steps, "revive", name, time.monotonic()))
                 say(f"airflow {name} exited ({proc.returncode}): starting it again")
                 self.revived[name] += 1
                 self.stack.start_component(name)
@@ -388,37 +634,6 @@ class Chaos:
                 return "timeout:" + ",".join(str(s) for s in states)
             time.sleep(1)
 
-    def existing_runs(self, dag_id: str) -> list[tuple[str, str | None]]:
-        return [
-            (r["run_id"], r["state"])
-            for r in self.stack.query(
-                "SELECT run_id, state FROM dag_run WHERE dag_id = ? ORDER BY id", (dag_id,)
-            )
-        ]
-
-    def window(self, step: int) -> list[dt.date]:
-        """The business dates actions of ``step`` draw from."""
-        start = step // self.args.new_date_every if self.args.new_date_every else 0
-        start = min(start, len(self.dates) - self.args.dates)
-        return self.dates[start : start + self.args.dates]
-
-    def plan_action(self, step: int) -> tuple[str, dict[str, Any]]:
-        """Draw the next action and its parameters from the seed (nothing is done yet)."""
-        kind = self.rng.choices(list(ACTIONS), weights=list(ACTIONS.values()))[0]
-        window = self.window(step)
-        day = self.rng.choice(window)
-        params: dict[str, Any] = {"day": day}
-        if kind == "manual_date":
-            params["at"] = f"{self.rng.randrange(1, 24):02d}:{self.rng.randrange(60):02d}:00"
-        elif kind == "backfill":
-            i = window.index(day)
-            params["last"] = window[min(len(window) - 1, i + self.rng.randrange(3))]
-            params["reprocess"] = self.rng.choice(["none", "completed"])
-        elif kind in ("clear_run", "clear_task"):
-            params["pick"] = self.rng.random()
-            params["task"] = self.rng.choice(FINALIZE_TASKS[:3])
-        return kind, params
-
     def do_action(self, event: Event, kind: str, p: dict[str, Any]) -> None:
         day: dt.date = p["day"]
         key = day.isoformat()
@@ -436,7 +651,7 @@ class Chaos:
         elif kind == "force_reconcile":
             runs.append(self.trigger(FINALIZE, None, {"run_key": key, "force_reconcile": True}))
         elif kind == "pasted_twice":
-            at = fire_time(day, "01:30:00")
+            at = fire_time(day, "01:30")
             runs += [self.trigger(d, at, {}) for d in RECONCILE_DAGS]
         elif kind == "backfill":
             self.backfill(event, day, p["last"], p["reprocess"])
@@ -471,14 +686,22 @@ class Chaos:
                 return
             raise
         backfill_id = int(made["id"])
+        self.p.backfills.append(backfill_id)
         event.run_ids = [(FINALIZE, r.run_id) for r in self.stack.backfill_runs(backfill_id)]
         event.result = (
             self.wait_runs(event.run_ids, self.args.action_timeout) if event.run_ids else "no runs"
         )
-        self.stack._mark_backfill_complete(backfill_id)
+        self.stack.mark_backfill_complete(backfill_id)
 
     def clear(self, event: Event, kind: str, p: dict[str, Any]) -> None:
-        runs = [r for r, state in self.existing_runs(FINALIZE) if state in TERMINAL]
+        runs = [
+            r["run_id"]
+            for r in self.stack.query(
+                "SELECT run_id, state FROM dag_run WHERE dag_id = ? AND id > ? ORDER BY id",
+                (FINALIZE, self.p.base_run_id),
+            )
+            if r["state"] in TERMINAL
+        ]
         if not runs:
             event.result = "nothing to clear"
             return
@@ -514,13 +737,14 @@ class Chaos:
                     found.add(dt.date.fromisoformat(key))
         return found
 
-    def start_action(self, step: int) -> threading.Thread:
-        kind, params = self.plan_action(step)
-        self.actions_by_kind[kind] += 1
-        self.touched.add(params["day"])
+    def start_action(self, step: int, kind: str | None = None) -> threading.Thread:
+        phase = self.p
+        kind, params = self.plan_action(step, kind)
+        phase.actions[kind] += 1
+        phase.touched.add(params["day"])
         if "last" in params:
-            i, j = self.dates.index(params["day"]), self.dates.index(params["last"])
-            self.touched.update(self.dates[i : j + 1])
+            i, j = phase.dates.index(params["day"]), phase.dates.index(params["last"])
+            phase.touched.update(phase.dates[i : j + 1])
         what = f"{params['day']}" if kind not in ("clear_run", "clear_task") else ""
         event = self.log(Event(step, kind, what, time.monotonic()))
 
@@ -531,9 +755,9 @@ class Chaos:
                 event.result = f"error: {type(exc).__name__}: {str(exc)[:300]}"
             finally:
                 event.ended = time.monotonic()
-                say(event.line(self.t0))
+                say(event.line(phase.t0))
             with contextlib.suppress(Exception):
-                self.touched.update(self.run_keys_of(event))
+                phase.touched.update(self.run_keys_of(event))
 
         thread = threading.Thread(target=body, name=f"action-{step}", daemon=True)
         thread.start()
@@ -542,29 +766,43 @@ class Chaos:
     # ---------------------------------------------------------------- faults
 
     def plan_fault(self) -> tuple[str, dict[str, Any]] | None:
-        if self.rng.random() >= self.args.fault_rate:
+        phase = self.p
+        rate = phase.build.fault_rate
+        if phase.rng.random() >= (self.args.fault_rate if rate is None else rate):
             return None
-        kind = self.rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
-        params: dict[str, Any] = {"delay": self.rng.uniform(0, 4)}
-        if kind == "crash":
-            params["point"] = self.rng.choice(CRASH_POINTS)
-        elif kind.startswith("remote_"):
-            params["seconds"] = self.rng.uniform(5, 20)
-        elif kind == "service_kill":
-            params["down"] = self.rng.uniform(1, 6)
-        elif kind == "pg_restart":
-            params["mode"] = self.rng.choice(["fast", "immediate"])
-            params["down"] = self.rng.uniform(1, 4)
-        elif kind == "terminate_lock":
-            params["pick"] = self.rng.random()
-        return kind, params
+        weights = phase.build.faults or FAULTS
+        kind = phase.rng.choices(list(weights), weights=list(weights.values()))[0]
+        return kind, self.fault_params(kind)
 
-    def start_fault(self, step: int) -> threading.Thread | None:
-        planned = self.plan_fault()
+    def fault_params(self, kind: str) -> dict[str, Any]:
+        rng = self.p.rng
+        params: dict[str, Any] = {"delay": rng.uniform(0, 4)}
+        if kind == "crash":
+            params["point"] = rng.choice(CRASH_POINTS)
+        elif kind.startswith("remote_"):
+            params["seconds"] = rng.uniform(5, 20)
+        elif kind == "service_kill":
+            params["down"] = rng.uniform(1, 6)
+        elif kind == "pg_restart":
+            params["mode"] = rng.choice(["fast", "immediate"])
+            params["down"] = rng.uniform(1, 4)
+        elif kind == "terminate_lock":
+            params["pick"] = rng.random()
+            # Half of them (all in a phase that needs it) end the lock of a run whose work
+            # is witnessed, so that what the work commits afterwards is seen.
+            share = 1.0 if self.p.build.faults.get("terminate_lock") else 0.5
+            params["work"] = rng.random() < share
+        return params
+
+    def start_fault(
+        self, step: int, planned: tuple[str, dict[str, Any]] | None = None
+    ) -> threading.Thread | None:
+        planned = planned or self.plan_fault()
         if planned is None:
             return None
+        phase = self.p
         kind, params = planned
-        self.faults_by_kind[kind] += 1
+        phase.faults[kind] += 1
         event = self.log(Event(step, kind, "", time.monotonic()))
 
         def body() -> None:
@@ -576,8 +814,8 @@ class Chaos:
                 event.result = f"error: {type(exc).__name__}: {str(exc)[:300]}"
             finally:
                 event.ended = time.monotonic()
-                say(event.line(self.t0))
-            self.fault_results[f"{kind}: {event.result.split(':')[0]}"] += 1
+                say(event.line(phase.t0))
+            phase.fault_results[f"{kind}: {event.result.split(':')[0]}"] += 1
 
         thread = threading.Thread(target=body, name=f"fault-{step}", daemon=True)
         thread.start()
@@ -589,24 +827,7 @@ class Chaos:
             (self.fault_dir / p["point"]).touch()
             return "armed"
         if kind == "terminate_lock":
-            # Run locks live only while a task runs: wait up to 15 s for one.
-            deadline = time.monotonic() + 15
-            while True:
-                holders = self.db_rows(
-                    "SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted"
-                    " AND l.database ="
-                    " (SELECT oid FROM pg_database WHERE datname = current_database())"
-                    " ORDER BY l.pid"
-                )
-                if holders or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            if not holders:
-                return "no lock held"
-            pid = holders[int(p["pick"] * len(holders))][0]
-            event.what = f"backend {pid}"
-            self.db_rows("SELECT pg_terminate_backend(%s)", (pid,))
-            return "terminated"
+            return self.terminate_lock(event, p)
         if kind.startswith("remote_"):
             table: dict[str, dict[str, Any]] = {
                 "remote_5xx": {"fail_rate": 0.3},
@@ -639,6 +860,47 @@ class Chaos:
             return "restarted"
         raise ValueError(kind)
 
+    def terminate_lock(self, event: Event, p: dict[str, Any]) -> str:
+        """End a run lock's session; record when the database no longer had it.
+
+        Run locks live only while a task runs: wait up to 15 s for one (for one whose
+        attempt does witnessed work, when ``p["work"]``).
+        """
+        deadline = time.monotonic() + 15
+        while True:
+            sessions = self.retrying(lambda: invariants.run_lock_sessions(self.dsn))
+            working = [s for s in sessions if s["job_name"] in WITNESSED_JOBS]
+            candidates = working if p["work"] else sessions
+            if candidates or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        candidates = candidates or sessions
+        if not candidates:
+            return "no lock held"
+        victim = candidates[int(p["pick"] * len(candidates))]
+        event.what = f"backend {victim['pid']} ({victim['job_name'] or 'no attempt yet'})"
+        with psycopg.connect(self.dsn, autocommit=True, connect_timeout=10) as conn:
+            terminated_at = conn.execute(
+                "SELECT clock_timestamp() FROM pg_terminate_backend(%s)", (victim["pid"],)
+            ).fetchone()
+            gone: dict[str, Any] = {"gone": False, "seen_at": None}
+            which = {"pid": victim["pid"], "backend_start": victim["backend_start"]}
+            for _ in range(500):  # the backend goes within milliseconds; 10 s at most
+                gone = invariants.dict_rows(conn, "backend_gone", which)[0]
+                if gone["gone"]:
+                    break
+                time.sleep(0.02)
+            if not gone["gone"]:
+                return "terminated: backend still there after 10 s (not recorded)"
+            loss = {
+                **which,
+                "lock_key": victim["lock_key"],
+                "terminated_at": terminated_at[0] if terminated_at else gone["seen_at"],
+                "gone_at": gone["seen_at"],
+            }
+            conn.execute(invariants.queries()["record_lock_loss"], loss)
+        return "terminated"
+
     def clear_remote_faults(self) -> None:
         with self.service_lock, contextlib.suppress(Exception):
             if self.service is not None:
@@ -656,11 +918,48 @@ class Chaos:
         self.ensure_service()
         self.clear_remote_faults()
 
+    def fired(self) -> dict[str, int]:
+        """Faults that really happened: crash points claimed by a worker, lock sessions
+        ended, restarts (the database or the service)."""
+        results = self.p.fault_results
+        return {
+            "crash": sum(".claimed-by-" in p.name for p in self.fault_dir.iterdir()),
+            "terminate_lock": results["terminate_lock: terminated"],
+            "restart": results["pg_restart: restarted"] + results["service_kill: restarted"],
+        }
+
+    def prove_faults(self, threads: list[threading.Thread]) -> None:
+        """Fire each --require-fired fault that the seeded steps did not: a forced rerun of
+        a date (its work holds locks, passes every crash point) with that fault, again
+        until it fired (at most 5 times)."""
+        for wanted in self.args.require_fired:
+            for _ in range(5):
+                if self.fired()[wanted]:
+                    break
+                step = self.p.steps + 1
+                self.p.steps = step
+                kind = PROOFS[wanted]
+                params = self.fault_params(kind)
+                if kind == "crash":
+                    params["point"] = "runner.after_lock"  # every run passes it
+                params["delay"] = 1.0
+                self.log(Event(step, "proof", f"{wanted} not fired yet", time.monotonic()))
+                threads.append(self.start_action(step, "force"))
+                fault = self.start_fault(step, (kind, params))
+                assert fault is not None
+                threads.append(fault)
+                self.quiesce(threads)
+                self.verify(("always", "quiescent"))
+            if not self.fired()[wanted]:
+                say(f"required fault {wanted} did not fire in 5 tries")
+
     # ---------------------------------------------------------------- quiescence
 
     def quiesce(self, threads: list[threading.Thread]) -> None:
         for thread in threads:
-            thread.join()
+            while thread.is_alive():
+                thread.join(timeout=1)
+                self.verify(("always",))
         threads.clear()
         deadline = time.monotonic() + self.args.action_timeout
         while time.monotonic() < deadline:
@@ -671,193 +970,49 @@ class Chaos:
             if not active:
                 break
             time.sleep(1)
-        self.quiescent_points += 1
+        self.p.quiescent_points += 1
 
     # ---------------------------------------------------------------- invariants
 
-    def check(self, final: bool) -> list[Violation]:
-        found: list[Violation] = []
-
-        def expect(name: str, rows: list[Any], detail: str) -> None:
-            self.checks[name] += 1
-            if rows:
-                found.append(Violation(name, detail, rows))
-
-        keys = sorted(d.isoformat() for d in self.touched)
-        status = {
-            (job, key): st
-            for job, key, st in self.db_rows(
-                "SELECT job_name, run_key, status FROM idempotency.job_runs"
-            )
-        }
-
-        def completed(job: str) -> list[str]:
-            return [k for k in keys if status.get((f"{FINALIZE}.{job}", k)) == "completed"]
-
-        # 1. Remote: exactly one invoice per order; a completed export is all confirmed.
-        expect(
-            "one remote invoice per order",
-            self.db_rows(
-                "SELECT invoice->>'order_id', count(*), array_agg(idempotency_key)"
-                " FROM accounting.invoices GROUP BY 1 HAVING count(*) > 1"
-            ),
-            "orders with more than one invoice in the accounting service",
-        )
-        exported = completed("export_invoices")
-        expect(
-            "completed export: one remote invoice per order",
-            self.db_rows(
-                "SELECT o.shipped_on::text, o.order_id, count(r.id) FROM orders o"
-                " LEFT JOIN accounting.invoices r ON r.invoice->>'order_id' = o.order_id::text"
-                " WHERE o.shipped_on::text = ANY(%s) GROUP BY 1, 2 HAVING count(r.id) <> 1",
-                (exported,),
-            ),
-            "orders of a date whose export_invoices is completed, without exactly one remote"
-            " invoice",
-        )
-        expect(
-            "completed export: every ledger row succeeded",
-            self.db_rows(
-                "SELECT run_key, idempotency_key, status, last_error"
-                " FROM idempotency.outbound_ledger"
-                " WHERE run_key = ANY(%s) AND status <> 'succeeded'",
-                (exported,),
-            ),
-            "ledger rows not succeeded on a date whose export_invoices is completed",
-        )
-        # 2. Internal writes: invoices = orders, totals = a fresh recomputation, one summary.
-        expect(
-            "completed create: invoices = orders",
-            self.db_rows(
-                "SELECT o.shipped_on::text, count(*) AS orders, count(i.order_id) AS invoices"
-                " FROM orders o LEFT JOIN invoices i USING (order_id)"
-                " WHERE o.shipped_on::text = ANY(%s) GROUP BY 1"
-                " HAVING count(*) <> count(i.order_id) OR bool_or(o.invoiced_at IS NULL)",
-                (completed("create_invoices"),),
-            ),
-            "dates whose create_invoices is completed with orders not invoiced",
-        )
-        expect(
-            "completed totals = fresh recomputation",
-            self.db_rows(
-                "WITH fresh AS (SELECT business_date, store_id, count(*)::int AS n,"
-                " sum(amount_cents)::bigint AS cents FROM invoices"
-                " WHERE business_date::text = ANY(%(k)s) GROUP BY 1, 2),"
-                " stored AS (SELECT business_date, store_id, invoice_count AS n,"
-                " amount_cents AS cents FROM daily_invoice_totals"
-                " WHERE business_date::text = ANY(%(k)s))"
-                " SELECT 'stored' AS side, * FROM"
-                " (SELECT * FROM stored EXCEPT SELECT * FROM fresh) a"
-                " UNION ALL SELECT 'fresh', * FROM"
-                " (SELECT * FROM fresh EXCEPT SELECT * FROM stored) b",
-                {"k": completed("rebuild_totals")},
-            ),
-            "daily_invoice_totals rows that differ from a recomputation from the invoices",
-        )
-        expect(
-            "one summary row per date",
-            self.db_rows(
-                "SELECT business_date, count(*) FROM reconciliation_summary GROUP BY 1"
-                " HAVING count(*) > 1"
-            ),
-            "dates with more than one reconciliation summary",
-        )
-        # 3. A confirmed effect is never sent again: its call count never grows.
-        now = {
-            k: int(c)
-            for k, c in self.db_rows(
-                "SELECT idempotency_key, call_count FROM idempotency.outbound_ledger"
-                " WHERE status = 'succeeded'"
-            )
-        }
-        expect(
-            "confirmed effect never sent again",
-            [
-                (k, f"call_count {c} when confirmed and checked, now {now.get(k)}")
-                for k, c in sorted(self.confirmed.items())
-                if now.get(k) != c
-            ],
-            "ledger keys confirmed at an earlier check that were called again since",
-        )
-        self.confirmed.update(now)
-        # 4. Attempts tell a consistent story.
-        attempts = self.db_rows(
-            "SELECT job_name, run_key, attempt_id, outcome, force, dry_run, dag_id, run_id,"
-            " task_id, try_number FROM idempotency.job_run_attempts"
-            " ORDER BY job_name, run_key, attempt_id"
-        )
-        expect(
-            "completed key never recomputed without force",
-            recomputed_without_force(attempts),
-            "a non-forced attempt did the work of a key already completed, with no unfinished"
-            " forced recompute before it (job, key, attempt, previous completion)",
-        )
-        expect(
-            "job_runs completed by a completed attempt",
-            self.db_rows(
-                "SELECT r.job_name, r.run_key, r.current_attempt_id, a.outcome"
-                " FROM idempotency.job_runs r"
-                " LEFT JOIN idempotency.job_run_attempts a ON a.attempt_id = r.current_attempt_id"
-                " WHERE r.status = 'completed' AND a.outcome IS DISTINCT FROM 'completed'"
-            ),
-            "completed job_runs whose current attempt did not complete (e.g. lock_lost)",
-        )
-        expect(
-            "every execution has its attempt row",
-            self.executions_without_attempt(attempts),
-            "successful task instances with no attempt row of a successful outcome"
-            " (dag, run, task, try)",
-        )
-        expect(
-            "no advisory lock left",
-            self.db_rows(
-                "SELECT l.pid, l.classid, l.objid, a.application_name, a.state"
-                " FROM pg_locks l LEFT JOIN pg_stat_activity a USING (pid)"
-                " WHERE l.locktype = 'advisory'"
-                " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            ),
-            "advisory locks held while nothing runs",
-        )
-        if final:
-            expect(
-                "no running attempt without a live holder",
-                self.db_rows(
-                    "SELECT a.job_name, a.run_key, a.attempt_id, a.lock_backend_pid"
-                    " FROM idempotency.job_run_attempts a WHERE a.outcome = 'running'"
-                    " AND NOT EXISTS (SELECT 1 FROM pg_stat_activity s"
-                    " WHERE s.pid = a.lock_backend_pid)"
-                ),
-                "attempts still running whose lock session is gone, after convergence",
-            )
-            expect(
-                "converged: every job of every touched date completed",
-                [
-                    (job, key, status.get((job, key)))
-                    for key in keys
-                    for job in JOBS
-                    if status.get((job, key)) != "completed"
-                ],
-                "job runs not completed after the convergence pass",
-            )
+    def check(self, when: tuple[invariants.When, ...]) -> list[invariants.Violation]:
+        phase = self.p
+        found = self.retrying(lambda: phase.checker.check(self.dsn, phase.keys, when))
+        if "quiescent" in when:
+            succeeded = [
+                (r["dag_id"], r["run_id"], r["task_id"], int(r["try_number"]))
+                for r in self.stack.query(
+                    "SELECT ti.dag_id, ti.run_id, ti.task_id, ti.try_number FROM task_instance ti"
+                    " JOIN dag_run r ON r.dag_id = ti.dag_id AND r.run_id = ti.run_id"
+                    " WHERE ti.state = 'success' AND r.id > ?",
+                    (phase.base_run_id,),
+                )
+            ]
+            found += self.retrying(lambda: phase.checker.check_executions(self.dsn, succeeded))
         return found
 
-    def executions_without_attempt(self, attempts: list[tuple[Any, ...]]) -> list[Any]:
-        ok = {"completed", "noop", "dry_run"}
-        seen = {(a[6], a[7], a[8], a[9]) for a in attempts if a[3] in ok}
-        missing = []
-        for r in self.stack.query(
-            "SELECT dag_id, run_id, task_id, try_number FROM task_instance WHERE state = 'success'"
-        ):
-            if (r["dag_id"], r["run_id"], r["task_id"], r["try_number"]) not in seen:
-                missing.append((r["dag_id"], r["run_id"], r["task_id"], r["try_number"]))
-        return missing
+    def verify(self, when: tuple[invariants.When, ...], final: bool = False) -> None:
+        """Check; on a violation report it and end the phase (raise :class:`PhaseOver`)."""
+        phase = self.p
+        violations = self.check(when)
+        if when != ("always",) or violations:
+            kind = "final" if final else "+".join(when)
+            verdict = "OK" if not violations else f"{len(violations)} VIOLATED"
+            say(f"phase {phase.build.name} step {phase.steps}: invariants ({kind}): {verdict}")
+        if not violations:
+            return
+        phase.violations += violations
+        phase.caught_at_step = phase.steps
+        phase.caught_after = time.monotonic() - phase.loop_t0
+        self.report(violations)
+        raise PhaseOver()
 
     # ---------------------------------------------------------------- convergence
 
     def converge(self) -> None:
-        say(f"convergence: rerunning {len(self.touched)} touched date(s) until completed")
+        phase = self.p
+        say(f"convergence: rerunning {len(phase.touched)} touched date(s) until completed")
         for round_ in range(1, 6):
-            keys = sorted(self.touched)
+            keys = sorted(phase.touched)
             status = {
                 (j, k): s
                 for j, k, s in self.db_rows(
@@ -865,14 +1020,16 @@ class Chaos:
                 )
             }
             todo = [
-                d for d in keys if any(status.get((j, d.isoformat())) != "completed" for j in JOBS)
+                d
+                for d in keys
+                if any(status.get((j, d.isoformat())) != "completed" for j in invariants.JOBS)
             ]
             # A forced reconcile that crashed left its key started (and its attempt running):
             # only another forced reconcile runs that job again, so convergence does one.
             reconcile = {
                 d
                 for d in keys
-                if status.get((RECONCILE_JOB, d.isoformat())) not in (None, "completed")
+                if status.get((RECONCILE_EXPORT_JOB, d.isoformat())) not in (None, "completed")
             }
             todo = sorted(set(todo) | reconcile)
             if not todo:
@@ -880,7 +1037,7 @@ class Chaos:
             runs = []
             for day in todo:
                 event = self.log(
-                    Event(self.steps_done, "converge", f"{day} round {round_}", time.monotonic())
+                    Event(phase.steps, "converge", f"{day} round {round_}", time.monotonic())
                 )
                 conf: dict[str, Any] = {"run_key": day.isoformat()}
                 if day in reconcile:
@@ -897,284 +1054,102 @@ class Chaos:
 
     # ---------------------------------------------------------------- report
 
-    def report(self, step: int, violations: list[Violation]) -> None:
+    def report(self, violations: list[invariants.Violation]) -> None:
+        phase = self.p
+        broken = f" --builds {phase.build.name}" if phase.build.broken else ""
         print("\n" + "=" * 100)
         print(
-            f"CHAOS INVARIANT VIOLATION at step {step}: seed {self.seed} "
-            f"(replay: python3 dev.py chaos --seed {self.seed} --steps {self.args.steps}"
-            f"{' --broken ' + self.args.broken if self.args.broken else ''})"
+            f"CHAOS INVARIANT VIOLATION at step {phase.steps} of build {phase.build.name}: "
+            f"seed {phase.seed} (replay: python3 dev.py chaos --seed {self.seed}"
+            f" --steps {self.args.steps}{broken})"
         )
+        if phase.build.broken:
+            print(f"  (expected: the broken build {phase.build.name}, {phase.build.what})")
         for v in violations:
             print(v.text())
         print("action log:")
         with self.lock:
-            for event in self.events:
-                print("  " + event.line(self.t0))
+            for event in phase.events:
+                print("  " + event.line(phase.t0))
         print("=" * 100, flush=True)
 
     def summary(self) -> dict[str, Any]:
+        phase = self.p
+        caught_by = sorted({v.invariant.name for v in phase.violations})
         return {
-            "seed": self.seed,
-            "steps": self.steps_done,
-            "minutes": round((time.monotonic() - self.t0) / 60, 1),
-            "dates": [d.isoformat() for d in sorted(self.touched)],
+            "build": phase.build.name,
+            "broken": phase.build.broken,
+            "ok": phase.ok,
+            "seed": phase.seed,
+            "steps": phase.steps,
+            "seconds": round(time.monotonic() - phase.t0, 1),
+            "caught_at_step": phase.caught_at_step,
+            "caught_after_seconds": (
+                round(phase.caught_after, 1) if phase.caught_after is not None else None
+            ),
+            "violations": caught_by,
+            "dates": phase.keys,
             "orders_per_date": self.args.orders,
-            "broken": self.args.broken,
-            "actions": dict(sorted(self.actions_by_kind.items())),
-            "faults": dict(sorted(self.faults_by_kind.items())),
-            "fault_results": dict(sorted(self.fault_results.items())),
-            "quiescent_points": self.quiescent_points,
+            "actions": dict(sorted(phase.actions.items())),
+            "faults": dict(sorted(phase.faults.items())),
+            "fault_results": dict(sorted(phase.fault_results.items())),
+            "fired": self.fired(),
+            "quiescent_points": phase.quiescent_points,
             "components_restarted": dict(self.revived),
             "crashes_claimed": sorted(
                 p.name.split(".claimed-by-")[0]
                 for p in self.fault_dir.iterdir()
                 if ".claimed-by-" in p.name
             ),
-            "invariant_checks": dict(sorted(self.checks.items())),
-            "violations": [v.invariant for v in self.violations],
+            "invariant_checks": dict(sorted(phase.checker.checked.items())),
             "attempt_outcomes": dict(
                 self.db_rows(
                     "SELECT outcome, count(*) FROM idempotency.job_run_attempts"
                     " GROUP BY 1 ORDER BY 1"
                 )
             ),
-            # Summed over every instance of the service (it restarts), from its own tables.
+            "witness": {
+                "work transactions": self.db_rows("SELECT count(*) FROM work_witness")[0][0],
+                "lock sessions ended": self.db_rows("SELECT count(*) FROM witness_lock_losses")[0][
+                    0
+                ],
+            },
+            # Every request that reached the remote, from its own log (all its instances).
             "remote": {
                 **dict(
                     self.db_rows(
-                        "SELECT name, sum(value)::bigint FROM accounting.request_counters"
-                        " GROUP BY 1 ORDER BY 1"
+                        "SELECT outcome, count(*) FROM accounting.requests GROUP BY 1 ORDER BY 1"
                     )
                 ),
                 "invoices": self.db_rows("SELECT count(*) FROM accounting.invoices")[0][0],
             },
-            "ledger_calls": dict(
-                self.db_rows(
-                    "SELECT status, sum(call_count)::bigint FROM idempotency.outbound_ledger"
-                    " GROUP BY 1 ORDER BY 1"
-                )
-            ),
         }
 
-    # ---------------------------------------------------------------- the whole run
 
-    def verify(self, step: int, final: bool = False) -> None:
-        violations = self.check(final)
-        say(
-            f"step {step}: invariants checked ({'final' if final else 'quiescent'}): "
-            f"{'OK' if not violations else str(len(violations)) + ' VIOLATED'}"
-        )
-        if violations:
-            self.violations += violations
-            self.report(step, violations)
-            raise ChaosFailure(", ".join(v.invariant for v in violations))
-
-    final_summary: dict[str, Any] | None = None
-
-    def summary_safe(self) -> dict[str, Any]:
-        if self.final_summary is not None:
-            return self.final_summary
-        return {"seed": self.seed, "steps": self.steps_done, "note": "no summary (set-up failed)"}
-
-    def run(self) -> None:
-        from devtools.airflow_stack import AirflowStack
-
-        if self.workdir.exists():
-            shutil.rmtree(self.workdir)
-        self.workdir.mkdir(parents=True)
-        self.fault_dir = self.workdir / "faults"
-        self.fault_dir.mkdir()
-        say(
-            f"seed {self.seed}, {self.args.steps} steps (at most {self.args.minutes} min), "
-            f"dates {self.dates[0]}..{self.dates[-1]}, {self.args.orders} orders each; "
-            f"work folder {self.workdir}"
-        )
-        broken = self.broken_pythonpath()
-        self.pg = PrivateServer(self.workdir / "pg")
-        self.dsn = self.pg.dsn
-        try:
-            self.seed_orders()
-            self.start_service()
-            url = urlsplit(self.service.url)
-            options = {
-                "timeout": 2,
-                "backoff_initial": 0.05,
-                "backoff_max": 0.5,
-                "batch_size": 10,
-                "unreachable_after": 10,
-            }
-            pythonpath = [
-                p for p in (broken, str(ROOT), str(DAGS_FOLDER), os.environ.get("PYTHONPATH")) if p
-            ]
-            env = {
-                "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(self.dsn),
-                "AIRFLOW_CONN_ACCOUNTING_API": json.dumps(
-                    {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": options}
-                ),
-                "AIRFLOW_IDEMPOTENCY_FAULT_DIR": str(self.fault_dir),
-                "AIRFLOW__CORE__PARALLELISM": str(self.args.parallelism),
-                "PYTHONPATH": os.pathsep.join(pythonpath),
-            }
-            metadata = contextlib.ExitStack()
-            metadata_dsn = None
-            if self.args.airflow_db == "postgres":
-                # Airflow's metadata on the shared server, not the private one the faults
-                # restart: the scheduler on SQLite died of "database is locked" in long runs.
-                from devtools.postgres import find_server, temporary_database
-
-                metadata_dsn = metadata.enter_context(
-                    temporary_database(find_server(), "idem_chaos_airflow")
-                )
-            self.stack = AirflowStack(
-                self.workdir / "airflow", DAGS_FOLDER, env, metadata_dsn=metadata_dsn
-            )
-            if broken:
-                self.check_broken_is_used(broken)
-            try:
-                self.stack.start(300)
-                for dag_id in (FINALIZE, *RECONCILE_DAGS):
-                    self.stack.unpause(dag_id, timeout=300)
-                say(f"stack up after {time.monotonic() - self.t0:.0f} s")
-                self.loop()
-            finally:
-                for timer in self.fault_timers:
-                    timer.cancel()
-                with contextlib.suppress(Exception):
-                    self.final_summary = self.summary()
-                self.stack.stop()
-                metadata.close()
-        finally:
-            self.stop_service()
-            self.pg.stop()
-
-    def loop(self) -> None:
-        threads: list[threading.Thread] = []
-        deadline = self.t0 + self.args.minutes * 60
-        step = 0
-        for step in range(1, self.args.steps + 1):
-            threads = [t for t in threads if t.is_alive()]
-            while len([t for t in threads if t.name.startswith("action")]) >= self.args.overlap:
-                next(t for t in threads if t.name.startswith("action")).join(timeout=1)
-                threads = [t for t in threads if t.is_alive()]
-            threads.append(self.start_action(step))
-            fault = self.start_fault(step)
-            if fault is not None:
-                threads.append(fault)
-            self.steps_done = step
-            time.sleep(self.rng.uniform(0.5, self.args.max_gap))
-            if step % self.args.check_every == 0 or step == self.args.steps:
-                self.quiesce(threads)
-                self.verify(step)
-            if time.monotonic() > deadline:
-                say(f"time is up after step {step}")
-                break
-        self.quiesce(threads)
-        self.disarm()
-        self.converge()
-        self.quiesce(threads)
-        self.verify(step, final=True)
-
-
-def recomputed_without_force(attempts: list[tuple[Any, ...]]) -> list[Any]:
-    """Attempts that did the work of a completed key although nothing allowed it.
-
-    Work attempts are those not ``noop``/``lock_held``/``reset`` and not dry runs. After a
-    completion, the next work attempt must be forced, unless a forced recompute since that
-    completion did not complete (it left the key ``started`` or ``failed``, and a plain run
-    finishes it: documented in the README).
-    """
-    bad = []
-    state: dict[tuple[str, str], tuple[int | None, bool]] = {}
-    for job, key, attempt_id, outcome, force, dry_run, *_ in attempts:
-        if outcome in ("noop", "lock_held", "reset") or dry_run:
-            continue
-        last_completion, forced_unfinished = state.get((job, key), (None, False))
-        if last_completion is not None and not force and not forced_unfinished:
-            bad.append((job, key, attempt_id, last_completion))
-        if outcome == "completed":
-            state[(job, key)] = (attempt_id, False)
-        elif force:
-            state[(job, key)] = (last_completion, True)
-    return bad
-
-
-CHAOS_BEGIN = "<!-- chaos:begin -->"
-CHAOS_END = "<!-- chaos:end -->"
-
-
-def render_markdown(summary: dict[str, Any], command: str) -> str:
-    """The chaos section of FAULTS.md for one run's summary."""
-
-    def counts(data: Any) -> str:
-        return ", ".join(f"{k} {v}" for k, v in dict(data or {}).items()) or "none"
-
-    violations = summary.get("violations") or []
-    dates = list(summary.get("dates") or [])
-    checks = dict(summary.get("invariant_checks") or {})
-    lines = [
-        CHAOS_BEGIN,
-        "## Chaos (devtools/chaos.py)",
-        "",
-        "Seeded, overlapping actions and independent faults against the real Airflow 3 stack, "
-        "a private PostgreSQL and the accounting service; the invariants are checked at "
-        "every quiescent point and after a final convergence pass. Written by "
-        "`python3 dev.py chaos --faults-md FAULTS.md` (kept when `python3 dev.py faults` "
-        "rewrites the rest of this file).",
-        "",
-        f"- Command: `{command}`",
-        f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; "
-        f"{summary.get('minutes')} min; seed **{summary.get('seed')}**; "
-        f"**{summary.get('steps')} steps**; {len(dates)} business dates touched"
-        + (f" ({dates[0]} .. {dates[-1]})" if dates else "")
-        + f", {summary.get('orders_per_date')} orders each"
-        + (f"; BROKEN BUILD `{summary['broken']}`" if summary.get("broken") else ""),
-        f"- Actions by kind: {counts(summary.get('actions'))}",
-        f"- Faults by kind: {counts(summary.get('faults'))}",
-        f"- Fault outcomes: {counts(summary.get('fault_results'))}",
-        f"- Crash points claimed (a worker SIGKILLed there): "
-        f"{len(summary.get('crashes_claimed') or [])} "
-        f"({counts(Counter(summary.get('crashes_claimed') or []))})",
-        f"- Attempts by outcome: {counts(summary.get('attempt_outcomes'))}",
-        *(
-            [f"- Accounting service (all its instances): {counts(summary['remote'])}"]
-            if summary.get("remote")
-            else []
-        ),
-        f"- Quiescent points: {summary.get('quiescent_points')}; Airflow components "
-        f"restarted after they died: {counts(summary.get('components_restarted'))}",
-        f"- Result: **{len(violations)} violation(s)**"
-        + (f": {', '.join(violations)}" if violations else ""),
-        "",
-        "| invariant | times checked |",
-        "|---|---:|",
-        *(f"| {name} | {n} |" for name, n in checks.items()),
-        "",
-        CHAOS_END,
-    ]
-    return "\n".join(lines)
-
-
-def write_faults_md(path: Path, section: str) -> None:
-    """Replace (or append) the chaos section of ``path``."""
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if CHAOS_BEGIN in text and CHAOS_END in text:
-        head, rest = text.split(CHAOS_BEGIN, 1)
-        tail = rest.split(CHAOS_END, 1)[1]
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text, encoding="utf-8")
+# ------------------------------------------------------------------------- the command
 
 
 def _terminate(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _names(text: str, known: Sequence[str], what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{what}: {', '.join(unknown) or 'none given'}; choose from {', '.join(known)}"
+        )
+    return names
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--minutes", type=float, default=30.0, help="stop drawing steps after this")
+    parser.add_argument("--steps", type=int, default=60, help="steps of a correct phase")
+    parser.add_argument(
+        "--minutes", type=float, default=30.0, help="stop drawing steps after this (a phase)"
+    )
     parser.add_argument(
         "--dates", type=int, default=4, help="business dates in play at once, from 2026-10-01"
     )
@@ -1195,11 +1170,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parallelism", type=int, default=4, help="task instances Airflow runs at once"
     )
+    builds = tuple(BUILDS)
+    parser.add_argument(
+        "--builds",
+        type=lambda text: _names(text, builds, "--builds"),
+        default=[CORRECT],
+        help="the builds to run, one phase each on one stack, comma-separated: "
+        + ", ".join(builds),
+    )
     parser.add_argument(
         "--broken",
-        choices=sorted(BROKEN),
+        choices=BROKEN,
         default=None,
-        help="run against a deliberately broken copy of the provider",
+        help="run only this deliberately broken copy of the provider (= --builds NAME)",
+    )
+    parser.add_argument(
+        "--broken-steps",
+        type=int,
+        default=25,
+        help="steps a broken build's phase may take to be caught",
+    )
+    parser.add_argument(
+        "--broken-seed",
+        type=int,
+        default=None,
+        help="the seed of every broken build's phase (default: each build's own, "
+        "devtools/chaos_builds.py)",
+    )
+    parser.add_argument(
+        "--require-fired",
+        type=lambda text: _names(text, tuple(PROOFS), "--require-fired"),
+        default=[],
+        help="faults a correct phase must have seen happen (forced at its end if not): "
+        + ", ".join(PROOFS),
     )
     parser.add_argument(
         "--airflow-db",
@@ -1219,14 +1222,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --faults-md: render a summary JSON written earlier instead of running",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.broken:
+        args.builds = [args.broken]
     if args.steps < 1 or args.dates < 1 or args.orders < 1 or args.overlap < 1:
-        parser.error("--steps, --dates, --orders and --overlap must be at least 1")
-    if args.new_date_every < 0 or args.check_every < 1:
-        parser.error("--new-date-every must not be negative, --check-every at least 1")
+        parser().error("--steps, --dates, --orders and --overlap must be at least 1")
+    if args.new_date_every < 0 or args.check_every < 1 or args.broken_steps < 1:
+        parser().error("--new-date-every must not be negative, --check-every at least 1")
     if args.from_summary:
         if not args.faults_md:
-            parser.error("--from-summary needs --faults-md")
+            parser().error("--from-summary needs --faults-md")
         saved = json.loads(args.from_summary.read_text(encoding="utf-8"))
         write_faults_md(args.faults_md, render_markdown(saved, saved.get("command", "")))
         return 0
@@ -1236,21 +1245,33 @@ def main(argv: list[str] | None = None) -> int:
     # and the private server are stopped by the finally blocks, none is left behind.
     signal.signal(signal.SIGTERM, _terminate)
     chaos = Chaos(args)
-    code = 0
+    error = ""
     try:
         chaos.run()
-    except ChaosFailure:
-        code = 1
-    summary = chaos.summary_safe()
-    summary["command"] = "python3 dev.py chaos " + " ".join(
-        a for a in (argv if argv is not None else sys.argv[1:])
-    )
+    except Exception as exc:  # the set-up failed: reported, the summary says so
+        error = f"{type(exc).__name__}: {exc}"
+        say(f"chaos could not run: {error}")
+    phases = [p.summary or {"build": p.build.name, "ok": False} for p in chaos.phases]
+    summary = {
+        "seed": args.seed,
+        "startup_seconds": round(chaos.startup_seconds, 1),
+        "phases": phases,
+        "error": error,
+        "command": "python3 dev.py chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     print("chaos summary: " + json.dumps(summary, default=str), flush=True)
+    for phase in phases:
+        verdict = "as expected" if phase.get("ok") else "NOT AS EXPECTED"
+        say(
+            f"build {phase.get('build')}: {verdict} ({phase.get('steps')} steps, "
+            f"{phase.get('seconds')} s, violations: {phase.get('violations') or 'none'})"
+        )
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
     if args.faults_md:
         write_faults_md(args.faults_md, render_markdown(summary, summary["command"]))
-    return code
+    complete = len(phases) == len(args.builds) and not error
+    return 0 if complete and all(p.get("ok") for p in phases) else 1
 
 
 if __name__ == "__main__":

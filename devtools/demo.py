@@ -56,6 +56,7 @@ from devtools.demo_support import (
     rel,
     shielded,
 )
+from devtools.invariants import fire_time
 
 if str(DAGS_FOLDER) not in sys.path:  # `invoicing` lives in dags/ (dev.py puts it on the path)
     sys.path.insert(0, str(DAGS_FOLDER))
@@ -108,12 +109,6 @@ class Plan:
 
 def _days(start: dt.date, count: int) -> tuple[dt.date, ...]:
     return tuple(start + dt.timedelta(days=i) for i in range(count))
-
-
-def fire_time(business_date: dt.date) -> str:
-    """When the nightly run of ``business_date`` fires (D+1 01:00 UTC): its logical date."""
-    fired = dt.datetime.combine(business_date + dt.timedelta(days=1), dt.time(1), dt.timezone.utc)
-    return fired.isoformat()
 
 
 # -- the demo -------------------------------------------------------------------------

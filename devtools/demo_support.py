@@ -32,7 +32,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from devtools import airflow_env
+from devtools import airflow_env, invariants
 from devtools.airflow_env import DAGS_FOLDER, ROOT
 from devtools.workers import connection_env, dags_test, kill_group, private_airflow_env
 
@@ -234,68 +234,15 @@ class DemoRig:
 
     def date_state(self, day: dt.date) -> dict[str, int]:
         """Counts of one business date in every place the job writes to."""
-        row = self.rows(
-            """
-            SELECT
-              (SELECT count(*) FROM orders WHERE shipped_on = %(d)s::date),
-              (SELECT count(*) FROM invoices WHERE business_date = %(d)s::date),
-              (SELECT count(*) FROM orders WHERE shipped_on = %(d)s::date AND invoiced_at IS NULL),
-              (SELECT coalesce(sum(invoice_count), 0) FROM daily_invoice_totals
-                WHERE business_date = %(d)s::date),
-              (SELECT count(*) FROM idempotency.outbound_ledger
-                WHERE run_key = %(k)s AND remote_system = 'accounting' AND status = 'succeeded'),
-              (SELECT count(*) FROM idempotency.outbound_ledger
-                WHERE run_key = %(k)s AND remote_system = 'accounting' AND status = 'pending'),
-              (SELECT count(*) FROM idempotency.outbound_ledger
-                WHERE run_key = %(k)s AND remote_system = 'accounting' AND status = 'failed'),
-              (SELECT count(*) FROM accounting.invoices WHERE invoice->>'business_date' = %(k)s),
-              (SELECT count(DISTINCT invoice->>'order_id') FROM accounting.invoices
-                WHERE invoice->>'business_date' = %(k)s)
-            """,
-            {"d": day.isoformat(), "k": day.isoformat()},
-        )[0]
-        keys = (
-            "orders", "invoices", "uninvoiced", "totals", "ledger_succeeded", "ledger_pending",
-            "ledger_failed", "remote", "remote_orders",
-        )  # fmt: skip
-        return dict(zip(keys, (int(v) for v in row), strict=True))
+        return invariants.date_counts(self.dsn, day)
 
     def converged(self, day: dt.date) -> tuple[bool, str]:
         """Invoices = orders, exactly one remote invoice per order, every ledger row confirmed."""
-        s = self.date_state(day)
-        n = s["orders"]
-        ok = (
-            n > 0
-            and s["invoices"] == n
-            and s["uninvoiced"] == 0
-            and s["totals"] == n
-            and s["ledger_succeeded"] == n
-            and s["ledger_pending"] == s["ledger_failed"] == 0
-            and s["remote"] == s["remote_orders"] == n
-        )
-        return ok, f"{day}: {s}"
+        return not invariants.not_converged(self.dsn, [day]), f"{day}: {self.date_state(day)}"
 
     def fingerprint(self, days: Sequence[dt.date]) -> tuple[Any, ...]:
         """A digest of everything a no-op must leave alone (rows, statuses, rebuild times)."""
-        keys = [d.isoformat() for d in days]
-        return self.rows(
-            """
-            SELECT
-              (SELECT md5(coalesce(string_agg(invoice_number || ':' || order_id || ':'
-                 || amount_cents, ',' ORDER BY invoice_number), ''))
-                 FROM invoices WHERE business_date = ANY(%(d)s::date[])),
-              (SELECT md5(coalesce(string_agg(business_date || ':' || store_id || ':'
-                 || invoice_count || ':' || rebuilt_at, ',' ORDER BY business_date, store_id), ''))
-                 FROM daily_invoice_totals WHERE business_date = ANY(%(d)s::date[])),
-              (SELECT md5(coalesce(string_agg(idempotency_key || ':' || status || ':'
-                 || coalesce(remote_reference, '') || ':' || call_count, ','
-                 ORDER BY idempotency_key), ''))
-                 FROM idempotency.outbound_ledger WHERE run_key = ANY(%(k)s)),
-              (SELECT count(*) FROM accounting.invoices),
-              (SELECT coalesce(max(id), 0) FROM accounting.invoices)
-            """,
-            {"d": keys, "k": keys},
-        )[0]
+        return invariants.fingerprint(self.dsn, days)
 
     def details(self, day: dt.date, job: str) -> dict[str, Any]:
         rows = self.rows(
@@ -371,7 +318,7 @@ class DemoRig:
 
     @staticmethod
     def _stop_server(server: Any) -> None:
-        server.stop()
+        server.close()
 
     def start_service(self, stack: contextlib.ExitStack) -> None:
         from devtools.accounting import run_accounting_service

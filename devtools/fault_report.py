@@ -125,7 +125,7 @@ def postgres_versions() -> dict[str, str]:
                 row = conn.execute("SELECT version()").fetchone()
             versions[f"{server.source} server"] = str(row[0]).split(" on ")[0] if row else "?"
         finally:
-            server.stop()
+            server.close()
     except Exception as exc:  # the report says what it could not find
         versions["server"] = f"unknown ({type(exc).__name__}: {exc})"
     try:
@@ -245,7 +245,7 @@ def render(
 def keep_chaos_section(path: Path, report: str) -> str:
     """``report`` with the chaos section of the existing ``path`` (devtools/chaos.py writes
     it from a long run, which this command does not repeat) appended."""
-    from devtools.chaos import CHAOS_BEGIN, CHAOS_END
+    from devtools.chaos_report import CHAOS_BEGIN, CHAOS_END
 
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     if CHAOS_BEGIN not in old or CHAOS_END not in old:

@@ -18,7 +18,6 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -108,32 +107,12 @@ class TcpPostgres:
 def tcp_postgres(listen: str) -> Iterator[TcpPostgres]:
     """Start a private embedded server (data under the checkout's .pgdata/) listening on a
     free port of ``listen``; stop it and remove its data afterwards."""
-    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]  # made at import
-
     with contextlib.closing(socket.socket()) as probe:
         probe.bind((listen, 0))
         port = probe.getsockname()[1]
     with private_embedded("tcp") as server:
-        handle = server._handle
-        socket_dir = _socket_dir(server)
-        pg_ctl(["-w", "-m", "fast", "stop"], pgdata=handle.pgdata, user=handle.system_user)
-        hba = Path(handle.pgdata) / "pg_hba.conf"  # initdb trusts loopback addresses only
-        hba.write_text(hba.read_text() + f"host all all {listen}/24 trust\n")
-        options = f"-h {listen} -p {port} -k {socket_dir}"
-        log = Path(handle.pgdata) / "tcp.log"
-        pg_ctl(
-            ["-w", "-o", options, "-l", str(log), "start"],
-            pgdata=handle.pgdata,
-            user=handle.system_user,
-        )
-        server.admin_dsn = make_conninfo(server.admin_dsn, port=str(port))  # the socket's name
+        server.listen(listen, port)
         tcp = TcpPostgres(server, listen, port)
         with psycopg.connect(tcp.dsn("postgres"), connect_timeout=5) as conn:
             conn.execute("SELECT 1")
         yield tcp
-
-
-def _socket_dir(server: PostgresServer) -> str:
-    from psycopg.conninfo import conninfo_to_dict
-
-    return str(conninfo_to_dict(server.admin_dsn)["host"])

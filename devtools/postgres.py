@@ -1,4 +1,4 @@
-"""Find a PostgreSQL server for the demo, the tests and the benchmarks.
+"""Find a PostgreSQL server for the demo, the tests and the benchmarks; stop and start one.
 
 Order of preference, each announced on stderr so nobody wonders which one is used:
 
@@ -8,6 +8,11 @@ Order of preference, each announced on stderr so nobody wonders which one is use
    this process, with its data in the git-ignored ``.pgdata/`` folder of the checkout.
 
 ``IDEMPOTENCY_PG=embedded`` skips the first two, ``IDEMPOTENCY_PG=local`` forbids the third.
+
+A server of a caller's own (:func:`private_embedded`) can be stopped, started again and
+restarted (:meth:`PostgresServer.stop`, :meth:`~PostgresServer.start`,
+:meth:`~PostgresServer.restart`): the fault scenarios, the partition tests and chaos do.
+Everything that touches the ``pgserver`` library is in :class:`_Embedded`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,15 +37,69 @@ ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA_DIR = ROOT / ".pgdata" / "data"
 PRIVATE_DATA_ROOT = ROOT / ".pgdata" / "private"  # servers of one test each (private_embedded)
 LOCAL_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres connect_timeout=2"
+STOP_MODES = ("smart", "fast", "immediate")
+
+
+class _Embedded:
+    """The one adapter of the ``pgserver`` library: its handle, and pg_ctl on its data.
+
+    pgserver starts a server and stops it when its last user exits; it has no public way to
+    stop it for a moment and start the very same server again (same data, same socket, so
+    the same DSN), which the fault scenarios need. This class does that with pgserver's
+    own ``pg_ctl`` wrapper and start routine, and nothing outside it touches pgserver.
+    """
+
+    def __init__(self, handle: Any, private: bool) -> None:
+        self._handle = handle
+        self.private = private
+        self._options: str | None = None  # postgres options of our own start, if any
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self._handle.pgdata)
+
+    def admin_dsn(self) -> str:
+        """The DSN of database ``postgres`` as the running server's postmaster.pid tells it."""
+        info = self._handle.get_postmaster_info()
+        dsn = make_conninfo(self._handle.get_uri(), dbname="postgres")
+        return make_conninfo(dsn, port=str(info.port)) if info.port else dsn
+
+    def socket_dir(self) -> str:
+        return str(self._handle.get_postmaster_info().socket_dir)
+
+    def pg_ctl(self, args: list[str]) -> None:
+        from pgserver._commands import pg_ctl  # type: ignore[attr-defined]  # made at import
+
+        pg_ctl(args, pgdata=self._handle.pgdata, user=self._handle.system_user, timeout=60)
+
+    def stop(self, mode: str) -> None:
+        self.pg_ctl(["-w", "-m", mode, "stop"])
+
+    def start(self, options: str | None = None) -> None:
+        """Start the stopped server: with pgserver's options (its socket only), or with the
+        postgres ``options`` given here or at an earlier start (kept for the next ones)."""
+        self._options = options or self._options
+        if self._options:
+            log = self.data_dir / "log"
+            self.pg_ctl(["-w", "-o", self._options, "-l", str(log), "start"])
+        # Finds the server running (or starts it, as pgserver does) and re-reads its
+        # postmaster.pid, so that admin_dsn() names the new process's socket and port.
+        with self._handle._lock:
+            self._handle.ensure_postgres_running()
+
+    def release(self) -> None:
+        """pgserver's clean-up: stops the server if this process is its last user."""
+        self._handle.cleanup()
 
 
 @dataclass
 class PostgresServer:
-    """An admin DSN (database ``postgres``) and where it came from."""
+    """An admin DSN (database ``postgres``), where it came from, and the embedded server
+    behind it when this process started one."""
 
     admin_dsn: str
     source: str  # "dsn", "local" or "embedded"
-    _handle: Any = None
+    _embedded: _Embedded | None = None
 
     def dsn(self, dbname: str) -> str:
         """The DSN of database ``dbname`` on this server."""
@@ -67,11 +127,64 @@ class PostgresServer:
         with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
             conn.execute(stmt)
 
-    def stop(self) -> None:
-        """Stop the embedded server if this process started it."""
-        if self._handle is not None:
-            self._handle.cleanup()
-            self._handle = None
+    # ---------------------------------------------------------------- a private server
+
+    @property
+    def data_dir(self) -> Path:
+        """The data folder of this private server."""
+        return self._private().data_dir
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop this private server: ``fast`` (sessions terminated, a clean shutdown),
+        ``immediate`` (like a crash: WAL recovery on the next start) or ``smart``."""
+        if mode not in STOP_MODES:
+            raise ValueError(f"stop mode {mode!r}: use one of {', '.join(STOP_MODES)}")
+        self._private().stop(mode)
+
+    def start(self) -> None:
+        """Start this private server again, with the options of its last start: the same
+        DSN works again."""
+        embedded = self._private()
+        embedded.start()
+        self.admin_dsn = embedded.admin_dsn()
+
+    def restart(self, mode: str = "fast", down_seconds: float = 0.0) -> float:
+        """Stop (``mode``), stay down ``down_seconds``, start again; return the seconds down."""
+        began = time.monotonic()
+        self.stop(mode)
+        time.sleep(down_seconds)
+        self.start()
+        return time.monotonic() - began
+
+    def listen(self, host: str, port: int) -> None:
+        """Restart this private server listening on TCP ``host``:``port`` as well as on its
+        socket, trusting the /24 of ``host`` (initdb trusts loopback addresses only).
+        ``admin_dsn`` keeps using the socket (its file name carries the port)."""
+        embedded = self._private()
+        socket_dir = embedded.socket_dir()
+        embedded.stop("fast")
+        hba = embedded.data_dir / "pg_hba.conf"
+        hba.write_text(hba.read_text() + f"host all all {host}/24 trust\n")
+        embedded.start(f"-h {host} -p {port} -k {socket_dir}")
+        self.admin_dsn = embedded.admin_dsn()
+
+    def _private(self) -> _Embedded:
+        if self._embedded is None or not self._embedded.private:
+            raise RuntimeError(
+                f"this {self.source} server is shared: only a private embedded server "
+                "(devtools.postgres.private_embedded) can be stopped and started; "
+                "use close() to let go of a shared one"
+            )
+        return self._embedded
+
+    # ---------------------------------------------------------------- letting go
+
+    def close(self) -> None:
+        """Let go of the server: an embedded one this process started is stopped when no
+        other process uses it; a server found elsewhere is left alone."""
+        if self._embedded is not None:
+            self._embedded.release()
+            self._embedded = None
 
 
 def _answers(dsn: str) -> bool:
@@ -87,8 +200,12 @@ def _say(message: str) -> None:
     print(f"[postgres] {message}", file=sys.stderr, flush=True)
 
 
-def start_embedded(data_dir: Path = EMBEDDED_DATA_DIR) -> PostgresServer:
-    """Start (or join) the embedded server whose data lives in ``data_dir``."""
+def start_embedded(data_dir: Path = EMBEDDED_DATA_DIR, *, private: bool = False) -> PostgresServer:
+    """Start (or join) the embedded server whose data lives in ``data_dir``.
+
+    ``private``: the caller owns the server alone (:func:`private_embedded`), so it may
+    stop and start it.
+    """
     try:
         from pgserver.postgres_server import get_server
     except ImportError as exc:  # pragma: no cover - the dev lock installs it
@@ -101,9 +218,8 @@ def start_embedded(data_dir: Path = EMBEDDED_DATA_DIR) -> PostgresServer:
     logging.getLogger("pgserver").setLevel(logging.WARNING)
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     _say(f"starting embedded PostgreSQL in {data_dir} ...")
-    handle = get_server(data_dir, cleanup_mode="stop")
-    admin_dsn = make_conninfo(handle.get_uri(), dbname="postgres")
-    return PostgresServer(admin_dsn, "embedded", handle)
+    embedded = _Embedded(get_server(data_dir, cleanup_mode="stop"), private)
+    return PostgresServer(embedded.admin_dsn(), "embedded", embedded)
 
 
 def find_server() -> PostgresServer:
@@ -138,11 +254,11 @@ def private_embedded(name: str) -> Iterator[PostgresServer]:
     """
     data = PRIVATE_DATA_ROOT / f"{name}-{uuid.uuid4().hex[:8]}" / "data"
     try:
-        server = start_embedded(data)
+        server = start_embedded(data, private=True)
         try:
             yield server
         finally:
-            server.stop()
+            server.close()
     finally:
         shutil.rmtree(data.parent, ignore_errors=True)
 

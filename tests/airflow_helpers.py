@@ -14,6 +14,7 @@ from airflow.utils.state import DagRunState
 
 from airflow_idempotency import compat
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
+from devtools.invariants import fire_time
 
 _ARG_NOT_SET = object()
 
@@ -34,10 +35,7 @@ def scheduled_logical_date(business_date: str, at: str = "01:00") -> str:
     processes ``business_date``: the run fires at D+1 ``at``; on Airflow 3 (a
     CronTriggerTimetable) its logical date is that moment, on Airflow 2 (a
     CronDataIntervalTimetable) the start of its interval, D ``at``."""
-    day = dt.date.fromisoformat(business_date)
-    if AIRFLOW_V_3_0_PLUS:
-        day += dt.timedelta(days=1)
-    return f"{day.isoformat()}T{at}:00+00:00"
+    return fire_time(business_date, at, interval_start=not AIRFLOW_V_3_0_PLUS)
 
 
 def load_dag_bag(folder: Path) -> Any:

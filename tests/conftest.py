@@ -35,7 +35,7 @@ def pg_server() -> Iterator[PostgresServer]:
     """The PostgreSQL server for the session: a DSN, the local server or an embedded one."""
     server = find_server()
     yield server
-    server.stop()
+    server.close()
 
 
 @pytest.fixture
@@ -123,40 +123,9 @@ class InvoicingEnv:
 
     def state(self, business_date: str) -> dict[str, Any]:
         """Everything a rerun must leave identical, for row-by-row comparisons."""
-        import psycopg
+        from devtools.invariants import date_state
 
-        with psycopg.connect(self.dsn) as conn:
-
-            def q(sql: str) -> list[tuple[Any, ...]]:
-                return conn.execute(sql, {"d": business_date}).fetchall()
-
-            return {
-                "orders": q("SELECT count(*) FROM orders WHERE shipped_on = %(d)s")[0][0],
-                "invoices": q(
-                    "SELECT invoice_number, order_id, store_id, amount_cents FROM invoices"
-                    " WHERE business_date = %(d)s ORDER BY invoice_number"
-                ),
-                "uninvoiced_orders": q(
-                    "SELECT count(*) FROM orders WHERE shipped_on = %(d)s AND invoiced_at IS NULL"
-                )[0][0],
-                "totals": q(
-                    "SELECT store_id, invoice_count, amount_cents FROM daily_invoice_totals"
-                    " WHERE business_date = %(d)s ORDER BY store_id"
-                ),
-                "ledger": q(
-                    "SELECT idempotency_key, status, remote_reference FROM idempotency.outbound_ledger"
-                    " WHERE run_key = %(d)s ORDER BY idempotency_key"
-                ),
-                "remote": q(
-                    "SELECT idempotency_key, id, invoice->>'order_id'"
-                    " FROM accounting.invoices WHERE invoice->>'business_date' = %(d)s"
-                    " ORDER BY idempotency_key"
-                ),
-                "remote_duplicate_orders": q(
-                    "SELECT invoice->>'order_id' FROM accounting.invoices"
-                    " GROUP BY 1 HAVING count(*) > 1"
-                ),
-            }
+        return date_state(self.dsn, business_date)
 
 
 @pytest.fixture

@@ -17,17 +17,18 @@ from typing import Any
 
 import psycopg
 
+from devtools import invariants
 from devtools.airflow_env import AIRFLOW_2, DAGS_FOLDER
+from devtools.invariants import fire_time
 from devtools.workers import connection_env, dags_test, kill_group
 from workers import private_airflow_env
 
 __all__ = ["connection_env", "kill_group"]  # the scenarios import them from here too
 
 D = "2026-10-01"  # the business date of every finalize_invoices scenario
-# The scheduled run that processes it: its cron string ("0 1 * * *") is Airflow 3's
-# CronTriggerTimetable (the run fired at D+1 01:00, offset -1) and Airflow 2's
-# CronDataIntervalTimetable (logical date = the interval's start, D 01:00).
-FIRE = "2026-10-01T01:00:00+00:00" if AIRFLOW_2 else "2026-10-02T01:00:00+00:00"
+# The scheduled run that processes it (0 1 * * *): fired at D+1 01:00, its logical date on
+# Airflow 3; Airflow 2 names it by the start of its interval, D 01:00.
+FIRE = fire_time(D, interval_start=AIRFLOW_2)
 JOBS = ("create_invoices", "rebuild_totals", "export_invoices")
 
 
@@ -63,104 +64,34 @@ def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
 
 def advisory_locks(dsn: str) -> int:
     """Advisory locks held right now in this database (other databases are not ours)."""
-    return rows(
-        dsn,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    )[0][0]
+    return len(invariants.rows(dsn, "advisory_locks_left"))
 
 
 def job_statuses(dsn: str, run_key: str = D) -> dict[str, str]:
     """task -> job_runs.status of the finalize_invoices jobs (absent: never started)."""
-    if not rows(dsn, "SELECT to_regclass('idempotency.job_runs') IS NOT NULL")[0][0]:
-        return {}
-    return {
-        job.removeprefix("finalize_invoices."): status
-        for job, status in rows(
-            dsn,
-            "SELECT job_name, status FROM idempotency.job_runs WHERE run_key = %s",
-            (run_key,),
-        )
-    }
+    return invariants.job_statuses(dsn, run_key)
 
 
 def final_state(dsn: str, day: str = D) -> dict[str, Any]:
-    """What must be identical to an uninterrupted run, in a form comparable across databases.
-
-    Invoices by their natural columns (no identity ids, no timestamps), totals, the ledger
-    as (key, status) and the remote invoices as key -> order_id. Remote references differ
-    between databases, so they are checked for consistency inside one database instead
-    (see :func:`check_consistency`).
-    """
-    d = {"d": day}
-    return {
-        "invoices": rows(
-            dsn,
-            "SELECT invoice_number, order_id, business_date::text, store_id, customer_id,"
-            " amount_cents, currency FROM invoices WHERE business_date = %(d)s"
-            " ORDER BY invoice_number",
-            d,
-        ),
-        "uninvoiced_orders": rows(
-            dsn,
-            "SELECT count(*) FROM orders WHERE shipped_on = %(d)s AND invoiced_at IS NULL",
-            d,
-        )[0][0],
-        "totals": rows(
-            dsn,
-            "SELECT store_id, invoice_count, amount_cents FROM daily_invoice_totals"
-            " WHERE business_date = %(d)s ORDER BY store_id",
-            d,
-        ),
-        "ledger": rows(
-            dsn,
-            "SELECT idempotency_key, status FROM idempotency.outbound_ledger"
-            " WHERE run_key = %(d)s ORDER BY idempotency_key",
-            d,
-        ),
-        "remote": rows(
-            dsn,
-            "SELECT idempotency_key, (invoice->>'order_id')::bigint FROM accounting.invoices"
-            " WHERE invoice->>'business_date' = %(d)s ORDER BY idempotency_key",
-            d,
-        ),
-        "jobs": job_statuses(dsn, day),
-    }
-
-
-# The accounting service's reference of invoice r: format_reference() in its store.py.
-_REFERENCE = "'ACC-' || repeat('0', greatest(0, 6 - length(r.id::text))) || r.id::text"
+    """What must be identical to an uninterrupted run, in a form comparable across
+    databases (devtools.invariants.portable_date_state): invoices by their natural
+    columns, totals, the ledger as (key, status), the remote invoices as (key, order_id),
+    the jobs' statuses. Remote references differ between databases, so they are checked
+    for consistency inside one database instead (see :func:`check_consistency`)."""
+    return invariants.portable_date_state(dsn, day)
 
 
 def check_consistency(dsn: str, day: str = D) -> dict[str, Any]:
     """Duplicates and ledger/remote disagreements in one database: all must be empty."""
-    d = {"d": day}
+    keys = {"keys": [day]}
     return {
-        "duplicate_remote_orders": rows(
-            dsn,
-            "SELECT invoice->>'order_id', count(*) FROM accounting.invoices"
-            " GROUP BY 1 HAVING count(*) > 1",
-        ),
-        "duplicate_invoices": rows(
-            dsn, "SELECT order_id, count(*) FROM invoices GROUP BY 1 HAVING count(*) > 1"
-        ),
-        # A confirmed ledger row whose reference is not the remote's invoice for that key.
-        "reference_mismatch": rows(
-            dsn,
-            f"SELECT l.idempotency_key, l.status, l.remote_reference, {_REFERENCE}"
-            " FROM idempotency.outbound_ledger AS l"
-            " LEFT JOIN accounting.invoices AS r USING (idempotency_key)"
-            " WHERE l.run_key = %(d)s AND (l.status <> 'succeeded' OR r.id IS NULL"
-            f"   OR l.remote_reference IS DISTINCT FROM {_REFERENCE})",
-            d,
-        ),
+        "duplicate_remote_orders": invariants.rows(dsn, "remote_duplicate_orders"),
+        "duplicate_invoices": invariants.rows(dsn, "duplicate_invoices"),
+        # A ledger row of the (exported) date not confirmed, or whose reference is not
+        # the remote's invoice for that key.
+        "reference_mismatch": invariants.rows(dsn, "ledger_not_confirmed_by_remote", keys),
         # A remote invoice for another order than the key names.
-        "key_order_mismatch": rows(
-            dsn,
-            "SELECT idempotency_key FROM accounting.invoices"
-            " WHERE idempotency_key <> 'finalize_invoices:' || (invoice->>'business_date')"
-            "   || ':order_' || (invoice->>'order_id')",
-        ),
+        "key_order_mismatch": invariants.rows(dsn, "remote_key_order_mismatch"),
     }
 
 

@@ -127,6 +127,78 @@ def test_concurrent_requests_with_one_key_create_one_invoice(service: Accounting
     assert (stats["invoices"], stats["requests"], stats["replays"]) == (1, 50, 49)
 
 
+def logged_requests(dsn: str) -> list[tuple[str, str, bool]]:
+    """accounting.requests as (key, outcome, whether an invoice is named), in arrival order."""
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            "SELECT idempotency_key, outcome, invoice_id IS NOT NULL FROM accounting.requests"
+            " ORDER BY id"
+        ).fetchall()
+
+
+def test_every_post_is_logged_by_key_with_its_outcome(
+    service: AccountingService, pg_dsn: str
+) -> None:
+    """Each POST leaves one accounting.requests row (key, outcome, the invoice it created or
+    replayed, when it came in): new, replayed, conflicting and invalid requests alike."""
+    import psycopg
+
+    assert post(service.client, "inv-1").status_code == 201
+    assert post(service.client, "inv-1").status_code == 201
+    assert post(service.client, "inv-1", {"other": 1}).status_code == 422
+    assert post(service.client, None).status_code == 400
+    assert logged_requests(pg_dsn) == [
+        ("inv-1", "created", True),
+        ("inv-1", "replayed", True),
+        ("inv-1", "conflict", True),
+        ("", "invalid", False),
+    ]
+    with psycopg.connect(pg_dsn) as conn:
+        ordered = conn.execute(
+            "SELECT bool_and(received_at <= answered_at AND answered_at <= clock_timestamp())"
+            " FROM accounting.requests"
+        ).fetchone()
+    assert ordered == (True,)
+
+
+def test_concurrent_posts_of_one_key_are_each_logged_once(
+    service: AccountingService, pg_dsn: str
+) -> None:
+    """Fifty simultaneous POSTs of one key leave fifty request rows: one created, 49 replays
+    (also those that found the key only with a second statement)."""
+
+    async def fire() -> None:
+        limits = httpx.Limits(max_connections=50)
+        async with httpx.AsyncClient(base_url=service.url, limits=limits, timeout=30) as client:
+            await asyncio.gather(
+                *(
+                    client.post("/api/invoices", json=INVOICE, headers={"Idempotency-Key": "k"})
+                    for _ in range(50)
+                )
+            )
+
+    asyncio.run(fire())
+    logged = logged_requests(pg_dsn)
+    assert sorted(outcome for _, outcome, _ in logged) == ["created"] + ["replayed"] * 49
+    assert all(named for _, _, named in logged)
+
+
+def test_injected_faults_are_logged_as_requests(pg_dsn: str) -> None:
+    """A POST answered 503 or reset before anything is stored still counts as a request
+    that reached the remote (outcome fail, reset_before_commit)."""
+    with run_accounting_service(pg_dsn, fail_rate=1) as service:
+        assert post(service.client, "inv-1").status_code == 503
+        service.set_faults(fail_rate=0, reset_rate=1, reset_phase="before_commit")
+        with pytest.raises(httpx.TransportError):
+            post(service.client, "inv-2")
+    assert logged_requests(pg_dsn) == [
+        ("inv-1", "fail", False),
+        ("inv-2", "reset_before_commit", False),
+    ]
+
+
 def test_fail_rate_answers_503_before_storing_anything(pg_dsn: str) -> None:
     """With fail_rate=1 (a start-up flag) every POST is a 503 and nothing is stored."""
     with run_accounting_service(pg_dsn, fail_rate=1) as service:

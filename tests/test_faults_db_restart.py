@@ -44,7 +44,7 @@ NO_HANG_SECONDS = 60.0
 
 
 class PrivateServer:
-    """An embedded server this test owns: a DSN, and stop/start of the very same server."""
+    """An embedded server this test owns: a DSN, and restarts of the very same server."""
 
     def __init__(self, server: PostgresServer) -> None:
         self.server = server
@@ -53,17 +53,10 @@ class PrivateServer:
 
     def restart(self, mode: str = "fast", down_seconds: float = 2.0) -> float:
         """Stop the server (``fast`` or ``immediate``), wait, start it again; return seconds down."""
-        from pgserver._commands import pg_ctl  # type: ignore[import-untyped]
-
-        handle = self.server._handle  # pgserver's handle: devtools keeps it for cleanup()
-        uri = handle.get_uri()
-        began = time.monotonic()
-        pg_ctl(["-w", "-m", mode, "stop"], pgdata=handle.pgdata, user=handle.system_user)
-        time.sleep(down_seconds)
-        with handle._lock:  # restarts it with the same options and socket directory
-            handle.ensure_postgres_running()
-        assert handle.get_uri() == uri  # the same DSN works again
-        return time.monotonic() - began
+        before = self.server.admin_dsn
+        seconds = self.server.restart(mode, down_seconds)
+        assert self.server.admin_dsn == before  # the same DSN works again
+        return seconds
 
 
 @contextlib.contextmanager
@@ -179,10 +172,7 @@ def test_restart_mid_run_fails_cleanly_and_the_rerun_converges(
 
 def test_server_down_at_the_start_fails_fast(private: PrivateServer) -> None:
     """A run that starts while the server is down fails at once with a connection error and writes nothing; once the server is back the run completes."""
-    from pgserver._commands import pg_ctl  # type: ignore[import-untyped]
-
-    handle = private.server._handle
-    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=handle.pgdata, user=handle.system_user)
+    private.server.stop("fast")
     try:
         began = time.monotonic()
         with pytest.raises(psycopg.OperationalError):
@@ -194,8 +184,7 @@ def test_server_down_at_the_start_fails_fast(private: PrivateServer) -> None:
             )
         assert time.monotonic() - began < 10
     finally:
-        with handle._lock:
-            handle.ensure_postgres_running()
+        private.server.start()
     assert rows(private.dsn, "SELECT to_regclass('idempotency.job_runs')") == [(None,)]
     done = run_idempotently(
         connect=lambda: psycopg.connect(private.dsn),

@@ -18,6 +18,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -33,6 +34,7 @@ from accounting_service.faults import ENV_PREFIX, Fault, FaultInjector, FaultSet
 from accounting_service.server import reset_connection
 from accounting_service.store import (
     Invoice,
+    ReceivedRequest,
     RequestCounters,
     Store,
     ensure_schema,
@@ -223,6 +225,8 @@ class AccountingService:
     # -- POST /api/invoices ------------------------------------------------------------
 
     async def create_invoice(self, request: Request) -> Response:
+        received = ReceivedRequest(datetime.now(timezone.utc), self.settings.instance_id)
+        key = request.headers.get(IDEMPOTENCY_HEADER, "")
         self.counters.add("requests")
         decision = self.faults.draw()
         settings = decision.settings
@@ -231,36 +235,33 @@ class AccountingService:
         if decision.fault is not Fault.NONE:
             self.counters.add("fault." + decision.fault.value)
         if decision.fault is Fault.FAIL:
+            await self.store.count_request(key, received, "fail")
             return error(
                 503, "service_unavailable", "Injected failure: nothing was done, retry later."
             )
         if decision.fault is Fault.RESET and settings.reset_phase == "before_commit":
+            await self.store.count_request(key, received, "reset_before_commit")
             # Reading the whole request first means the client is done writing and sees
             # the reset on its read, as "connection reset by peer", every time.
             await request.body()
             return DropConnection()
-        response = await self._create_invoice(request)
+        response = await self._create_invoice(request, key, received)
         if decision.fault is Fault.RESET:
             return DropConnection()
         if decision.fault is Fault.TIMEOUT_AFTER_COMMIT:
             await _hang(settings.hang_seconds, request.receive)
         return response
 
-    async def _create_invoice(self, request: Request) -> Response:
-        key = request.headers.get(IDEMPOTENCY_HEADER, "")
-        if not key:
-            return invalid_request(f"The {IDEMPOTENCY_HEADER} header is required.")
-        if len(key) > MAX_KEY_LENGTH:
-            return invalid_request(
-                f"The {IDEMPOTENCY_HEADER} header must be at most {MAX_KEY_LENGTH} characters."
-            )
-        try:
-            body = parse_json_object(await request.body())
-        except ValueError as exc:
-            return invalid_request(str(exc))
+    async def _create_invoice(
+        self, request: Request, key: str, received: ReceivedRequest
+    ) -> Response:
+        body = await self._body_or_refusal(request, key)
+        if isinstance(body, Response):
+            await self.store.count_request(key, received, "invalid")
+            return body
         digest = request_hash(body)
         stored = json.dumps(body, separators=(",", ":"))
-        invoice, created = await self.store.create_invoice(key, digest, stored)
+        invoice, created = await self.store.create_invoice(key, digest, stored, received)
         if created:
             return AsciiJSONResponse(post_view(invoice), 201)
         if invoice.request_hash != digest:
@@ -274,6 +275,20 @@ class AccountingService:
             )
         self.counters.add("replays")
         return AsciiJSONResponse(post_view(invoice), 201, {"Idempotent-Replayed": "true"})
+
+    @staticmethod
+    async def _body_or_refusal(request: Request, key: str) -> Response | dict[str, Any]:
+        """The 400 answer for a request without a usable key or body, else its body."""
+        if not key:
+            return invalid_request(f"The {IDEMPOTENCY_HEADER} header is required.")
+        if len(key) > MAX_KEY_LENGTH:
+            return invalid_request(
+                f"The {IDEMPOTENCY_HEADER} header must be at most {MAX_KEY_LENGTH} characters."
+            )
+        try:
+            return parse_json_object(await request.body())
+        except ValueError as exc:
+            return invalid_request(str(exc))
 
     # -- reads -------------------------------------------------------------------------
 

@@ -29,3 +29,21 @@ CREATE TABLE IF NOT EXISTS accounting.request_counters (
     value bigint NOT NULL,
     PRIMARY KEY (instance_id, worker_pid, name)
 );
+
+-- Every POST /api/invoices that reached the service, by idempotency key: what the remote
+-- itself saw, however the client counts. Each row is written by the very statement that
+-- decides the answer (created, replayed, conflict), or, for a request refused before that
+-- (an injected 503 or reset, an invalid request), by one statement of its own before the
+-- answer goes out. received_at is the service's clock when the request came in (before any
+-- injected latency); on one host that is the database's clock too.
+CREATE TABLE IF NOT EXISTS accounting.requests (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    idempotency_key text COLLATE "C" NOT NULL,
+    received_at timestamptz NOT NULL,
+    answered_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- created | replayed | conflict | invalid | fail | reset_before_commit
+    outcome text NOT NULL,
+    invoice_id bigint,
+    instance_id text NOT NULL
+);
+CREATE INDEX IF NOT EXISTS requests_key_idx ON accounting.requests (idempotency_key, received_at);

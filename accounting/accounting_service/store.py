@@ -32,9 +32,10 @@ _LISTEN = "LISTEN accounting_faults"
 
 _LOCK_SCHEMA = "SELECT pg_advisory_xact_lock(%s)"
 
-# One round trip inserts a new invoice or returns the stored one for a known key. The
-# NOT EXISTS spares an identity value on a plain retry, so retries leave no gaps in the
-# references; ON CONFLICT covers an insert of the same key running concurrently.
+# One round trip inserts a new invoice or returns the stored one for a known key, and
+# counts the request (accounting.requests) in the same statement. The NOT EXISTS spares
+# an identity value on a plain retry, so retries leave no gaps in the references; ON
+# CONFLICT covers an insert of the same key running concurrently.
 _CREATE_OR_GET = """
 WITH inserted AS (
     INSERT INTO accounting.invoices (idempotency_key, request_hash, invoice)
@@ -42,13 +43,48 @@ WITH inserted AS (
     WHERE NOT EXISTS (SELECT FROM accounting.invoices WHERE idempotency_key = %(key)s)
     ON CONFLICT (idempotency_key) DO NOTHING
     RETURNING id, idempotency_key, request_hash, invoice, created_at
+),
+found AS (
+    SELECT id, idempotency_key, request_hash, invoice, created_at, true AS created
+    FROM inserted
+    UNION ALL
+    SELECT id, idempotency_key, request_hash, invoice, created_at, false
+    FROM accounting.invoices
+    WHERE idempotency_key = %(key)s AND NOT EXISTS (SELECT FROM inserted)
+),
+counted AS (
+    INSERT INTO accounting.requests (idempotency_key, received_at, outcome, invoice_id, instance_id)
+    SELECT %(key)s, %(received_at)s,
+           CASE WHEN f.created THEN 'created'
+                WHEN f.request_hash = %(hash)s THEN 'replayed'
+                ELSE 'conflict' END,
+           f.id, %(instance)s
+    FROM found AS f
 )
-SELECT id, idempotency_key, request_hash, invoice, created_at, true AS created
-FROM inserted
-UNION ALL
-SELECT id, idempotency_key, request_hash, invoice, created_at, false
-FROM accounting.invoices
-WHERE idempotency_key = %(key)s AND NOT EXISTS (SELECT FROM inserted)
+SELECT id, idempotency_key, request_hash, invoice, created_at, created FROM found
+"""
+
+# The same key inserted concurrently, after _CREATE_OR_GET took its snapshot: the stored
+# row, and the request counted, in one statement.
+_GET_COUNTED = """
+WITH found AS (
+    SELECT id, idempotency_key, request_hash, invoice, created_at
+    FROM accounting.invoices WHERE idempotency_key = %(key)s
+),
+counted AS (
+    INSERT INTO accounting.requests (idempotency_key, received_at, outcome, invoice_id, instance_id)
+    SELECT %(key)s, %(received_at)s,
+           CASE WHEN f.request_hash = %(hash)s THEN 'replayed' ELSE 'conflict' END,
+           f.id, %(instance)s
+    FROM found AS f
+)
+SELECT id, idempotency_key, request_hash, invoice, created_at FROM found
+"""
+
+# A request answered without deciding anything (an injected 503 or reset, a bad request).
+_COUNT_REQUEST = """
+INSERT INTO accounting.requests (idempotency_key, received_at, outcome, instance_id)
+VALUES (%(key)s, %(received_at)s, %(outcome)s, %(instance)s)
 """
 
 _BY_KEY = """
@@ -79,6 +115,14 @@ SELECT name, sum(value)::bigint AS value FROM accounting.request_counters
 WHERE instance_id = %s GROUP BY name
 """
 _NOTIFY = "SELECT pg_notify(%s, %s)"
+
+
+@dataclass(frozen=True)
+class ReceivedRequest:
+    """When a POST came in (the service's clock) and which instance of the service took it."""
+
+    at: datetime
+    instance_id: str
 
 
 @dataclass(frozen=True)
@@ -149,21 +193,39 @@ class Store:
             await conn.execute("SELECT 1")
 
     async def create_invoice(
-        self, key: str, request_hash: str, invoice_json: str
+        self, key: str, request_hash: str, invoice_json: str, received: ReceivedRequest
     ) -> tuple[Invoice, bool]:
-        """Insert the invoice unless the key exists; return the stored row and whether it is new."""
-        params = {"key": key, "hash": request_hash, "invoice": invoice_json}
+        """Insert the invoice unless the key exists; return the stored row and whether it is
+        new. The request is counted in accounting.requests by the same statement."""
+        params = {
+            "key": key,
+            "hash": request_hash,
+            "invoice": invoice_json,
+            "received_at": received.at,
+            "instance": received.instance_id,
+        }
         async with self.pool.connection() as conn:
             row = await (await conn.execute(_CREATE_OR_GET, params)).fetchone()
             if row is None:
                 # Another request inserted the key after this statement took its snapshot:
                 # ON CONFLICT waited for that commit, but only a new statement sees the row.
-                row = await (await conn.execute(_BY_KEY, (key,))).fetchone()
+                row = await (await conn.execute(_GET_COUNTED, params)).fetchone()
                 if row is None:  # pragma: no cover - invoices are never deleted
                     raise RuntimeError(f"invoice with idempotency key {key!r} vanished")
                 row["created"] = False
         created = row.pop("created")
         return Invoice(**row), created
+
+    async def count_request(self, key: str, received: ReceivedRequest, outcome: str) -> None:
+        """Count a request answered before anything was decided for its key."""
+        params = {
+            "key": key,
+            "received_at": received.at,
+            "outcome": outcome,
+            "instance": received.instance_id,
+        }
+        async with self.pool.connection() as conn:
+            await conn.execute(_COUNT_REQUEST, params)
 
     async def invoice_by_id(self, invoice_id: int) -> Invoice | None:
         return await self._one(_BY_ID, (invoice_id,))

@@ -1,3 +1,9 @@
+-- name: count_execution
+-- The first statement of every work transaction of the example: one row in work_witness
+-- (schema.sql), committed with the transaction or not at all.
+INSERT INTO work_witness (attempt_id, job_name, run_key, forced, work)
+VALUES (%(attempt_id)s, %(job_name)s, %(run_key)s, %(forced)s, %(work)s);
+
 -- name: create_invoices
 -- One statement: invoice every order shipped on the date that has no invoice yet, and
 -- mark exactly those orders invoiced. ON CONFLICT on the natural key makes a rerun, or a

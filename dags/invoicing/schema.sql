@@ -82,3 +82,44 @@ CREATE TABLE IF NOT EXISTS region_reconciliation (
     reconciled_at          timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (business_date, region)
 );
+
+-- The executions witness (read by devtools/invariants.sql): every work transaction of the
+-- example appends one row as its first statement, so a second execution of a key is a
+-- second row however idempotent the writes themselves are. began_at is the database clock
+-- when the transaction began; committed_at is set at COMMIT by the deferred constraint
+-- trigger below (the last thing the transaction does before it commits). A transaction
+-- that rolls back (a dry run, a commit the fence refused, a crash) leaves no row. It lives
+-- in the example, not in the provider, so that a broken provider cannot silence it.
+CREATE TABLE IF NOT EXISTS work_witness (
+    witness_id    bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    attempt_id    bigint      NOT NULL,
+    job_name      text        NOT NULL,
+    run_key       text        NOT NULL,
+    forced        boolean     NOT NULL,  -- run.force as the work saw it
+    work          text        NOT NULL,  -- which transaction: create_invoices, ...
+    backend_pid   integer     NOT NULL DEFAULT pg_backend_pid(),
+    began_at      timestamptz NOT NULL DEFAULT transaction_timestamp(),
+    committed_at  timestamptz
+);
+CREATE INDEX IF NOT EXISTS work_witness_key_idx ON work_witness (job_name, run_key, attempt_id);
+
+CREATE OR REPLACE FUNCTION work_witness_commit_time() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE work_witness SET committed_at = clock_timestamp() WHERE witness_id = NEW.witness_id;
+    RETURN NULL;
+END
+$$;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (
+        SELECT FROM pg_trigger
+        WHERE tgname = 'work_witness_commit_time' AND tgrelid = 'work_witness'::regclass
+    ) THEN
+        CREATE CONSTRAINT TRIGGER work_witness_commit_time AFTER INSERT ON work_witness
+            DEFERRABLE INITIALLY DEFERRED
+            FOR EACH ROW EXECUTE FUNCTION work_witness_commit_time();
+    END IF;
+END
+$$;

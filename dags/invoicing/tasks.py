@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import psycopg
 
 from airflow_idempotency import Effect, OutboundLedger, RunContext, post_json
 from airflow_idempotency.crashpoints import crash_point
@@ -61,11 +62,27 @@ def accounting_endpoint(conn_id: str = "accounting_api") -> tuple[str, dict[str,
     return f"{scheme}://{conn.host}{port}", options
 
 
+def count_execution(cur: psycopg.Cursor[Any], run: RunContext, work: str) -> None:
+    """Append this work transaction to work_witness: what the chaos checker counts
+    executions by (devtools/invariants.sql). It commits with the work, or not at all."""
+    cur.execute(
+        queries()["count_execution"],
+        {
+            "attempt_id": run.attempt_id,
+            "job_name": run.job_name,
+            "run_key": run.run_key,
+            "forced": run.force,
+            "work": work,
+        },
+    )
+
+
 # [START create_invoices]
 def create_invoices(run: RunContext) -> dict[str, int]:
     """Invoice the orders shipped on the business date (natural key, ON CONFLICT DO NOTHING)."""
     ensure_example_schema(run.connection)
     with run.transaction() as cur:
+        count_execution(cur, run, "create_invoices")  # the executions witness (schema.sql)
         cur.execute(queries()["create_invoices"], {"business_date": business_date(run)})
         orders_seen, invoices_created, _marked = cur.fetchone()  # type: ignore[misc]
         crash_point("invoices.before_commit")
@@ -79,7 +96,9 @@ def create_invoices(run: RunContext) -> dict[str, int]:
 
 def rebuild_daily_totals(run: RunContext) -> dict[str, int]:
     """Rebuild daily_invoice_totals of the date: delete and insert in one transaction."""
+    ensure_example_schema(run.connection)
     with run.transaction() as cur:
+        count_execution(cur, run, "rebuild_totals")
         params = {"business_date": business_date(run)}
         cur.execute(queries()["delete_totals"], params)
         crash_point("totals.after_delete")
@@ -274,6 +293,7 @@ def reconcile_stores(run: RunContext) -> dict[str, int]:
     """Per-store reconciliation (unique per date and store) and ONE summary row per date."""
     ensure_example_schema(run.connection)
     with run.transaction() as cur:
+        count_execution(cur, run, "reconcile_stores")
         params = {"business_date": business_date(run)}
         cur.execute(queries()["upsert_store_reconciliation"], params)
         stores = cur.rowcount

@@ -1,0 +1,182 @@
+"""The builds chaos runs: the provider of this checkout, and deliberately broken copies of it.
+
+A broken build is a patched COPY of ``provider/airflow_idempotency`` (in chaos's work folder,
+first on the stack's PYTHONPATH): each proves that the checker catches a real regression.
+Nothing in the provider knows about them. Each build carries the exposure that makes its
+bug show at once (an opening of actions, the faults it needs, sleep points that widen the
+window) and the invariants expected to catch it.
+
+Retargeting: a patch is ``(file, old text, new text)`` and fails loudly when ``old`` is no
+longer in the file. When the provider changes where a guarantee is enforced, change the
+patches of its build here, nowhere else (``fence-off`` names today's fence checks).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from devtools.airflow_env import ROOT
+
+PROVIDER = ROOT / "provider" / "airflow_idempotency"
+CORRECT = "correct"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace ``old`` (which must be there, once or more: the first is replaced) by ``new``."""
+
+    file: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Build:
+    """A provider build and how chaos exposes it."""
+
+    name: str
+    what: str
+    patches: tuple[Patch, ...] = ()
+    # Invariants of which at least one must catch a broken build.
+    caught_by: tuple[str, ...] = ()
+    # Exposure: the first actions of the phase (then the seeded draws go on), action and
+    # fault weights replacing chaos's defaults, the fault rate, AIRFLOW_IDEMPOTENCY_SLEEP_AT.
+    opening: tuple[str, ...] = ()
+    actions: dict[str, int] = field(default_factory=dict)
+    faults: dict[str, int] = field(default_factory=dict)
+    fault_rate: float | None = None
+    sleep_at: str = ""
+    dates: int | None = None
+    seed: int = 1  # of its phase's draws (a correct build runs with chaos's --seed)
+
+    @property
+    def broken(self) -> bool:
+        return bool(self.patches)
+
+
+LOCK_OFF = Build(
+    "lock-off",
+    "the run lock never excludes anyone: every run takes a lock key of its own",
+    patches=(
+        Patch("locks.py", "import hashlib\n", "import hashlib\nimport os\n"),
+        Patch(
+            "locks.py",
+            'return _key(job_name.encode() + b"\\x1f" + run_key.encode())',
+            'return _key(job_name.encode() + b"\\x1f" + run_key.encode() + os.urandom(8))',
+        ),
+    ),
+    caught_by=(
+        "no commit after a later attempt of the key started",
+        "no two attempts' work transactions of one key overlap",
+        "at most one completed execution per key unless forced (witness)",
+    ),
+    # Two runs of one key at once, each pausing 8 s after its start: the second starts
+    # (and takes the key over) while the first still has its work to commit.
+    opening=("pasted_twice", "manual_key"),
+    actions={"pasted_twice": 4, "manual_key": 2, "scheduled": 2},
+    fault_rate=0.0,
+    sleep_at="runner.after_started=8",
+    dates=2,
+    seed=1101,
+)
+
+COMPLETED_CHECK_OFF = Build(
+    "completed-check-off",
+    "a completed key is run again: the runner no longer no-ops on a completed key",
+    patches=(
+        Patch(
+            "runner.py",
+            'if existing and existing.status == "completed" and not self.options.force:',
+            "if False:  # broken build: completed-check-off",
+        ),
+    ),
+    caught_by=(
+        "at most one completed execution per key unless forced (witness)",
+        "completed key never recomputed without force (attempt records)",
+    ),
+    # The same date twice in a row: the second run does the work again.
+    opening=("manual_key", "manual_key", "scheduled"),
+    actions={"manual_key": 3, "scheduled": 3},
+    fault_rate=0.0,
+    dates=1,
+    seed=2202,
+)
+
+FENCE_OFF = Build(
+    "fence-off",
+    "an attempt whose lock was lost still commits: no fence check in RunContext.transaction()"
+    " nor in the ledger's claim",
+    patches=(
+        # Today's fence: the lock check just before COMMIT of a work transaction ...
+        Patch(
+            "run_context.py",
+            "                yield cur\n                self.assert_lock_held(conn)\n",
+            "                yield cur\n",
+        ),
+        # ... and of the ledger's claim transaction.
+        Patch(
+            "ledger.py",
+            "self.run.assert_lock_held(conn)  # fencing: no claim commits once the lock is gone",
+            "pass  # broken build: fence-off",
+        ),
+    ),
+    caught_by=("no commit after the lock was lost",),
+    # Every run pauses 6 s after its start, holding its lock with its work still to do;
+    # every step ends one lock session of a run whose work is witnessed.
+    opening=("manual_key", "force", "manual_key"),
+    actions={"manual_key": 2, "force": 3, "scheduled": 1},
+    faults={"terminate_lock": 1},
+    fault_rate=1.0,
+    sleep_at="runner.after_started=6",
+    dates=2,
+    seed=3303,
+)
+
+SKIP_CONFIRMED = Build(
+    "skip-confirmed",
+    "the ledger resends confirmed keys: its claim returns them too",
+    patches=(
+        Patch(
+            "sql/queries.sql",
+            "WHERE k.status IS DISTINCT FROM 'succeeded'\n   OR k.stored_fingerprint <> "
+            "k.request_fingerprint;",
+            "WHERE true;",
+        ),
+        Patch(
+            "ledger.py",
+            'elif status == "succeeded":\n                summary.skipped_existing += 1',
+            "elif False:\n                summary.skipped_existing += 1",
+        ),
+    ),
+    caught_by=("a confirmed effect never reaches the remote again",),
+    # An export, then a forced rerun of it: a correct ledger skips every confirmed key.
+    opening=("manual_key", "force"),
+    actions={"force": 3, "manual_key": 1},
+    fault_rate=0.0,
+    dates=1,
+    seed=4404,
+)
+
+BUILDS = {b.name: b for b in (LOCK_OFF, COMPLETED_CHECK_OFF, FENCE_OFF, SKIP_CONFIRMED)}
+BUILDS[CORRECT] = Build(CORRECT, "the provider of this checkout")
+BROKEN = tuple(name for name, build in BUILDS.items() if build.broken)
+
+
+def patched_copy(build: Build, folder: Path) -> Path:
+    """A copy of the provider with ``build``'s patches, in ``folder`` (the PYTHONPATH entry:
+    ``folder/airflow_idempotency``). Raises if a patch no longer applies."""
+    shutil.rmtree(folder, ignore_errors=True)
+    package = folder / "airflow_idempotency"
+    shutil.copytree(PROVIDER, package, ignore=shutil.ignore_patterns("__pycache__"))
+    for patch in build.patches:
+        path = package / patch.file
+        text = path.read_text(encoding="utf-8")
+        if patch.old not in text:
+            raise SystemExit(
+                f"broken build {build.name}: {patch.file} has no {patch.old!r} to patch; "
+                "retarget its patches in devtools/chaos_builds.py"
+            )
+        path.write_text(text.replace(patch.old, patch.new, 1), encoding="utf-8")
+    return folder
