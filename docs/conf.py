@@ -7,24 +7,23 @@ errors.
 
 from __future__ import annotations
 
+import atexit
 import os
-import sys
+import shutil
 import tempfile
-from pathlib import Path
-
-DOCS = Path(__file__).resolve().parent
-ROOT = DOCS.parent
 
 # autodoc imports the provider, and so Airflow, which reads (and would otherwise create)
 # its configuration in ~/airflow on first import: give a build without an Airflow home of
 # its own a throw-away one.
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="idem-docs-airflow-"))
+if "AIRFLOW_HOME" not in os.environ:
+    os.environ["AIRFLOW_HOME"] = tempfile.mkdtemp(prefix="idem-docs-airflow-")
+    atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], ignore_errors=True)
 
-from airflow_idempotency import __version__  # noqa: E402
+from airflow_idempotency import __version__
 
 project = "airflow-provider-idempotency"
 author = "airflow-provider-idempotency maintainers"
-copyright = "the airflow-provider-idempotency maintainers"  # noqa: A001
+copyright = "the airflow-provider-idempotency maintainers"
 release = __version__
 version = __version__
 
