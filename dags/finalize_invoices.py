@@ -48,9 +48,7 @@ class ReconcileExportOperator(IdempotentRunOperator):
         return tasks.reconcile_export(
             ctx, base_url, export_job_name="finalize_invoices.export_invoices", **options
         )
-
-
-# [END reconcile_export_operator]
+        # [END reconcile_export_operator]
 
 
 # [START finalize_invoices]
