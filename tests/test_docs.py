@@ -18,6 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+# The build CI runs (README.md tells developers the same command): warnings are errors.
+SPHINX_BUILD = ("-m", "sphinx", "-W", "--keep-going", "-b", "html")
 
 # A fenced MyST directive: ```{name} argument, then its ":option: value" lines.
 _DIRECTIVE = re.compile(
@@ -96,18 +98,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The site, built once into a temporary folder as CI builds it (warnings fail it)."""
     out = tmp_path_factory.mktemp("docs-html")
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sphinx",
-            "-W",
-            "--keep-going",
-            "-q",
-            "-b",
-            "html",
-            str(DOCS),
-            str(out),
-        ],
+        [sys.executable, *SPHINX_BUILD, "-q", str(DOCS), str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
