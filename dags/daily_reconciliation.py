@@ -16,6 +16,7 @@ from airflow.providers.common.compat.sdk import DAG
 from airflow_idempotency import IdempotentRunOperator, idempotency_params
 from invoicing import tasks
 
+# [START daily_reconciliation]
 for dag_id in ("daily_reconciliation", "daily_reconciliation_pasted_twice"):
     with DAG(
         dag_id=dag_id,
@@ -33,3 +34,4 @@ for dag_id in ("daily_reconciliation", "daily_reconciliation_pasted_twice"):
             job_name="daily_reconciliation",  # the same job in both DAGs: one lock, one record
             reschedule_interval=dt.timedelta(seconds=5),
         )
+# [END daily_reconciliation]

@@ -36,6 +36,7 @@ from invoicing import tasks
 JOBS_DB = "idempotency_default"  # job_runs, the ledger and the example tables share one DB
 
 
+# [START reconcile_export_operator]
 class ReconcileExportOperator(IdempotentRunOperator):
     """Runs only when the run's conf sets force_reconcile, and then always (force)."""
 
@@ -52,6 +53,7 @@ class ReconcileExportOperator(IdempotentRunOperator):
         return tasks.reconcile_export(
             ctx, base_url, export_job_name="finalize_invoices.export_invoices", **options
         )
+        # [END reconcile_export_operator]
 
 
 class ConfiguredOperator(IdempotentRunOperator):

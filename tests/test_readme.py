@@ -37,3 +37,20 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert re.search(r"^python3 dev\.py test$", ci, re.M)
     assert "`python3 dev.py test --airflow 2`" in README
     assert re.search(r"^python3 dev\.py test --airflow 2$", ci, re.M)
+
+
+def test_readme_links_point_at_files_of_the_checkout() -> None:
+    """Every relative link of README.md (into docs/, its images, CHANGELOG.md) names a file
+    that exists, so the README's way into the docs never dangles."""
+    targets = re.findall(r"\]\((?!https?://|#|mailto:)([^)#\s]+)", README)
+    assert targets, "README.md links nowhere"
+    missing = [t for t in targets if not (ROOT / t).is_file()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_readme_builds_the_docs_as_the_docs_test_does() -> None:
+    """The docs command written in README.md is the build tests/test_docs.py runs."""
+    from test_docs import SPHINX_BUILD
+
+    command = f".venv/bin/python {' '.join(SPHINX_BUILD)} docs docs/_build/html"
+    assert f"python3 dev.py setup && {command}" in README
