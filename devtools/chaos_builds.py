@@ -106,20 +106,28 @@ COMPLETED_CHECK_OFF = Build(
 
 FENCE_OFF = Build(
     "fence-off",
-    "an attempt whose lock was lost still commits: no fence check in RunContext.transaction()"
-    " nor in the ledger's claim",
+    "an attempt whose lock was lost still commits: its fenced transactions (the work's and"
+    " the ledger's claims) neither check the lock when they begin nor at COMMIT, and a"
+    " takeover waits for none of them",
     patches=(
-        # Today's fence: the lock check just before COMMIT of a work transaction ...
+        # Today's fence (migration 0006, sql/queries.sql): the live lock check and the shared
+        # fence lock as a fenced transaction's first statement ...
         Patch(
-            "run_context.py",
-            "                yield cur\n                self.assert_lock_held(conn)\n",
-            "                yield cur\n",
+            "sql/queries.sql",
+            "SELECT {schema}.fence_enter(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s),\n",
+            "SELECT -- broken build: fence-off\n",
         ),
-        # ... and of the ledger's claim transaction.
+        # ... the commit-time check armed as its last statement ...
         Patch(
-            "ledger.py",
-            "self.run.assert_lock_held(conn)  # fencing: no claim commits once the lock is gone",
-            "pass  # broken build: fence-off",
+            "sql/queries.sql",
+            "SELECT {schema}.fence_arm(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s);",
+            "SELECT 1;  -- broken build: fence-off",
+        ),
+        # ... and the successor's wait for every fenced transaction of the key to end.
+        Patch(
+            "sql/queries.sql",
+            "SELECT {schema}.fence_take_over(%(lock_key)s),\n",
+            "SELECT -- broken build: fence-off\n",
         ),
     ),
     caught_by=("no commit after the lock was lost",),

@@ -342,7 +342,7 @@ def empty(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             "TRUNCATE idempotency.job_runs, idempotency.job_run_attempts,"
-            " idempotency.outbound_ledger"
+            " idempotency.outbound_ledger CASCADE"  # and what refers to them (resolutions)
         )
         if conn.execute("SELECT to_regclass('accounting.invoices')").fetchone() != (None,):
             conn.execute("TRUNCATE accounting.invoices")

@@ -252,7 +252,9 @@ class _Reachability:
 
     Any answer (a confirmation, a refusal, even a 503) proves it reachable. It is down once
     no call has had an answer for ``window`` seconds while calls kept failing without one
-    (connection refused or reset, timeouts), and it stays down for the rest of the export.
+    (connection refused or reset, timeouts), or once a whole batch of calls ended, retries
+    spent, without one answer (a refused connection fails them all in well under the
+    window); it stays down for the rest of the export.
     """
 
     def __init__(self, window: float) -> None:
@@ -261,8 +263,10 @@ class _Reachability:
         self.silent_since_wall: dt.datetime | None = None
         self.last_error = ""
         self.down = False
+        self.answers = 0
 
     def answered(self) -> None:
+        self.answers += 1
         if not self.down:
             self.silent_since = self.silent_since_wall = None
 
@@ -273,6 +277,11 @@ class _Reachability:
             self.silent_since = now
             self.silent_since_wall = dt.datetime.now(dt.timezone.utc)
         elif now - self.silent_since >= self.window:
+            self.down = True
+
+    def batch_ended(self, answers_before: int) -> None:
+        """A batch's calls are over: down if none had an answer and some had none."""
+        if self.answers == answers_before and self.silent_since is not None:
             self.down = True
 
 
@@ -445,6 +454,7 @@ class OutboundLedger:
                 rows, upcoming = self._claim(conn, batch, sender, lambda: next(batches, None))
                 to_send = self._classify(batch, rows, summary)
                 if to_send and not self.run.dry_run:
+                    answers_before = self._reach.answers
                     if sender.deduplicating:
                         outcomes = await asyncio.gather(
                             *(self._call(pool, sender, effect) for effect in to_send)
@@ -453,6 +463,7 @@ class OutboundLedger:
                         self._record(conn, outcomes, summary)
                     else:
                         await self._deliver(conn, pool, sender, to_send, summary)
+                    self._reach.batch_ended(answers_before)
                     if self._lock_lost:
                         raise LockLostError(
                             f"job {self.run.job_name!r} run_key {self.run.run_key!r} lost its lock "
