@@ -28,7 +28,8 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", dest="to_key", required=True, metavar="RUN_KEY")
     parser.add_argument(
         "--segment",
-        help="one segment of a segmented job (eu, or eu|* / *|eu: where the period goes); "
+        help="one segment of a segmented job (``eu``, or ``eu|*`` / ``*|eu``: where the period "
+        "goes); "
         "default: every segment the job has keys of",
     )
     parser.add_argument(
