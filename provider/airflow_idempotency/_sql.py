@@ -5,12 +5,15 @@ from __future__ import annotations
 import re
 from functools import cache
 from importlib.resources import files
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from psycopg import sql
+from psycopg.rows import dict_row
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
+
+    import psycopg
 
 _NAME = re.compile(r"^-- name: (?P<name>\w+)\s*$", re.MULTILINE)
 
@@ -40,6 +43,22 @@ def query(name: str, schema: str) -> str:
     except KeyError:
         raise KeyError(f"no query named {name!r} in sql/queries.sql") from None
     return sql.SQL(text).format(schema=sql.Identifier(schema)).as_string()
+
+
+def query_rows(
+    conn: psycopg.Connection, name: str, schema: str, params: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The rows of the statement called ``name`` (see :func:`query`), as dicts."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query(name, schema), params).fetchall()
+
+
+def query_row(
+    conn: psycopg.Connection, name: str, schema: str, params: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The first row of the statement called ``name`` as a dict, or None."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query(name, schema), params).fetchone()
 
 
 @cache

@@ -43,7 +43,6 @@ from itertools import islice
 from typing import Any, Protocol
 
 import psycopg
-from psycopg.rows import dict_row
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -53,7 +52,7 @@ from tenacity import (
 from tenacity.wait import wait_base
 
 from airflow_idempotency import metrics
-from airflow_idempotency._sql import query
+from airflow_idempotency._sql import query, query_rows
 from airflow_idempotency._transactions import rollback_quietly
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.effects import (
@@ -431,8 +430,8 @@ class OutboundLedger:
             "run_key": run_key or self.run.run_key,
             "remote_system": self.remote_system,
         }
-        with self.run.bookkeeping_connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-            return list(cur.execute(query("ledger_rows_for_run", self.run.schema), params))
+        with self.run.bookkeeping_connection() as conn:
+            return query_rows(conn, "ledger_rows_for_run", self.run.schema, params)
 
     # -- internals ------------------------------------------------------------------------
 

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 
-from airflow_idempotency._sql import query
+from airflow_idempotency._sql import query_rows
 from airflow_idempotency.compat import BACKFILL_COMMAND, backfill_runs
 from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.locks import run_lock_key
@@ -187,6 +186,5 @@ def _states(
         "keys": [key for _, key in pairs],
         "lock_keys": [run_lock_key(job, key) for job, key in pairs],
     }
-    with conn.cursor(row_factory=dict_row) as cur:
-        found = cur.execute(query("plan_states", schema), params).fetchall()
+    found = query_rows(conn, "plan_states", schema, params)
     return {(r["job_name"], r["run_key"]): (r["status"], r["locked"]) for r in found}

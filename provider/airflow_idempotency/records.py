@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import psycopg
-from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from airflow_idempotency._sql import query
+from airflow_idempotency._sql import query, query_row
 from airflow_idempotency._transactions import in_one_transaction
 from airflow_idempotency.locks import RunLock, run_lock_key, server_keepalive_settings
 
@@ -92,9 +91,8 @@ class RunRecord:
 
 def get_run(conn: psycopg.Connection, schema: str, job_name: str, run_key: str) -> RunRecord | None:
     """The ``job_runs`` row of (job_name, run_key), if any."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        params = {"job_name": job_name, "run_key": run_key}
-        return run_record(cur.execute(query("get_run", schema), params).fetchone())
+    params = {"job_name": job_name, "run_key": run_key}
+    return run_record(query_row(conn, "get_run", schema, params))
 
 
 def run_record(row: dict[str, Any] | None) -> RunRecord | None:

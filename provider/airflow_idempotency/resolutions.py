@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import psycopg
-from psycopg.rows import dict_row
 
-from airflow_idempotency._sql import query
+from airflow_idempotency._sql import query_row, query_rows
 from airflow_idempotency.exceptions import InvalidInputError, RunLockedError
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.run_key import check_text
@@ -87,26 +86,29 @@ def resolve_unknown(
                 f"run key {effect['run_key']!r} of {effect['job_name']!r} is locked: an attempt "
                 "is running it now (see `airflow-idempotency locks`). Resolve when it has ended."
             )
-        with conn.cursor(row_factory=dict_row) as cur:
-            row = cur.execute(
-                query("ledger_effect_for_update", schema),
-                {"remote_system": remote_system, "key": idempotency_key},
-            ).fetchone()
-            if row is None or row["status"] != "unknown":
-                status = row["status"] if row else "gone"
-                raise InvalidInputError(
-                    f"effect {idempotency_key!r} of {remote_system!r} is {status}, not unknown: "
-                    "nothing to resolve (only an effect whose outcome was lost can be)"
-                )
-            done = cur.execute(
-                query("ledger_resolve_unknown", schema),
-                {
-                    "ledger_id": row["ledger_id"],
-                    "action": action,
-                    "resolved_by": resolved_by.strip(),
-                    "reason": reason.strip(),
-                },
-            ).fetchone()
+        row = query_row(
+            conn,
+            "ledger_effect_for_update",
+            schema,
+            {"remote_system": remote_system, "key": idempotency_key},
+        )
+        if row is None or row["status"] != "unknown":
+            status = row["status"] if row else "gone"
+            raise InvalidInputError(
+                f"effect {idempotency_key!r} of {remote_system!r} is {status}, not unknown: "
+                "nothing to resolve (only an effect whose outcome was lost can be)"
+            )
+        done = query_row(
+            conn,
+            "ledger_resolve_unknown",
+            schema,
+            {
+                "ledger_id": row["ledger_id"],
+                "action": action,
+                "resolved_by": resolved_by.strip(),
+                "reason": reason.strip(),
+            },
+        )
     assert done is not None  # the row was locked FOR UPDATE and unknown
     return Resolution(
         resolution_id=done["resolution_id"],
@@ -123,10 +125,7 @@ def resolve_unknown(
 
 def _effect(conn: psycopg.Connection, schema: str, remote_system: str, key: str) -> dict[str, Any]:
     """The effect's row, read before the lock is taken (its job and run key name the lock)."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            query("ledger_effect", schema), {"remote_system": remote_system, "key": key}
-        ).fetchone()
+    row = query_row(conn, "ledger_effect", schema, {"remote_system": remote_system, "key": key})
     if row is None:
         raise InvalidInputError(
             f"no effect {key!r} of remote system {remote_system!r} in the ledger "
@@ -139,8 +138,5 @@ def resolutions(
     conn: psycopg.Connection, schema: str, remote_system: str, idempotency_key: str
 ) -> list[dict[str, Any]]:
     """The audit of one effect: every resolution, oldest first."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(
-            query("ledger_resolutions", schema),
-            {"remote_system": remote_system, "key": idempotency_key},
-        ).fetchall()
+    params = {"remote_system": remote_system, "key": idempotency_key}
+    return query_rows(conn, "ledger_resolutions", schema, params)

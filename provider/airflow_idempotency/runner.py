@@ -41,7 +41,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from airflow_idempotency import metrics, records
-from airflow_idempotency._sql import query
+from airflow_idempotency._sql import query, query_row
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
@@ -104,8 +104,7 @@ class RunResult:
 
 
 def _describe_holder(conn: psycopg.Connection, schema: str, lock_key: int) -> dict[str, Any]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(query("run_lock_holder", schema), {"lock_key": lock_key}).fetchone()
+    row = query_row(conn, "run_lock_holder", schema, {"lock_key": lock_key})
     if not row:
         return {}
     holder = {k: v for k, v in row.items() if not k.startswith("attempt_")}

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import psycopg
-from psycopg.rows import dict_row
 
-from airflow_idempotency._sql import query
+from airflow_idempotency._sql import query_rows
 from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.run_key import KeyParts, RunKeyRule, key_parts, segment_template
 
@@ -41,19 +40,12 @@ class Gap:
         }
 
 
-def _rows(
-    conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any]
-) -> list[dict[str, Any]]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(query(name, schema), params).fetchall()
-
-
 def require_known_job(conn: psycopg.Connection, schema: str, job: str) -> None:
     """Refuse a job name nothing was ever recorded for (a typo), naming the jobs there are."""
-    (row,) = _rows(conn, schema, "job_known", {"job": job})
+    (row,) = query_rows(conn, "job_known", schema, {"job": job})
     if row["known"]:
         return
-    known = [r["job_name"] for r in _rows(conn, schema, "known_jobs", {})]
+    known = [r["job_name"] for r in query_rows(conn, "known_jobs", schema, {})]
     listed = ", ".join(known) if known else "none yet"
     raise InvalidInputError(f"no job named {job!r} has run here (jobs: {listed})")
 
@@ -100,9 +92,8 @@ def gaps(
         moment = dt.datetime.now(dt.timezone.utc)
         ended = [p for p in periods if rule.period_bounds(p, "UTC")[1] <= moment]
         keys = [t.with_period(p) for p in ended for t in templates]
-    found = {
-        r["run_key"]: r for r in _rows(conn, schema, "runs_of_keys", {"job": job, "keys": keys})
-    }
+    rows = query_rows(conn, "runs_of_keys", schema, {"job": job, "keys": keys})
+    found = {r["run_key"]: r for r in rows}
     result = []
     for key in keys:
         row = found.get(key)
@@ -124,7 +115,7 @@ def _segments(conn: psycopg.Connection, schema: str, job: str, rule: RunKeyRule)
     """The segments of the job's recorded keys of ``rule``'s period, plain keys first if it
     has any (or none with segments)."""
     found: dict[tuple[str, ...], KeyParts] = {}
-    for row in _rows(conn, schema, "segmented_keys_of_job", {"job": job}):
+    for row in query_rows(conn, "segmented_keys_of_job", schema, {"job": job}):
         parts = key_parts(row["run_key"])
         if parts.period is not None and RunKeyRule.for_key(parts.period).period == rule.period:
             found.setdefault(parts.template, parts)
@@ -135,14 +126,14 @@ def _segments(conn: psycopg.Connection, schema: str, job: str, rule: RunKeyRule)
 
 
 def _has_plain_keys(conn: psycopg.Connection, schema: str, job: str) -> bool:
-    (row,) = _rows(conn, schema, "job_has_plain_keys", {"job": job})
+    (row,) = query_rows(conn, "job_has_plain_keys", schema, {"job": job})
     return bool(row["found"])
 
 
 def stale(conn: psycopg.Connection, schema: str, job: str | None = None) -> list[dict[str, Any]]:
     """Attempts still running whose lock nobody holds, and keys still started with no live
     attempt: a worker died and nothing retried it yet. Oldest first, with their age."""
-    return _rows(conn, schema, "stale_runs", {"job": job})
+    return query_rows(conn, "stale_runs", schema, {"job": job})
 
 
 def parse_age(text: str) -> dt.timedelta:
@@ -175,10 +166,10 @@ def prune_attempts(
     total, after = 0, 0
     while True:
         with conn.transaction():
-            (row,) = _rows(
+            (row,) = query_rows(
                 conn,
-                schema,
                 "prune_attempts",
+                schema,
                 {"after": after, "before": before, "batch": batch_size, "dry_run": dry_run},
             )
         total += int(row["selected"])

@@ -10,9 +10,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg.rows import dict_row
 
-from airflow_idempotency._sql import query
+from airflow_idempotency._sql import query_rows
 from airflow_idempotency.exceptions import SchemaNotReadyError
 from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, require_readable
 
@@ -146,5 +145,4 @@ def fetch(
     conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """Rows of the named query as dicts."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(query(name, schema), params).fetchall()
+    return query_rows(conn, name, schema, params)

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 
-from airflow_idempotency._sql import query
+from airflow_idempotency._sql import query_rows
 from airflow_idempotency.exceptions import InvalidRunKeyError
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.run_key import Period, RunKeyRule, key_parts, segment_template
@@ -205,10 +204,7 @@ class RecordsReader:
                 self.conn.execute("ROLLBACK")  # read only: nothing to commit
 
     def _rows(self, name: str, **params: Any) -> list[Row]:
-        with self.conn.cursor(row_factory=dict_row) as cur:
-            return cur.execute(
-                query(name, self.schema), {**self.visibility.params, **params}
-            ).fetchall()
+        return query_rows(self.conn, name, self.schema, {**self.visibility.params, **params})
 
     # -- pages -----------------------------------------------------------------------------
 
