@@ -28,9 +28,6 @@ from typing import Any
 import pendulum
 from airflow.providers.common.compat.sdk import DAG, AirflowException, Param, task
 
-from airflow_idempotency import IdempotencyHook
-from airflow_idempotency.schema import DEFAULT_SCHEMA
-
 log = logging.getLogger(__name__)
 
 WATCHED_DAGS = ["finalize_invoices", "daily_reconciliation"]
@@ -58,23 +55,13 @@ with DAG(
     # [START watch_window]
     @task
     def watch(params: dict[str, Any] | None = None, **context: Any) -> dict[str, int]:
-        from airflow_idempotency import compat, planning, status
+        from airflow_idempotency import watch_problems  # in the task: parsing stays light
 
         assert params is not None
         as_of = context.get("logical_date") or context["dag_run"].run_after
         last = as_of.date() - dt.timedelta(days=1)
         first = last - dt.timedelta(days=int(params["days"]) - 1)
-        start = dt.datetime.combine(first, dt.time(), dt.timezone.utc) - dt.timedelta(days=1)
-        due: dict[str, set[str]] = {}
-        for dag_id in params["dags"]:
-            due.update(planning.due_keys(compat.load_dag(dag_id), start, as_of))
-        # A job none of these DAGs runs: every ended day of the window is due.
-        watched = {job: due.get(job) for job in params["jobs"]}
-        with IdempotencyHook().new_connection() as conn:
-            conn.autocommit = True
-            problems = status.problems(
-                conn, DEFAULT_SCHEMA, watched, first.isoformat(), last.isoformat()
-            )
+        problems = watch_problems(params["dags"], params["jobs"], first, last, as_of=as_of)
         # [END watch_window]
         for problem in problems:
             log.error("idempotency_watch: %s", problem)
@@ -82,6 +69,6 @@ with DAG(
             raise AirflowException(
                 f"{len(problems)} problem(s) in {first} .. {last}: " + "; ".join(problems[:20])
             )
-        return {"jobs": len(watched), "days": int(params["days"])}
+        return {"jobs": len(params["jobs"]), "days": int(params["days"])}
 
     watch()

@@ -25,9 +25,10 @@ from __future__ import annotations
 import datetime as dt
 
 import pendulum
+from airflow import __version__ as airflow_version
+from packaging.version import Version
 
 from airflow_idempotency import IdempotentRunOperator, idempotency_params
-from airflow_idempotency.compat import AIRFLOW_V_3_2_PLUS
 from invoicing import tasks
 
 JOBS_DB = "idempotency_default"
@@ -95,5 +96,6 @@ def partitioned_invoice_dags() -> None:
     # [END regional_reconciliation]
 
 
-if AIRFLOW_V_3_2_PLUS:  # Airflow 2.11 and 3.0-3.1 have no partitioned runs: no DAG here
+# Airflow 2.11 and 3.0-3.1 have no partitioned runs: no DAG here.
+if Version(Version(airflow_version).base_version) >= Version("3.2"):
     partitioned_invoice_dags()

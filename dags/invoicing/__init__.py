@@ -15,11 +15,10 @@ from pathlib import Path
 import psycopg
 
 from airflow_idempotency import named_queries
-from airflow_idempotency.locks import named_lock_key
 
 HERE = Path(__file__).parent
-# Serialises concurrent creation of the example schema (a named lock: see locks.py).
-_SCHEMA_LOCK = named_lock_key("invoicing.schema")
+# Serialises concurrent creation of the example schema: an advisory lock named by its text.
+_SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('invoicing.schema', 0))"
 
 
 @cache
@@ -43,7 +42,7 @@ def ensure_example_schema(conn: psycopg.Connection) -> None:
     if _schema_applied(conn, digest):
         return
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+        conn.execute(_SCHEMA_LOCK)
         if _schema_applied(conn, digest):  # another worker applied it while we waited
             return
         conn.execute(ddl)

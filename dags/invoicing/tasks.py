@@ -10,11 +10,16 @@ from typing import Any
 import httpx
 import psycopg
 
-from airflow_idempotency import Effect, OutboundLedger, RunContext, post_json
-from airflow_idempotency.crashpoints import crash_point
-from airflow_idempotency.mail import SmtpSender, email_effect
-from airflow_idempotency.outputs import OutputFile
-from airflow_idempotency.run_key import key_parts
+from airflow_idempotency import (
+    Effect,
+    OutboundLedger,
+    OutputFile,
+    RunContext,
+    SmtpSender,
+    crash_point,
+    email_effect,
+    post_json,
+)
 from invoicing import ensure_example_schema, queries
 
 KEY_PREFIX = "finalize_invoices"  # idempotency keys: finalize_invoices:<date>:order_<id>
@@ -32,10 +37,8 @@ def business_date(run: RunContext) -> dt.date:
 
 def region_and_date(run: RunContext) -> tuple[str, dt.date]:
     """The partitioned variant's run keys are ``<region>|<YYYY-MM-DD>`` (eu|2026-10-01)."""
-    parts = key_parts(run.run_key)
-    (region,) = [s for s in parts.template if s != "{}"]
-    assert parts.period is not None
-    return region, dt.date.fromisoformat(parts.period)
+    region, day = run.run_key.split("|")
+    return region, dt.date.fromisoformat(day)
 
 
 def accounting_endpoint(conn_id: str = "accounting_api") -> tuple[str, dict[str, Any]]:

@@ -15,6 +15,7 @@ from airflow_idempotency.provider_info import __version__
 
 if TYPE_CHECKING:
     from airflow_idempotency._sql import named_queries
+    from airflow_idempotency.crashpoints import crash_point
     from airflow_idempotency.decorator import idempotent_run_task
     from airflow_idempotency.effects import EffectSender, HttpSender, webhook
     from airflow_idempotency.exceptions import (
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
         RunLockedError,
         SchemaError,
         TransientRemoteError,
+        WorkConflictError,
     )
     from airflow_idempotency.hook import IdempotencyHook
     from airflow_idempotency.ledger import (
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
     )
     from airflow_idempotency.mail import SmtpSender, email_effect
     from airflow_idempotency.notifications import notify_once
-    from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
+    from airflow_idempotency.operator import IdempotentRunOperator, conf_flag, idempotency_params
     from airflow_idempotency.outputs import OutputConflictError, OutputFile
     from airflow_idempotency.records import RunOptions, Trigger
     from airflow_idempotency.run_context import RunContext
@@ -57,10 +59,12 @@ if TYPE_CHECKING:
         RunResult,
         run_idempotently,
     )
+    from airflow_idempotency.watch import watch_problems
 
 _EXPORTS = {
     "IdempotentRunOperator": "operator",
     "idempotency_params": "operator",
+    "conf_flag": "operator",
     "idempotent_run_task": "decorator",
     "IdempotencyHook": "hook",
     "RunContext": "run_context",
@@ -70,6 +74,8 @@ _EXPORTS = {
     "run_idempotently": "runner",
     "RunKeyRule": "run_key",
     "named_queries": "_sql",
+    "crash_point": "crashpoints",
+    "watch_problems": "watch",
     "OutboundLedger": "ledger",
     "Effect": "ledger",
     "Confirmation": "ledger",
@@ -93,6 +99,7 @@ _EXPORTS = {
     "SchemaError": "exceptions",
     "RunLockedError": "exceptions",
     "LockLostError": "exceptions",
+    "WorkConflictError": "exceptions",
     "RemoteCallError": "exceptions",
     "RemoteError": "exceptions",
     "RemoteUnreachableError": "exceptions",

@@ -1,0 +1,252 @@
+"""The public API and the provider's edges, read from the code itself (no Airflow run):
+
+- ``airflow_idempotency.__all__`` names what users need, each name resolves, and nothing
+  else is offered at the top level;
+- the example DAGs (``dags/``) import only those names;
+- no import cycle inside the provider (module-level imports: what runs at import time);
+- every third-party module the provider imports is a declared dependency, or the web
+  framework of one Airflow line, imported only by that line's view.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import airflow_idempotency
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "provider" / "airflow_idempotency"
+PUBLIC = set(airflow_idempotency.__all__)
+
+# The web framework of each Airflow line is Airflow's own, not a requirement of ours: the
+# view's module for the line imports it, and Airflow loads that module only on its line.
+LINE_FRAMEWORKS = {
+    "fastapi": {"ui/app.py", "ui/dependencies.py", "ui/errors.py", "ui/routes.py"},
+    "starlette": {"ui/app.py", "ui/errors.py"},
+    "flask": {"ui/fab.py"},
+    "flask_appbuilder": {"ui/fab.py"},
+    "flask_wtf": {"ui/fab.py"},
+}
+AIRFLOW_ITSELF = {"apache-airflow", "apache-airflow-core", "apache-airflow-task-sdk"}
+
+
+def test_every_public_name_resolves_and_nothing_else_is_offered() -> None:
+    """Each name of ``__all__`` is an object of the provider; ``dir()`` lists just them; any
+    other name is an AttributeError that names it."""
+    assert len(airflow_idempotency.__all__) == len(PUBLIC)  # no name twice
+    for name in PUBLIC - {"__version__"}:
+        value = getattr(airflow_idempotency, name)
+        assert value.__module__.startswith("airflow_idempotency."), (name, value.__module__)
+    assert sorted(dir(airflow_idempotency)) == sorted(PUBLIC)
+    with pytest.raises(AttributeError, match="'hold_run_lock'"):
+        airflow_idempotency.hold_run_lock  # noqa: B018 (a module-level name, not public)
+
+
+def provider_imports(source: str) -> Iterator[tuple[str, list[str]]]:
+    """(module, names) of each import of the provider in ``source``."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] == "airflow_idempotency":
+                yield node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "airflow_idempotency":
+                    yield alias.name, []
+
+
+def non_public(source: str) -> list[str]:
+    """The imports of ``source`` that reach past the public API."""
+    problems = []
+    for module, names in provider_imports(source):
+        if module != "airflow_idempotency":
+            problems.append(f"imports from {module}: import {', '.join(names)} from the package")
+        elif unknown := [n for n in names if n not in PUBLIC]:
+            problems.append(f"imports {', '.join(unknown)}: not in airflow_idempotency.__all__")
+    return problems
+
+
+def test_the_example_dags_import_only_public_names() -> None:
+    files = sorted((ROOT / "dags").rglob("*.py"))
+    assert len(files) >= 6, files
+    problems = [
+        f"{path.relative_to(ROOT)}: {problem}"
+        for path in files
+        for problem in non_public(path.read_text(encoding="utf-8"))
+    ]
+    assert not problems, "\n".join(problems)
+    used = {n for p in files for _, names in provider_imports(p.read_text()) for n in names}
+    assert {"IdempotentRunOperator", "OutboundLedger", "RunContext"} <= used, used
+
+
+def test_the_public_name_check_catches_a_private_import() -> None:
+    source = (
+        "from airflow_idempotency.locks import named_lock_key\n"
+        "from airflow_idempotency import RunContext, hold_run_lock\n"
+        "def f():\n    import airflow_idempotency.compat\n"
+    )
+    problems = non_public(source)
+    assert len(problems) == 3, problems
+    assert "hold_run_lock: not in" in problems[1]
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_time_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Imports run when the module is imported: at module level, not under TYPE_CHECKING
+    (those inside functions run when called, and break no cycle at import time)."""
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, (ast.If, ast.Try)):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            for child in ast.walk(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    yield child
+
+
+def import_graph(files: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the provider modules it imports at import time (``files``: module -> source)."""
+    graph: dict[str, set[str]] = {}
+    for module, source in files.items():
+        targets: set[str] = set()
+        for node in _import_time_imports(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif node.level == 0 and node.module:
+                # `from pkg import mod` imports the module pkg.mod (pkg is imported before
+                # any of its modules anyway); `from mod import name` imports mod.
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = [s for s in subs if s in files]
+                if len(names) < len(subs):
+                    names.append(node.module)
+            else:
+                continue
+            targets |= {n for n in names if n in files and n != module}
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle of ``graph`` (one per strongly connected set of modules)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _provider_sources() -> dict[str, str]:
+    return {_module_of(p): p.read_text(encoding="utf-8") for p in PACKAGE.rglob("*.py")}
+
+
+def test_the_provider_has_no_import_cycle() -> None:
+    sources = _provider_sources()
+    graph = import_graph(sources)
+    assert len(graph) >= 40 and sum(map(len, graph.values())) >= 60, "the graph is too small"
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_catches_a_cycle() -> None:
+    found = cycles(
+        import_graph(
+            {
+                "p.a": "from p.b import x\n",
+                "p.b": "import p.c\nfrom typing import TYPE_CHECKING\nfrom p import e\n",
+                "p.e": "from p.d import z\n",
+                "p.c": "from p import a\n",
+                "p": "",
+                "p.d": "if TYPE_CHECKING:\n    from p.a import y\ndef f():\n    import p.d\n",
+            }
+        )
+    )
+    assert found == [["p.a", "p.b", "p.c"]], found
+
+
+def _declared() -> set[str]:
+    requirement = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+    names = set()
+    for line in importlib.metadata.requires("airflow-provider-idempotency") or []:
+        if "extra ==" in line:
+            continue
+        match = requirement.match(line)
+        assert match, line
+        names.add(re.sub(r"[-_.]+", "-", match.group(1)).lower())
+    return names
+
+
+def test_every_third_party_import_of_the_provider_is_declared() -> None:
+    """Anywhere in the provider, in a function too: each third-party module comes from a
+    requirement of pyproject.toml (Airflow itself for ``airflow``), or is a line's web
+    framework imported only by that line's view."""
+    declared = _declared()
+    distributions = importlib.metadata.packages_distributions()
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top in sys.stdlib_module_names or top == "airflow_idempotency":
+                    continue
+                if top in LINE_FRAMEWORKS:
+                    if where not in LINE_FRAMEWORKS[top]:
+                        problems.append(f"{where}: {module} outside its line's view")
+                    continue
+                dists = {d.lower() for d in distributions.get(top, [])}
+                if top == "airflow":
+                    if module.startswith("airflow.providers."):
+                        # airflow.providers.smtp.hooks -> apache-airflow-providers-smtp,
+                        # airflow.providers.common.compat.sdk -> ...-common-compat
+                        parts = module.split(".")[2:]
+                        dists = {
+                            "apache-airflow-providers-" + "-".join(parts[:n]).replace("_", "-")
+                            for n in (1, 2)
+                        }
+                    else:
+                        dists &= AIRFLOW_ITSELF
+                        if dists:
+                            continue  # Airflow itself: apache-airflow
+                if not dists & declared:
+                    problems.append(f"{where}: {module} ({sorted(dists) or 'not installed'})")
+    assert not problems, "undeclared:\n" + "\n".join(sorted(set(problems)))
