@@ -367,46 +367,7 @@ def _iterate(timetable: Any, first: datetime.datetime, last: datetime.datetime) 
     raise InvalidInputError(f"{first} .. {last} is more than 100,000 runs: narrow the range")
 
 
-class AirflowMetrics:
-    """:class:`airflow_idempotency.metrics.Metrics` through Airflow's own ``Stats`` (StatsD
-    or OpenTelemetry, whatever ``[metrics]`` configures; nothing when it is off)."""
-
-    def incr(self, stat: str, count: int = 1, *, tags: Mapping[str, str] | None = None) -> None:
-        Stats.incr(stat, count, tags=dict(tags or {}))
-
-    def timing(
-        self, stat: str, dt: datetime.timedelta, *, tags: Mapping[str, str] | None = None
-    ) -> None:
-        Stats.timing(stat, dt, tags=dict(tags or {}))
-
-
-AIRFLOW_METRICS = AirflowMetrics()
-
-
-def logs_to_stderr() -> None:
-    """Move Airflow's console log handlers from stdout to stderr (2.x logs to stdout).
-
-    For the CLI: its ``--json`` output on stdout must hold the JSON only.
-    """
-    import logging
-    import sys
-
-    loggers = [logging.getLogger()]
-    loggers += [
-        logger
-        for logger in logging.Logger.manager.loggerDict.values()
-        if isinstance(logger, logging.Logger)
-    ]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if hasattr(handler, "_use_stderr"):  # Airflow's RedirectStdHandler
-                handler._use_stderr = True
-            elif isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
-                handler.setStream(sys.stderr)
-
-
 __all__ = [
-    "AIRFLOW_METRICS",
     "AIRFLOW_V_3_0_PLUS",
     "AIRFLOW_V_3_2_PLUS",
     "AirflowException",

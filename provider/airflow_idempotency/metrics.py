@@ -3,7 +3,7 @@
 Every metric is tagged by job (``job``; the ledger's also by ``remote_system``), never by
 run key: a key per day (or hour) would make the cardinality unbounded. The Airflow operator
 emits them through Airflow's own metrics layer (StatsD or OpenTelemetry, as ``[metrics]``
-configures it; :class:`airflow_idempotency.compat.AirflowMetrics`), so no configuration of
+configures it; :class:`AirflowMetrics`), so no configuration of
 ours is needed; the Airflow-free core takes any object with :class:`Metrics`' two methods.
 Airflow prefixes the names with ``[metrics] statsd_prefix`` (``airflow.`` by default).
 
@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from typing import Protocol
+from functools import cache
+from typing import Any, Protocol
 
 PREFIX = "idempotency"
 RUN_OUTCOMES = ("completed", "noop", "failed", "lock_held", "lock_lost", "dry_run")
@@ -87,3 +88,25 @@ def ledger_counts(
     for name in LEDGER_COUNTS:
         if counts.get(name):
             metrics.incr(f"{PREFIX}.ledger.{name}", counts[name], tags=tags)
+
+
+class AirflowMetrics:
+    """:class:`airflow_idempotency.metrics.Metrics` through Airflow's own ``Stats`` (StatsD
+    or OpenTelemetry, whatever ``[metrics]`` configures; nothing when it is off)."""
+
+    def incr(self, stat: str, count: int = 1, *, tags: Mapping[str, str] | None = None) -> None:
+        _airflow_stats().incr(stat, count, tags=dict(tags or {}))
+
+    def timing(self, stat: str, dt: dt.timedelta, *, tags: Mapping[str, str] | None = None) -> None:
+        _airflow_stats().timing(stat, dt, tags=dict(tags or {}))
+
+
+@cache
+def _airflow_stats() -> Any:
+    """Airflow's ``Stats`` (imported when a task first emits: the core stays Airflow-free)."""
+    from airflow_idempotency.compat import Stats
+
+    return Stats
+
+
+AIRFLOW_METRICS = AirflowMetrics()

@@ -277,7 +277,7 @@ def _task_log(task: Any) -> Any:
 
 def _metrics() -> Metrics:
     try:
-        from airflow_idempotency.compat import AIRFLOW_METRICS
+        from airflow_idempotency.metrics import AIRFLOW_METRICS
     except ImportError:  # outside Airflow
         return NO_METRICS
     return AIRFLOW_METRICS

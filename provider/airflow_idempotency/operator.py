@@ -12,7 +12,6 @@ from typing import Any, Literal
 import pendulum
 
 from airflow_idempotency.compat import (
-    AIRFLOW_METRICS,
     TRIGGERED_BY,
     AirflowException,
     AirflowFailException,
@@ -39,6 +38,7 @@ from airflow_idempotency.exceptions import (
 from airflow_idempotency.hook import IdempotencyHook
 from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE
 from airflow_idempotency.locks import ON_LOCKED_ENV
+from airflow_idempotency.metrics import AIRFLOW_METRICS
 from airflow_idempotency.records import RunOptions, Trigger
 from airflow_idempotency.run_context import RunContext
 from airflow_idempotency.run_key import (

@@ -90,7 +90,7 @@ def dsn(args: argparse.Namespace) -> str:
     (the only case that imports Airflow)."""
     if args.dsn or os.environ.get(DSN_ENV):
         return str(args.dsn or os.environ[DSN_ENV])
-    from airflow_idempotency.compat import logs_to_stderr
+    from airflow_idempotency.cli._output import logs_to_stderr
     from airflow_idempotency.hook import IdempotencyHook
 
     logs_to_stderr()  # Airflow 2 logs to stdout, where --json output goes

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from airflow_idempotency.cli._base import EXIT_USAGE, CommandError
+from airflow_idempotency.cli._output import logs_to_stderr
 
 if TYPE_CHECKING:
     from airflow_idempotency.planning import Explained
@@ -23,9 +24,7 @@ def add_dags_folder(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def airflow_quiet() -> Iterator[None]:
     """Whatever Airflow logs while it parses DAGs goes to stderr: stdout is our output."""
-    from airflow_idempotency import compat
-
-    compat.logs_to_stderr()
+    logs_to_stderr()
     with contextlib.redirect_stdout(sys.stderr):
         yield
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -58,3 +59,22 @@ def age(value: dt.timedelta) -> str:
     days, rest = divmod(seconds, 86400)
     hours, rest = divmod(rest, 3600)
     return f"{days}d {hours}h {rest // 60}m ago" if days else f"{hours}h {rest // 60}m ago"
+
+
+def logs_to_stderr() -> None:
+    """Move Airflow's console log handlers from stdout to stderr (2.x logs to stdout).
+
+    For the CLI: its ``--json`` output on stdout must hold the JSON only.
+    """
+    loggers = [logging.getLogger()]
+    loggers += [
+        logger
+        for logger in logging.Logger.manager.loggerDict.values()
+        if isinstance(logger, logging.Logger)
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if hasattr(handler, "_use_stderr"):  # Airflow's RedirectStdHandler
+                handler._use_stderr = True
+            elif isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
