@@ -250,3 +250,56 @@ def test_every_third_party_import_of_the_provider_is_declared() -> None:
                 if not dists & declared:
                     problems.append(f"{where}: {module} ({sorted(dists) or 'not installed'})")
     assert not problems, "undeclared:\n" + "\n".join(sorted(set(problems)))
+
+
+# What a task's DAG file pays for importing us: Airflow's task SDK and the libraries every run
+# uses are there anyway; the rest is loaded by the code that needs it, when it does.
+_IMPORTS_OF_A_TASK = """
+import json, sys
+import airflow.sdk, airflow.providers.common.compat.sdk, pendulum, psycopg
+before = set(sys.modules)
+from airflow_idempotency import IdempotentRunOperator, idempotency_params, idempotent_run_task
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+# Provider modules a run key's decision needs (the operator, the decorator and the core).
+_TASK_MODULES = {
+    "airflow_idempotency",
+    "airflow_idempotency._sql",
+    "airflow_idempotency._transactions",
+    "airflow_idempotency.compat",
+    "airflow_idempotency.crashpoints",
+    "airflow_idempotency.decorator",
+    "airflow_idempotency.exceptions",
+    "airflow_idempotency.links",
+    "airflow_idempotency.locks",
+    "airflow_idempotency.metrics",
+    "airflow_idempotency.operator",
+    "airflow_idempotency.provider_info",
+    "airflow_idempotency.records",
+    "airflow_idempotency.run_context",
+    "airflow_idempotency.run_key",
+    "airflow_idempotency.runner",
+    "airflow_idempotency.schema",
+    "airflow_idempotency.ui",  # its route constants only (the operator's link)
+}
+
+
+def test_importing_the_operator_loads_only_what_a_run_needs() -> None:
+    """The ledger and its HTTP client, tenacity, the senders, rich, the CLI, the UI,
+    planning, the watch, and the Postgres provider's hook (with psycopg2 and sqlparse) are
+    imported by what uses them, not by a DAG file that imports the operator."""
+    import json
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_OF_A_TASK], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    ours = {m for m in loaded if m.split(".")[0] == "airflow_idempotency"}
+    assert ours - _TASK_MODULES == set(), sorted(ours - _TASK_MODULES)
+    assert "airflow_idempotency.operator" in ours  # it did import the provider
+    third_party = {m.split(".")[0] for m in loaded} - {"airflow", "airflow_idempotency"}
+    heavy = {"httpx", "tenacity", "rich", "aiosmtplib", "psycopg_pool", "psycopg2", "sqlparse"}
+    assert third_party & heavy == set(), sorted(third_party)
+    assert not [m for m in loaded if m.startswith("airflow.providers.postgres")], loaded

@@ -10,6 +10,7 @@ from airflow.providers.postgres.hooks.postgres import PostgresHook
 from psycopg.rows import tuple_row
 
 from airflow_idempotency.locks import DEAD_PEER_DEFAULTS
+from airflow_idempotency.schema import DEFAULT_CONN_ID
 
 CONNECT_TIMEOUT = 10  # seconds, unless the connection's extra sets connect_timeout
 
@@ -44,7 +45,7 @@ class IdempotencyHook(PostgresHook):
     """
 
     conn_name_attr = "postgres_conn_id"
-    default_conn_name = "idempotency_default"
+    default_conn_name = DEFAULT_CONN_ID
     conn_type = "idempotency_postgres"
     hook_name = "Idempotency (Postgres)"
 

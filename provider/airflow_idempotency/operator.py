@@ -7,7 +7,7 @@ import os
 import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import cached_property
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pendulum
 
@@ -35,7 +35,6 @@ from airflow_idempotency.exceptions import (
     InvalidInputError,
     RunLockedError,
 )
-from airflow_idempotency.hook import IdempotencyHook
 from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE
 from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.metrics import AIRFLOW_METRICS
@@ -51,7 +50,10 @@ from airflow_idempotency.run_key import (
     resolve_run_key,
 )
 from airflow_idempotency.runner import RunOutcome, run_idempotently
-from airflow_idempotency.schema import DEFAULT_SCHEMA
+from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
+
+if TYPE_CHECKING:
+    from airflow_idempotency.hook import IdempotencyHook
 
 OnLocked = Literal["reschedule", "fail", "skip"]
 OnCompleted = Literal["succeed", "skip"]
@@ -147,7 +149,7 @@ class IdempotentRunOperator(ReschedulingOperator):
         self,
         *,
         python_callable: Callable[..., Mapping[str, Any] | None] | None = None,
-        postgres_conn_id: str = IdempotencyHook.default_conn_name,
+        postgres_conn_id: str = DEFAULT_CONN_ID,
         job_name: str | None = None,
         run_key_rule: RunKeyRule | Callable[[Context], str] | None = None,
         on_locked: OnLocked = "reschedule",
@@ -188,7 +190,10 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     @cached_property
     def hook(self) -> IdempotencyHook:
-        """The hook of ``postgres_conn_id`` (created on first use, never at parse time)."""
+        """The hook of ``postgres_conn_id`` (created on first use, never at parse time; the
+        Postgres provider's hook is imported then too)."""
+        from airflow_idempotency.hook import IdempotencyHook
+
         return IdempotencyHook(postgres_conn_id=self.postgres_conn_id)
 
     def run(self, ctx: RunContext) -> Mapping[str, Any] | None:

@@ -20,6 +20,8 @@ from airflow_idempotency.exceptions import InvalidInputError, SchemaError, Schem
 from airflow_idempotency.locks import migration_lock_key, pooler_refusal
 
 DEFAULT_SCHEMA = "idempotency"
+# The Airflow connection of the bookkeeping database (and, by default, of the job).
+DEFAULT_CONN_ID = "idempotency_default"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 _migrated: set[tuple[tuple[bytes | None, ...], str]] = set()
