@@ -68,14 +68,7 @@ def resolve_unknown(
     reason or name, a key the ledger does not have, or an effect that is not ``unknown``;
     :class:`RunLockedError` while an attempt of the effect's key runs.
     """
-    if action not in ACTIONS:
-        raise InvalidInputError(f"action must be one of {ACTIONS}, not {action!r}")
-    check_text(remote_system, "remote system name")
-    check_text(idempotency_key, "idempotency key")
-    if not isinstance(reason, str) or not reason.strip():
-        raise InvalidInputError("a reason is required: say what you checked at the remote")
-    if not isinstance(resolved_by, str) or not resolved_by.strip():
-        raise InvalidInputError("who resolves it is required (--by, or $USER)")
+    resolved_by, reason = _checked(action, remote_system, idempotency_key, resolved_by, reason)
     effect = _effect(conn, schema, remote_system, idempotency_key)
     lock_key = run_lock_key(effect["job_name"], effect["run_key"])
     with hold_run_lock(
@@ -105,8 +98,8 @@ def resolve_unknown(
             {
                 "ledger_id": row["ledger_id"],
                 "action": action,
-                "resolved_by": resolved_by.strip(),
-                "reason": reason.strip(),
+                "resolved_by": resolved_by,
+                "reason": reason,
             },
         )
     assert done is not None  # the row was locked FOR UPDATE and unknown
@@ -117,10 +110,25 @@ def resolve_unknown(
         job_name=effect["job_name"],
         run_key=effect["run_key"],
         action=action,
-        resolved_by=resolved_by.strip(),
-        reason=reason.strip(),
+        resolved_by=resolved_by,
+        reason=reason,
         resolved_at=done["resolved_at"],
     )
+
+
+def _checked(
+    action: str, remote_system: str, idempotency_key: str, resolved_by: str, reason: str
+) -> tuple[str, str]:
+    """Refuse a resolution's bad input before anything is read; (resolved_by, reason)."""
+    if action not in ACTIONS:
+        raise InvalidInputError(f"action must be one of {ACTIONS}, not {action!r}")
+    check_text(remote_system, "remote system name")
+    check_text(idempotency_key, "idempotency key")
+    if not isinstance(reason, str) or not reason.strip():
+        raise InvalidInputError("a reason is required: say what you checked at the remote")
+    if not isinstance(resolved_by, str) or not resolved_by.strip():
+        raise InvalidInputError("who resolves it is required (--by, or $USER)")
+    return resolved_by.strip(), reason.strip()
 
 
 def _effect(conn: psycopg.Connection, schema: str, remote_system: str, key: str) -> dict[str, Any]:
