@@ -3,7 +3,7 @@
 - ``airflow_idempotency.__all__`` names what users need, each name resolves, and nothing
   else is offered at the top level;
 - the example DAGs (``dags/``) import only those names;
-- no import cycle inside the provider (module-level imports: what runs at import time);
+- no import cycle inside the provider (lazy imports in functions count too);
 - every third-party module the provider imports is a declared dependency, or the web
   framework of one Airflow line, imported only by that line's view.
 """
@@ -101,26 +101,24 @@ def _module_of(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _import_time_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Imports run when the module is imported: at module level, not under TYPE_CHECKING
-    (those inside functions run when called, and break no cycle at import time)."""
-    for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
+def _imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import that can run: at module level or in a function (a lazy import), not
+    under ``if TYPE_CHECKING`` (type checkers only)."""
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only |= {id(child) for child in ast.walk(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
             yield node
-        elif isinstance(node, (ast.If, ast.Try)):
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            for child in ast.walk(node):
-                if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    yield child
 
 
 def import_graph(files: dict[str, str]) -> dict[str, set[str]]:
-    """Module -> the provider modules it imports at import time (``files``: module -> source)."""
+    """Module -> the provider modules it imports (``files``: module -> source)."""
     graph: dict[str, set[str]] = {}
     for module, source in files.items():
         targets: set[str] = set()
-        for node in _import_time_imports(ast.parse(source)):
+        for node in _imports(ast.parse(source)):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif node.level == 0 and node.module:
@@ -190,11 +188,13 @@ def test_the_cycle_check_catches_a_cycle() -> None:
                 "p.e": "from p.d import z\n",
                 "p.c": "from p import a\n",
                 "p": "",
-                "p.d": "if TYPE_CHECKING:\n    from p.a import y\ndef f():\n    import p.d\n",
+                "p.d": "if TYPE_CHECKING:\n    from p.a import y\n",
+                "p.f": "def f():\n    from p.g import z\n",
+                "p.g": "def g():\n    import p.f\n",
             }
         )
     )
-    assert found == [["p.a", "p.b", "p.c"]], found
+    assert sorted(found) == [["p.a", "p.b", "p.c"], ["p.f", "p.g"]], found
 
 
 def _declared() -> set[str]:

@@ -201,18 +201,6 @@ class ReschedulingOperator(BaseOperator):
             return super().get_serialized_fields() | {"reschedule"}  # type: ignore[no-untyped-call]
 
 
-def run_key_links() -> tuple[BaseOperatorLink, ...]:
-    """The operator's extra links: "Run key", on both lines.
-
-    Airflow 3's worker computes it when the task ends; Airflow 2.11's webserver computes it
-    when the task is shown, and finds its class among the plugin's ``operator_extra_links``
-    to deserialize the DAG (links.py, plugin.py).
-    """
-    from airflow_idempotency.links import RunKeyLink
-
-    return (RunKeyLink(),)
-
-
 BACKFILL_COMMAND = "backfill-create" if AIRFLOW_V_3_0_PLUS else "dags-backfill"
 """This line's date-range command: ``airflow backfill create`` (3.x), ``airflow dags
 backfill`` (2.x; removed in 3.0)."""
@@ -386,7 +374,6 @@ __all__ = [
     "TaskDecorator",
     "add_partition_event",
     "dag_partitioning",
-    "run_key_links",
     "run_partition",
     "task_decorator_factory",
 ]

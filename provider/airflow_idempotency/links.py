@@ -76,3 +76,13 @@ class RunKeyLink(BaseOperatorLink):
             target=getattr(operator, LINK_TARGET_ATTRIBUTE, None),
             base_url=conf.get("api", "base_url", fallback=None),
         )
+
+
+def run_key_links() -> tuple[BaseOperatorLink, ...]:
+    """The operator's extra links: "Run key", on both lines.
+
+    Airflow 3's worker computes it when the task ends; Airflow 2.11's webserver computes it
+    when the task is shown, and finds its class among the plugin's ``operator_extra_links``
+    to deserialize the DAG (links.py, plugin.py).
+    """
+    return (RunKeyLink(),)

@@ -23,7 +23,6 @@ from airflow_idempotency.compat import (
     add_partition_event,
     dag_partitioning,
     reschedule_count,
-    run_key_links,
     run_partition,
     run_type,
     triggering_user,
@@ -35,7 +34,7 @@ from airflow_idempotency.exceptions import (
     InvalidInputError,
     RunLockedError,
 )
-from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE
+from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE, run_key_links
 from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.metrics import AIRFLOW_METRICS
 from airflow_idempotency.records import RunOptions, Trigger
