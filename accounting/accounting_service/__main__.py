@@ -12,9 +12,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from accounting_service.app import ServiceSettings
 from accounting_service.faults import ENV_PREFIX, FIELD_TYPES, RESET_PHASES, FaultSettings
 from accounting_service.server import serve
+from accounting_service.settings import ServiceSettings
 
 _FAULT_HELP = {
     "fail_rate": "share of POSTs answered 503 before anything is done",

@@ -15,9 +15,7 @@ import inspect
 import json
 import logging
 import os
-import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -30,8 +28,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from accounting_service.faults import ENV_PREFIX, Fault, FaultInjector, FaultSettings
+from accounting_service.faults import Fault, FaultInjector, FaultSettings
 from accounting_service.server import reset_connection
+from accounting_service.settings import ServiceSettings
 from accounting_service.store import (
     Invoice,
     ReceivedRequest,
@@ -58,39 +57,6 @@ BODY_LIMIT = (
 )
 COUNTER_FLUSH_SECONDS = 0.1
 INJECTED_FAULTS = (Fault.FAIL, Fault.RESET, Fault.TIMEOUT_AFTER_COMMIT)
-
-
-@dataclass(frozen=True)
-class ServiceSettings:
-    """Everything one process of the service needs; passed to workers as environment."""
-
-    dsn: str
-    pool_size: int = 10
-    faults: FaultSettings = field(default_factory=FaultSettings)
-    # One id per run of the service, shared by its workers: stats and fault changes
-    # are scoped to it, so two services on one database do not mix them.
-    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> ServiceSettings:
-        dsn = environ.get(ENV_PREFIX + "DSN")
-        if not dsn:
-            raise ValueError(f"{ENV_PREFIX}DSN is not set")
-        instance_id = environ.get(ENV_PREFIX + "INSTANCE_ID") or uuid.uuid4().hex
-        return cls(
-            dsn=dsn,
-            pool_size=int(environ.get(ENV_PREFIX + "POOL_SIZE") or 10),
-            faults=FaultSettings.from_env(environ),
-            instance_id=instance_id,
-        )
-
-    def to_env(self) -> dict[str, str]:
-        return {
-            ENV_PREFIX + "DSN": self.dsn,
-            ENV_PREFIX + "POOL_SIZE": str(self.pool_size),
-            ENV_PREFIX + "INSTANCE_ID": self.instance_id,
-            **self.faults.to_env(),
-        }
 
 
 class AsciiJSONResponse(JSONResponse):

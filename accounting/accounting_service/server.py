@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - httptools is optional for uvicorn
 if TYPE_CHECKING:
     import asyncio
 
-    from accounting_service.app import ServiceSettings
+    from accounting_service.settings import ServiceSettings
 
 APP_FACTORY = "accounting_service.app:create_app_from_env"
 TRANSPORT_STATE_KEY = "accounting_service.transport"
