@@ -130,7 +130,7 @@ SELECT
 -- name: recomputed_without_force
 -- Work attempts on a key already completed, not forced, with no unfinished forced
 -- recompute between that completion and them (a plain run finishes a forced recompute
--- that did not complete: README, "force"). Which attempts did work, %(seen_by)s:
+-- that did not complete: docs/run-keys.md, "force"). Which attempts did work, %(seen_by)s:
 -- 'witness', those that committed a work transaction (work_witness); 'records', those the
 -- provider recorded as work (not noop, lock_held, reset or a dry run).
 WITH work AS (

@@ -21,8 +21,6 @@ def region(text: str, name: str) -> str:
     ("name", "source"),
     [
         ("finalize_invoices", "dags/finalize_invoices.py"),
-        ("create_invoices", "dags/invoicing/tasks.py"),
-        ("export_invoices", "dags/invoicing/tasks.py"),
     ],
 )
 def test_quoted_code_matches_the_dag_files(name: str, source: str) -> None:
@@ -46,6 +44,14 @@ def test_readme_links_point_at_files_of_the_checkout() -> None:
     assert targets, "README.md links nowhere"
     missing = [t for t in targets if not (ROOT / t).is_file()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_readme_links_every_docs_page() -> None:
+    """The README's Documentation section is the way into the whole site: every page of
+    docs/ is linked from it."""
+    pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
+    unlinked = [page for page in pages if f"]({page})" not in README and f"]({page}#" not in README]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
 
 
 def test_readme_builds_the_docs_as_the_docs_test_does() -> None:

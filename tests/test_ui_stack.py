@@ -3,7 +3,7 @@ and in a browser: users signed in with SimpleAuthManager, one of them barred fro
 
 One stack for the module (about a minute to start). The browser is Debian's Chromium,
 driven by Playwright; screenshots go to ``$IDEMPOTENCY_UI_SCREENSHOTS`` when set (the
-README's come from there), else to the test's temporary folder.
+docs' come from there), else to the test's temporary folder.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ functions; Postgres shows such a key in ``pg_locks`` as ``classid`` = high 32 bi
 - **run locks**, :func:`run_lock_key`: ``sha256(job_name + 0x1f + run_key)``, first 8
   bytes, big-endian, signed. Held for a whole run by a transaction on a connection
   dedicated to it (:func:`hold_run_lock`). The derivation is part of the contract
-  (documented in the README, stored in ``job_runs.lock_key``): two versions of the
+  (documented in docs/locks.md, stored in ``job_runs.lock_key``): two versions of the
   provider running side by side must compute the same key for the same run, so it never
   changes;
 - **the migration lock**, :func:`migration_lock_key`: ``sha256(b"airflow_idempotency.
@@ -202,8 +202,8 @@ def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
             "connection for its run lock for the whole run, and needs another one, briefly, "
             "for each statement of its work: default_pool_size must be larger than the number "
             "of idempotent tasks that run at once against this database (N tasks need at "
-            "least N + 1; see the README's pool sizing). Nothing was committed by the waiting "
-            "statement; a retry converges once the pool has room."
+            "least N + 1; see docs/deploying.md, pool sizing). Nothing was committed by the "
+            "waiting statement; a retry converges once the pool has room."
         )
     return None
 

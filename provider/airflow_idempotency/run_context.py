@@ -210,7 +210,7 @@ class RunContext:
                 f"database ({_first_line(exc)}): this transaction did not commit, and this "
                 "attempt cannot know whether it still holds its lock. A rerun converges. (A "
                 "connection pooler whose pool is exhausted also closes connections, after its "
-                "query_wait_timeout: see the README's pool sizing.)"
+                "query_wait_timeout: see docs/deploying.md, pool sizing.)"
             )
         return exc  # e.g. a cancelled statement or a constraint: the session is fine
 

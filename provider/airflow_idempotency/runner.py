@@ -398,7 +398,7 @@ class _Run:
             "the start has waited %d s for the job database: either a transaction of an earlier "
             "attempt of this key is still open (a worker cut off from the database: the server "
             "ends it within the dead-peer bound, about a minute), or a connection pooler has no "
-            "server connection free (its pool is exhausted: see the README's pool sizing)",
+            "server connection free (its pool is exhausted: see docs/deploying.md, pool sizing)",
             START_WAIT_WARNING,
         )
 

@@ -2,7 +2,7 @@
 -- Named parameters only: nothing here is ever built by string formatting. {schema} is the
 -- bookkeeping schema, a validated identifier quoted by psycopg.sql when the file is loaded:
 -- every name is qualified, so no statement depends on a session's search_path (a pooled
--- server connection may carry another client's, see the README's "Deploying").
+-- server connection may carry another client's, see docs/deploying.md).
 -- Times are statement_timestamp(), never now(): some statements run in the lock
 -- transaction, which began when the run did, and now() is the start of the transaction.
 
