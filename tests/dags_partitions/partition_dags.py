@@ -33,6 +33,9 @@ OCTOBER = {
 def work(run: RunContext) -> dict[str, Any]:
     """Record one execution of the work; fail when the key is listed in part_fail."""
     with run.transaction() as cur:
+        # Runs of several keys start at once (a caught-up schedule): CREATE TABLE IF NOT
+        # EXISTS races on the catalog between transactions, so they take turns for it.
+        cur.execute("SELECT pg_advisory_xact_lock(hashtextextended('part_work.ddl', 0))")
         cur.execute(
             "CREATE TABLE IF NOT EXISTS public.part_work (job text, run_key text,"
             " at timestamptz DEFAULT now())"
