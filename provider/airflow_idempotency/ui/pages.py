@@ -49,7 +49,9 @@ class Access(Protocol):
 
 
 class _Query(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    # populate_by_name: FastAPI 0.117 (Airflow 3.1's lock) hands a query model its values by
+    # field name, not by alias (``from``, ``to``: they were lost); 0.136 (3.2, 3.3) by alias.
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
 def _text(default: Any = None, **kwargs: Any) -> Any:
