@@ -32,6 +32,9 @@ for dag_id in ("daily_reconciliation", "daily_reconciliation_pasted_twice"):
             python_callable=tasks.reconcile_stores,
             postgres_conn_id="idempotency_default",
             job_name="daily_reconciliation",  # the same job in both DAGs: one lock, one record
-            reschedule_interval=dt.timedelta(seconds=5),
+            # Longer than the executor's report of a try takes to reach the scheduler: a
+            # Celery "success" that arrives after the rescheduled try is already scheduled
+            # again makes Airflow's scheduler fail the task (seen at 5 s).
+            reschedule_interval=dt.timedelta(seconds=15),
         )
 # [END daily_reconciliation]
