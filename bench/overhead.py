@@ -43,9 +43,10 @@ TITLE = "Wrapper overhead (in-process, no-op work)"
 JOB = "bench.overhead"
 # Round trips of each path, counted from runner.py and locks.py (pipelined statements count
 # once): BEGIN; acquire_run_lock; SAVEPOINT + get_run + ROLLBACK TO; then for a new key
-# start_attempt (on the work connection, autocommit) and complete_attempt + COMMIT, for a
-# completed key insert_attempt(noop) + COMMIT.
-ROUND_TRIPS_NEW_KEY = 5
+# the start's BEGIN, fence_take_over + start_attempt + COMMIT (on the work connection), and
+# complete_attempt + COMMIT, for a completed key insert_attempt(noop) + COMMIT. The decision
+# benchmark counts them on the wire.
+ROUND_TRIPS_NEW_KEY = 6
 ROUND_TRIPS_NOOP = 4
 COMMITS_NEW_KEY = 2  # start_attempt, the lock transaction (completion)
 COMMITS_NOOP = 1  # the lock transaction (the noop attempt row)
