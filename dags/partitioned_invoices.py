@@ -68,7 +68,7 @@ def partitioned_invoice_dags() -> None:
             python_callable=tasks.create_region_invoices,
             postgres_conn_id=JOBS_DB,
             job_name="invoice_regions.invoice_region",
-            reschedule_interval=dt.timedelta(seconds=5),
+            reschedule_interval=dt.timedelta(seconds=15),
             outlets=[regional_invoices],
         ).expand(key_segment=REGIONS)
     # [END invoice_regions]
@@ -91,7 +91,7 @@ def partitioned_invoice_dags() -> None:
             python_callable=tasks.reconcile_region,
             postgres_conn_id=JOBS_DB,
             job_name="regional_reconciliation",
-            reschedule_interval=dt.timedelta(seconds=5),
+            reschedule_interval=dt.timedelta(seconds=15),
         )
     # [END regional_reconciliation]
 

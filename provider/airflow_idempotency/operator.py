@@ -126,7 +126,8 @@ class IdempotentRunOperator(ReschedulingOperator):
     :param on_locked: when another execution holds the key: ``reschedule`` (default; the
         task waits ``reschedule_interval`` and tries again without using a retry),
         ``fail`` (no retry) or ``skip``.
-    :param reschedule_interval: wait between tries while the key is locked.
+    :param reschedule_interval: wait between tries while the key is locked. Not below 10 s
+        or so: a shorter one races Airflow's scheduler (docs/deploying.md, apache/airflow#71172).
     :param lock_timeout: give up (fail, retries apply) after rescheduling this long.
     :param on_completed: for an already completed key: ``succeed`` (a no-op) or ``skip``.
     :param schema: Postgres schema of the bookkeeping tables.
