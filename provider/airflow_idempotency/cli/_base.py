@@ -7,11 +7,10 @@ import argparse
 import datetime as dt
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psycopg
 
-from airflow_idempotency._sql import query_rows
 from airflow_idempotency.exceptions import SchemaNotReadyError
 from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, require_readable
 
@@ -139,10 +138,3 @@ def connect_write(args: argparse.Namespace) -> psycopg.Connection:
     conn = connect(args)
     ensure_schema(conn, args.schema)
     return conn
-
-
-def fetch(
-    conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any] | None = None
-) -> list[dict[str, Any]]:
-    """Rows of the named query as dicts."""
-    return query_rows(conn, name, schema, params)

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from airflow_idempotency._sql import query_rows
 from airflow_idempotency.cli._base import (
     EXIT_FAILED,
     EXIT_LOCKED,
@@ -21,7 +22,6 @@ from airflow_idempotency.cli._base import (
     CommandError,
     add_command,
     connect_read,
-    fetch,
 )
 from airflow_idempotency.cli._output import emit, print_json
 from airflow_idempotency.exceptions import RunLockedError
@@ -76,8 +76,8 @@ def handle(args: argparse.Namespace) -> int:
         return show_effect(args)
     params = {"job": args.job, "run_key": args.run_key, "all": args.all, "limit": args.limit}
     with connect_read(args) as conn:
-        summary = fetch(conn, args.schema, "cli_ledger_summary", params)
-        problems = fetch(conn, args.schema, "cli_ledger_problems", params)
+        summary = query_rows(conn, "cli_ledger_summary", args.schema, params)
+        problems = query_rows(conn, "cli_ledger_problems", args.schema, params)
     unknown = sum(int(r["effects"]) for r in summary if r["status"] == "unknown")
     if args.json:
         print_json({"summary": summary, "not_confirmed": problems})
@@ -114,7 +114,7 @@ def show_effect(args: argparse.Namespace) -> int:
         raise CommandError("--key needs --remote (the effect's remote system)", EXIT_USAGE)
     params = {"remote_system": args.remote, "key": args.key}
     with connect_read(args) as conn:
-        rows = fetch(conn, args.schema, "ledger_effect", params)
+        rows = query_rows(conn, "ledger_effect", args.schema, params)
         audit = resolutions(conn, args.schema, args.remote, args.key) if rows else []
     if not rows:
         raise CommandError(f"no effect {args.key!r} of remote system {args.remote!r}", EXIT_USAGE)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from airflow_idempotency.cli._base import EXIT_OK, add_command, connect_read, fetch
+from airflow_idempotency._sql import query_rows
+from airflow_idempotency.cli._base import EXIT_OK, add_command, connect_read
 from airflow_idempotency.cli._output import emit
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
 def handle(args: argparse.Namespace) -> int:
     """The run locks held now: the key, its status, the session and the worker holding it."""
     with connect_read(args) as conn:
-        rows = fetch(conn, args.schema, "cli_locks")
+        rows = query_rows(conn, "cli_locks", args.schema)
     emit(
         args,
         "held run locks",

@@ -7,13 +7,13 @@ import os
 from typing import TYPE_CHECKING
 
 from airflow_idempotency import records
+from airflow_idempotency._sql import query_rows
 from airflow_idempotency.cli._base import (
     EXIT_LOCKED,
     EXIT_OK,
     CommandError,
     add_command,
     connect_write,
-    fetch,
 )
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.records import Trigger
@@ -66,10 +66,10 @@ def handle(args: argparse.Namespace) -> int:
         attempt_id = reset.insert_attempt(
             conn, "reset", lock=lock, options=records.RunOptions(), error=args.reason
         )
-        fetch(
+        query_rows(
             conn,
-            args.schema,
             "reset_run",
+            args.schema,
             {
                 "job": args.job,
                 "run_key": args.run_key,

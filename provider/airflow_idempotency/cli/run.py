@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_idempotency._sql import query_rows
 from airflow_idempotency.cli import _dags
 from airflow_idempotency.cli._base import (
     EXIT_FAILED,
@@ -30,7 +31,6 @@ from airflow_idempotency.cli._base import (
     add_command,
     business_date,
     connect,
-    fetch,
 )
 from airflow_idempotency.cli._output import emit, print_json
 from airflow_idempotency.locks import ON_LOCKED_ENV
@@ -82,10 +82,10 @@ def handle(args: argparse.Namespace) -> int:
     code, log = run_dags_test(args.dag_id, conf, args.dags_folder)
     with connect(args) as conn:
         attempts = (
-            fetch(
+            query_rows(
                 conn,
-                args.schema,
                 "cli_attempts_since",
+                args.schema,
                 {"run_key": args.date, "dag_id": args.dag_id, "since": since},
             )
             if current_version(conn, args.schema)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from airflow_idempotency._sql import query_rows
 from airflow_idempotency.cli._base import (
     EXIT_FAILED,
     EXIT_OK,
     add_command,
     connect_read,
-    fetch,
 )
 from airflow_idempotency.cli._output import age, emit
 
@@ -38,10 +38,10 @@ def handle(args: argparse.Namespace) -> int:
     if args.stale:
         return stale(args)
     with connect_read(args) as conn:
-        rows = fetch(
+        rows = query_rows(
             conn,
-            args.schema,
             "cli_list_runs",
+            args.schema,
             {
                 "job": args.job,
                 "status": args.status,

@@ -7,7 +7,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from airflow_idempotency import records
-from airflow_idempotency.cli._base import EXIT_FAILED, EXIT_OK, add_command, connect_read, fetch
+from airflow_idempotency._sql import query_rows
+from airflow_idempotency.cli._base import EXIT_FAILED, EXIT_OK, add_command, connect_read
 from airflow_idempotency.cli._output import emit, print_json
 
 if TYPE_CHECKING:
@@ -49,8 +50,8 @@ def handle(args: argparse.Namespace) -> int:
     """The job_runs row of one (job, run key) and all its attempts; exit 1 if none."""
     with connect_read(args) as conn:
         run = records.get_run(conn, args.schema, args.job, args.run_key)
-        attempts = fetch(
-            conn, args.schema, "cli_attempts", {"job": args.job, "run_key": args.run_key}
+        attempts = query_rows(
+            conn, "cli_attempts", args.schema, {"job": args.job, "run_key": args.run_key}
         )
     if run is None and not attempts:
         print(f"no run recorded for job {args.job!r} run_key {args.run_key!r}", file=sys.stderr)
