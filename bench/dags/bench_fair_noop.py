@@ -1,9 +1,9 @@
 """Benchmark DAG (bench/airflow_e2e.py): the fair baseline of bench_idempotent_noop.
 
 Same schedule and shape; each plain task opens one connection to the job database through
-PostgresHook and runs one query, which is the least any task that touches that database
-pays (the hook's imports, the connection lookup, connect, one round trip), and the least
-an idempotent no-op decision needs too.
+PostgresHook and runs one query: what a plain task that touches that database pays (the
+hook's imports, the connection lookup, connect, one round trip). An idempotent no-op needs
+the lookup and its connections, not the hook's imports (airflow_idempotency.connection).
 """
 
 from __future__ import annotations

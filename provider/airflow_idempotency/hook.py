@@ -9,18 +9,11 @@ import psycopg
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 from psycopg.rows import tuple_row
 
-from airflow_idempotency.locks import DEAD_PEER_DEFAULTS
+from airflow_idempotency.connection import HOOK_EXTRAS, connect_kwargs
 from airflow_idempotency.schema import DEFAULT_CONN_ID
 
-CONNECT_TIMEOUT = 10  # seconds, unless the connection's extra sets connect_timeout
-
-# Extras of the Airflow connection that are the postgres provider's own options, not
-# libpq's: never passed to psycopg.connect (the provider's own list, where it has one).
-_HOOK_EXTRAS = frozenset(
-    getattr(PostgresHook, "ignored_extra_options", set())
-    | {"iam", "redshift", "redshift-serverless", "aws_conn_id", "azure_conn_id", "cursor"}
-    | {"cluster-identifier", "workgroup-name", "sqlalchemy_scheme", "sqlalchemy_query"}
-)
+# The provider's own extras, as this version of it lists them, beside ours.
+_HOOK_EXTRAS = HOOK_EXTRAS | frozenset(getattr(PostgresHook, "ignored_extra_options", ()))
 
 
 class IdempotencyHook(PostgresHook):
@@ -41,7 +34,11 @@ class IdempotencyHook(PostgresHook):
     statements read plain tuples) and ``enable_log_db_messages``.
     Libpq's TCP keepalive settings default to
     :data:`~airflow_idempotency.locks.DEAD_PEER_DEFAULTS`, and ``connect_timeout`` to
-    :data:`CONNECT_TIMEOUT`, unless the extra sets them.
+    :data:`~airflow_idempotency.connection.CONNECT_TIMEOUT`, unless the extra sets them.
+
+    The operator and the decorator open their connections through
+    :class:`~airflow_idempotency.connection.JobDatabase` (the same arguments, without this
+    hook's imports), which comes here for an IAM token only.
     """
 
     conn_name_attr = "postgres_conn_id"
@@ -50,27 +47,17 @@ class IdempotencyHook(PostgresHook):
     hook_name = "Idempotency (Postgres)"
 
     def connection_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``psycopg.connect`` for this Airflow connection."""
+        """The keyword arguments of ``psycopg.connect`` for this Airflow connection
+        (:func:`~airflow_idempotency.connection.connect_kwargs`, with the IAM token)."""
         conn = copy.deepcopy(self.connection)
-        extra = conn.extra_dejson
-        if extra.get("iam", False):
+        if conn.extra_dejson.get("iam", False):
             conn.login, conn.password, conn.port = self.get_iam_token(conn)
-        kwargs: dict[str, Any] = {
-            "host": conn.host,
-            "user": conn.login,
-            "password": conn.password,
-            "dbname": getattr(self, "database", None) or conn.schema,
-            "port": conn.port,
-        }
-        if getattr(self, "options", None):
-            kwargs["options"] = self.options
-        kwargs.update((k, v) for k, v in extra.items() if k not in _HOOK_EXTRAS)
-        for name, value in DEAD_PEER_DEFAULTS.items():
-            kwargs.setdefault(name, value)
-        # A worker cut off from the database must not wait two minutes (Linux's SYN
-        # retries) in every new connection, e.g. the one that records its failure.
-        kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT)
-        return {k: v for k, v in kwargs.items() if v is not None and v != ""}
+        return connect_kwargs(
+            conn,
+            database=getattr(self, "database", None),
+            options=getattr(self, "options", None),
+            ignored=_HOOK_EXTRAS,
+        )
 
     def new_connection(self) -> psycopg.Connection[Any]:
         """Open a new psycopg 3 connection (use it as a context manager: it closes on exit)."""

@@ -50,7 +50,7 @@ from airflow_idempotency.ledger import OutboundLedger
 from airflow_idempotency.mail import message_id
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.run_context import ConnectionFactory, autocommit_connection
-from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema
+from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA, ensure_schema
 
 log = logging.getLogger(__name__)
 
@@ -236,13 +236,13 @@ class NotifyOnce:
 
     @contextlib.contextmanager
     def _connect(self, task: Any) -> Iterator[ConnectionFactory]:
-        from airflow_idempotency.hook import IdempotencyHook
+        from airflow_idempotency.connection import JobDatabase
 
         conn_id = self.postgres_conn_id or getattr(task, "postgres_conn_id", None)
-        hook = IdempotencyHook(postgres_conn_id=conn_id or IdempotencyHook.default_conn_name)
-        with autocommit_connection(hook.new_connection) as conn:
+        database = JobDatabase(conn_id or DEFAULT_CONN_ID)
+        with autocommit_connection(database.new_connection) as conn:
             ensure_schema(conn, self._schema(task))
-        yield hook.new_connection
+        yield database.new_connection
 
     def _notify(self, scope: _CallbackScope, notifier: Notifier, context: Any) -> str | None:
         """One notifier's notification through the ledger; the failure's text, if any."""

@@ -52,6 +52,7 @@ from airflow_idempotency.runner import RunOutcome, run_idempotently
 from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
 
 if TYPE_CHECKING:
+    from airflow_idempotency.connection import JobDatabase
     from airflow_idempotency.hook import IdempotencyHook
 
 OnLocked = Literal["reschedule", "fail", "skip"]
@@ -190,11 +191,20 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     @cached_property
     def hook(self) -> IdempotencyHook:
-        """The hook of ``postgres_conn_id`` (created on first use, never at parse time; the
-        Postgres provider's hook is imported then too)."""
+        """The hook of ``postgres_conn_id``, for a subclass's own use (created on first use;
+        the Postgres provider's hook is imported then). The contract's own connections come
+        from :attr:`job_database`, which needs none of the hook's imports."""
         from airflow_idempotency.hook import IdempotencyHook
 
         return IdempotencyHook(postgres_conn_id=self.postgres_conn_id)
+
+    @cached_property
+    def job_database(self) -> JobDatabase:
+        """The job database of ``postgres_conn_id`` (looked up on first use, never at
+        parse time)."""
+        from airflow_idempotency.connection import JobDatabase
+
+        return JobDatabase(self.postgres_conn_id)
 
     def run(self, ctx: RunContext) -> Mapping[str, Any] | None:
         """The work of one run key. Override in a subclass, or pass ``python_callable``."""
@@ -344,7 +354,7 @@ class IdempotentRunOperator(ReschedulingOperator):
         )
         self._check_connection()
         result = run_idempotently(
-            connect=self.hook.new_connection,
+            connect=self.job_database.new_connection,
             job_name=job_name,
             run_key=resolved.run_key,
             work=self.run,
@@ -406,7 +416,7 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     def _check_connection(self) -> None:
         try:
-            self.hook.connection  # noqa: B018 - resolves the connection id, fails if unknown
+            self.job_database.connection  # noqa: B018 - resolves the id, fails if unknown
         except Exception as exc:
             if type(exc).__name__ != "AirflowNotFoundException":
                 raise

@@ -1,0 +1,115 @@
+"""The job database's psycopg 3 connections, from an Airflow connection id.
+
+:class:`JobDatabase` is what the operator, the decorator, notifications and the watch open
+their connections with: it reads the Airflow connection (``BaseHook.get_connection``: the
+secrets backends, the Task SDK's API) and opens psycopg 3 sessions from it, without
+importing the Postgres provider's hook (SQLAlchemy, psycopg2 and sqlparse: about 60 ms in
+every task process, measured by ``python3 dev.py bench --only partitions_e2e``). A
+connection whose extra asks for an IAM token (``iam``) gets it from the postgres provider's
+hook, imported then. :class:`~airflow_idempotency.hook.IdempotencyHook` builds the same
+arguments (:func:`connect_kwargs`).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from airflow_idempotency.locks import DEAD_PEER_DEFAULTS
+from airflow_idempotency.schema import DEFAULT_CONN_ID
+
+CONNECT_TIMEOUT = 10  # seconds, unless the connection's extra sets connect_timeout
+
+HOOK_EXTRAS = frozenset(
+    {"iam", "redshift", "redshift-serverless", "aws_conn_id", "azure_conn_id", "cursor"}
+    | {"cluster-identifier", "workgroup-name", "sqlalchemy_scheme", "sqlalchemy_query"}
+)
+"""Extras of a postgres connection that are the postgres provider's own options, not
+libpq's (its ``PostgresHook.ignored_extra_options``): never passed to ``psycopg.connect``."""
+
+
+def connect_kwargs(
+    conn: Any,
+    *,
+    database: str | None = None,
+    options: str | None = None,
+    ignored: frozenset[str] = HOOK_EXTRAS,
+) -> dict[str, Any]:
+    """The keyword arguments of ``psycopg.connect`` for the Airflow connection ``conn``.
+
+    Host, port, login, password, schema (the database, unless ``database``), ``options``,
+    and every extra that is a libpq parameter (``sslmode``, ``sslrootcert``,
+    ``application_name``, ``connect_timeout``, ``keepalives_*``, ``tcp_user_timeout``,
+    ...). Libpq's TCP keepalive settings default to
+    :data:`~airflow_idempotency.locks.DEAD_PEER_DEFAULTS` and ``connect_timeout`` to
+    :data:`CONNECT_TIMEOUT`, unless the extra sets them: a worker cut off from the database
+    must not wait two minutes (Linux's SYN retries) in every new connection, e.g. the one
+    that records its failure.
+    """
+    kwargs: dict[str, Any] = {
+        "host": conn.host,
+        "user": conn.login,
+        "password": conn.password,
+        "dbname": database or conn.schema,
+        "port": conn.port,
+    }
+    if options:
+        kwargs["options"] = options
+    kwargs.update((k, v) for k, v in conn.extra_dejson.items() if k not in ignored)
+    for name, value in DEAD_PEER_DEFAULTS.items():
+        kwargs.setdefault(name, value)
+    kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT)
+    return {k: v for k, v in kwargs.items() if v is not None and v != ""}
+
+
+class JobDatabase:
+    """The job database of the Airflow connection ``conn_id`` (type ``postgres``).
+
+    Each call of :meth:`new_connection` opens a new session: the run lock needs one of its
+    own for the whole run. The Airflow connection is looked up once, on first use.
+    """
+
+    def __init__(self, conn_id: str = DEFAULT_CONN_ID) -> None:
+        self.conn_id = conn_id
+
+    @cached_property
+    def connection(self) -> Any:
+        """The Airflow connection (raises Airflow's "not defined" error when it is not)."""
+        from airflow.providers.common.compat.sdk import BaseHook
+
+        return BaseHook.get_connection(self.conn_id)
+
+    @cached_property
+    def _iam(self) -> bool:
+        return bool(self.connection.extra_dejson.get("iam", False))
+
+    @cached_property
+    def _kwargs(self) -> dict[str, Any]:
+        return connect_kwargs(self.connection)
+
+    def connection_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``psycopg.connect`` (see :func:`connect_kwargs`); with
+        an IAM token, a fresh one each time (they expire)."""
+        if self._iam:
+            return self._iam_kwargs()
+        return dict(self._kwargs)
+
+    def _iam_kwargs(self) -> dict[str, Any]:
+        """As ``PostgresHook`` does for the extra ``iam``: login, password (the token) and
+        port from the AWS or Azure provider, through the postgres provider."""
+        import copy
+
+        from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+        hook = PostgresHook(postgres_conn_id=self.conn_id)
+        conn = copy.deepcopy(self.connection)
+        conn.login, conn.password, conn.port = hook.get_iam_token(conn)
+        ignored = HOOK_EXTRAS | frozenset(getattr(PostgresHook, "ignored_extra_options", ()))
+        return connect_kwargs(conn, ignored=ignored)
+
+    def new_connection(self) -> psycopg.Connection[Any]:
+        """Open a new psycopg 3 connection (use it as a context manager: it closes on exit)."""
+        return psycopg.connect(**self.connection_kwargs(), row_factory=tuple_row)
