@@ -11,14 +11,13 @@ import argparse
 import dataclasses
 import datetime as dt
 import importlib
-import os
 import shlex
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from bench.common import SIZES, BenchResult, machine_info, say
+from bench.common import SIZES, BenchResult, machine_info, say, settled_load_average
 from bench.report import render_markdown, render_table
 from devtools.postgres import find_server
 
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
     finally:
         server.close()
-    machine["load average (end)"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    machine["load average (end)"] = settled_load_average()
     table = render_table(results)
     print(table)
     # Only a complete run at the target size replaces BENCHMARKS.md by default.

@@ -149,8 +149,31 @@ def machine_info(server: PostgresServer | None = None) -> dict[str, str]:
     for dist in ("apache-airflow", "psycopg", "psycopg-pool", "httpx", "httpcore", "uvicorn"):
         with contextlib.suppress(Exception):
             info[dist] = version(dist)
-    info["load average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    info["load average"] = load_average()
     return info
+
+
+QUIET_LOAD = 2.0
+"""A figure counts only from a machine whose 1-minute load average is below this at the
+start and at the end of its benchmark."""
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def settled_load_average(timeout: float = 180.0) -> str:
+    """The load average at a benchmark's end, read once its own processes have settled.
+
+    The 1-minute average decays with a one-minute time constant, so right after an Airflow
+    stack stops it still shows the stack's own load. This waits (at most ``timeout``
+    seconds) for it to fall below :data:`QUIET_LOAD`; a machine where something else is
+    running never gets there, and the figure says so. The wait is printed with the figure.
+    """
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= QUIET_LOAD and time.monotonic() - t0 < timeout:
+        time.sleep(5)
+    return f"{load_average()} (read {time.monotonic() - t0:.0f} s after the benchmark's end)"
 
 
 # ---------------------------------------------------------------- child processes

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,7 +31,16 @@ from bench.airflow_e2e import (
     _now,
     _ts,
 )
-from bench.common import BenchResult, Size, at_most, database, median, say
+from bench.common import (
+    BenchResult,
+    Size,
+    at_most,
+    database,
+    load_average,
+    median,
+    say,
+    settled_load_average,
+)
 from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack, airflow_stack
 from devtools.postgres import PostgresServer
@@ -130,7 +138,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
     home = Path(tempfile.mkdtemp(prefix="bench-partitions-"))
     timed: dict[str, list[dict[str, float]]] = {FAIR: [], IDEMPOTENT: []}
     windows = _Windows()
-    result.notes.append(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    result.notes.append(f"load average at start: {load_average()}")
     try:
         with contextlib.ExitStack() as es:
             dsn = es.enter_context(database(server, "bench_partitions"))
@@ -160,7 +168,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
                     )
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    result.notes.append(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    result.notes.append(f"load average at end: {settled_load_average()}")
     _report(result, timed, days, size)
     return result
 
