@@ -1,10 +1,11 @@
 """The job database's psycopg 3 connections, from an Airflow connection id.
 
-:class:`JobDatabase` is what the operator, the decorator, notifications and the watch open
-their connections with: it reads the Airflow connection (``BaseHook.get_connection``: the
+:class:`JobDatabase` is what the operator, the decorator and notifications open their
+connections with: it reads the Airflow connection (``BaseHook.get_connection``: the
 secrets backends, the Task SDK's API) and opens psycopg 3 sessions from it, without
-importing the Postgres provider's hook (SQLAlchemy, psycopg2 and sqlparse: about 60 ms in
-every task process, measured by ``python3 dev.py bench --only partitions_e2e``). A
+importing the Postgres provider's hook (with SQLAlchemy, psycopg2 and sqlparse: about 60 ms
+in a task process; the no-op decision of ``python3 dev.py bench --only partitions_e2e``
+went from 201 to 43 ms). A
 connection whose extra asks for an IAM token (``iam``) gets it from the postgres provider's
 hook, imported then. :class:`~airflow_idempotency.hook.IdempotencyHook` builds the same
 arguments (:func:`connect_kwargs`).
