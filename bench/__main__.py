@@ -17,7 +17,14 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import SIZES, BenchResult, machine_info, say, settled_load_average
+from bench.common import (
+    SETTLE_SECONDS,
+    SIZES,
+    BenchResult,
+    machine_info,
+    say,
+    settled_load_average,
+)
 from bench.report import render_markdown, render_table
 from devtools.postgres import find_server
 
@@ -86,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
     finally:
         server.close()
-    machine["load average (end)"] = settled_load_average()
+    # Only a full-size run's figures count, so only it waits for the load to settle.
+    machine["load average (end)"] = settled_load_average(
+        timeout=SETTLE_SECONDS if size.name == "full" else 0
+    )
     table = render_table(results)
     print(table)
     # Only a complete run at the target size replaces BENCHMARKS.md by default.

@@ -162,7 +162,11 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def settled_load_average(timeout: float = 180.0) -> str:
+SETTLE_SECONDS = 180.0
+"""How long a full-size benchmark waits, at its end, for the load average to settle."""
+
+
+def settled_load_average(timeout: float = SETTLE_SECONDS) -> str:
     """The load average at a benchmark's end, read once its own processes have settled.
 
     The 1-minute average decays with a one-minute time constant, so right after an Airflow
