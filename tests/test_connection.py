@@ -47,6 +47,40 @@ def test_the_same_arguments_as_the_hook(monkeypatch: pytest.MonkeyPatch, pg_dsn:
     assert row == ("nightly",)
 
 
+def test_an_iam_connection_gets_a_fresh_token_from_the_postgres_provider(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extra ``iam``: login, password and port come from ``PostgresHook.get_iam_token``
+    (AWS is out of reach here, so the token call is the one thing replaced), a new token
+    for every session, the same for the hook and JobDatabase; the provider's extras stay out."""
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    tokens = iter(range(1, 100))
+
+    def get_iam_token(self: PostgresHook, conn: object) -> tuple[str, str, int]:
+        return "iam_user", f"token-{next(tokens)}", 5439
+
+    monkeypatch.setattr(PostgresHook, "get_iam_token", get_iam_token)
+    uri = {
+        "conn_type": "postgres",
+        "host": "db.example.com",
+        "login": "someone",
+        "schema": "jobs",
+        "extra": {"iam": True, "aws_conn_id": "aws_default", "sslmode": "require"},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_JOBS_IAM", json.dumps(uri))
+    database = JobDatabase("jobs_iam")
+    first, second = database.connection_kwargs(), database.connection_kwargs()
+    hook = IdempotencyHook(postgres_conn_id="jobs_iam").connection_kwargs()
+    assert (first["user"], first["password"], first["port"]) == ("iam_user", "token-1", 5439)
+    assert second["password"] == "token-2" and hook["password"] == "token-3"
+    assert {k: v for k, v in first.items() if k != "password"} == {
+        k: v for k, v in hook.items() if k != "password"
+    }
+    assert first["sslmode"] == "require" and not {"iam", "aws_conn_id"} & set(first)
+    assert database.connection.login == "someone", "the looked-up connection is left as it was"
+
+
 def test_an_unknown_connection_id_is_airflows_not_found_error() -> None:
     with pytest.raises(Exception, match="isn't defined") as raised:
         JobDatabase("no_such_connection_anywhere").connection  # noqa: B018

@@ -13,7 +13,8 @@ arguments (:func:`connect_kwargs`).
 
 from __future__ import annotations
 
-from functools import cached_property
+import copy
+from functools import cache, cached_property
 from typing import Any
 
 import psycopg
@@ -66,6 +67,35 @@ def connect_kwargs(
     return {k: v for k, v in kwargs.items() if v is not None and v != ""}
 
 
+def hook_connect_kwargs(
+    conn: Any,
+    hook: Any = None,
+    *,
+    database: str | None = None,
+    options: str | None = None,
+) -> dict[str, Any]:
+    """:func:`connect_kwargs` as ``PostgresHook`` reads the connection ``conn``: the extras
+    this version of the postgres provider lists as its own are left out too, and when the
+    extra ``iam`` asks for it, login, password (the token) and port come from the AWS or
+    Azure provider, through ``hook`` (a ``PostgresHook`` of ``conn``: one is made when
+    none is given). Imports the postgres provider's hook."""
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    if conn.extra_dejson.get("iam", False):
+        hook = hook or PostgresHook(postgres_conn_id=conn.conn_id)
+        conn = copy.deepcopy(conn)
+        conn.login, conn.password, conn.port = hook.get_iam_token(conn)
+    return connect_kwargs(conn, database=database, options=options, ignored=_hook_extras())
+
+
+@cache
+def _hook_extras() -> frozenset[str]:
+    """:data:`HOOK_EXTRAS` and the extras the installed postgres provider lists as its own."""
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    return HOOK_EXTRAS | frozenset(getattr(PostgresHook, "ignored_extra_options", ()))
+
+
 class JobDatabase:
     """The job database of the Airflow connection ``conn_id`` (type ``postgres``).
 
@@ -93,23 +123,10 @@ class JobDatabase:
 
     def connection_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``psycopg.connect`` (see :func:`connect_kwargs`); with
-        an IAM token, a fresh one each time (they expire)."""
+        an IAM token, a fresh one each time (they expire), through the postgres provider."""
         if self._iam:
-            return self._iam_kwargs()
+            return hook_connect_kwargs(self.connection)
         return dict(self._kwargs)
-
-    def _iam_kwargs(self) -> dict[str, Any]:
-        """As ``PostgresHook`` does for the extra ``iam``: login, password (the token) and
-        port from the AWS or Azure provider, through the postgres provider."""
-        import copy
-
-        from airflow.providers.postgres.hooks.postgres import PostgresHook
-
-        hook = PostgresHook(postgres_conn_id=self.conn_id)
-        conn = copy.deepcopy(self.connection)
-        conn.login, conn.password, conn.port = hook.get_iam_token(conn)
-        ignored = HOOK_EXTRAS | frozenset(getattr(PostgresHook, "ignored_extra_options", ()))
-        return connect_kwargs(conn, ignored=ignored)
 
     def new_connection(self) -> psycopg.Connection[Any]:
         """Open a new psycopg 3 connection (use it as a context manager: it closes on exit)."""

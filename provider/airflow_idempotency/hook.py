@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import psycopg
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 from psycopg.rows import tuple_row
 
-from airflow_idempotency.connection import HOOK_EXTRAS, connect_kwargs
+from airflow_idempotency.connection import hook_connect_kwargs
 from airflow_idempotency.schema import DEFAULT_CONN_ID
-
-# The provider's own extras, as this version of it lists them, beside ours.
-_HOOK_EXTRAS = HOOK_EXTRAS | frozenset(getattr(PostgresHook, "ignored_extra_options", ()))
 
 
 class IdempotencyHook(PostgresHook):
@@ -38,7 +34,7 @@ class IdempotencyHook(PostgresHook):
 
     The operator and the decorator open their connections through
     :class:`~airflow_idempotency.connection.JobDatabase` (the same arguments, without this
-    hook's imports), which comes here for an IAM token only.
+    hook's imports; for an IAM token it imports the postgres provider's hook).
     """
 
     conn_name_attr = "postgres_conn_id"
@@ -48,15 +44,12 @@ class IdempotencyHook(PostgresHook):
 
     def connection_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``psycopg.connect`` for this Airflow connection
-        (:func:`~airflow_idempotency.connection.connect_kwargs`, with the IAM token)."""
-        conn = copy.deepcopy(self.connection)
-        if conn.extra_dejson.get("iam", False):
-            conn.login, conn.password, conn.port = self.get_iam_token(conn)
-        return connect_kwargs(
-            conn,
+        (:func:`~airflow_idempotency.connection.hook_connect_kwargs`: with the IAM token)."""
+        return hook_connect_kwargs(
+            self.connection,
+            self,
             database=getattr(self, "database", None),
             options=getattr(self, "options", None),
-            ignored=_HOOK_EXTRAS,
         )
 
     def new_connection(self) -> psycopg.Connection[Any]:
