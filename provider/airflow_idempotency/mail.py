@@ -271,12 +271,13 @@ class SmtpSender(EffectSender[aiosmtplib.SMTP]):
 
     async def send(self, connection: aiosmtplib.SMTP, effect: Effect) -> Confirmation:
         msg = self.message(effect)
-        sender = _bare(str(msg["From"]))
         request = effect.request
+        sender = _bare(str(request.get("from") or self.from_email))
         recipients = [
             _bare(a)
             for a in (*request.get("to", ()), *request.get("cc", ()), *request.get("bcc", ()))
         ]
+        reference = str(msg["Message-ID"])
         await self._envelope(connection, sender, recipients, effect.idempotency_key)
         try:
             reply = await connection.data(msg.as_bytes())
@@ -284,11 +285,11 @@ class SmtpSender(EffectSender[aiosmtplib.SMTP]):
             raise _refusal(exc, f"message {effect.idempotency_key!r} refused") from exc
         except (aiosmtplib.SMTPException, OSError) as exc:
             raise OutcomeUnknownError(
-                f"{type(exc).__name__} during DATA of {msg['Message-ID']} at {self.target}: the "
+                f"{type(exc).__name__} during DATA of {reference} at {self.target}: the "
                 f"server may have taken it ({exc})",
                 unreachable=True,
             ) from exc
-        return Confirmation(str(msg["Message-ID"]), {"reply": f"{reply.code} {reply.message}"})
+        return Confirmation(reference, {"reply": f"{reply.code} {reply.message}"})
 
     async def _envelope(
         self, connection: aiosmtplib.SMTP, sender: str, recipients: Sequence[str], key: str
