@@ -242,6 +242,25 @@ def backends_from(dsn: str, address: str) -> list[tuple[Any, ...]]:
         ).fetchall()
 
 
+def holding_the_counter_row(dsn: str, address: str) -> bool:
+    """Whether a backend of a client at ``address`` is idle inside the transaction whose last
+    statement updated public.counter: the hold of core_jobs.slow_work, after the UPDATE.
+
+    The state and the xid alone also match the work's first transaction (its CREATE TABLE
+    assigns an xid) between two of its statements; a cut there would land after that commit,
+    between the two transactions, where the work session is idle and holds nothing, so the
+    server keeps it (no dead-peer bound outside a transaction) and the scenario is another one.
+    """
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE host(client_addr) = %s"
+            " AND state = 'idle in transaction' AND backend_xid IS NOT NULL"
+            " AND query LIKE 'UPDATE public.counter%%')",
+            (address,),
+        ).fetchone()
+    return bool(row and row[0])
+
+
 def in_transaction(backends: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """The backends that are inside a transaction: an idle session (here the work
     connection's, between its transactions) holds no lock, row or snapshot, and the server
@@ -310,7 +329,7 @@ def test_a_cut_inside_a_work_transaction_holding_row_locks_ends_within_the_bound
     successor = None
     try:
         wait_until(
-            lambda: ("idle in transaction", True) in backends_from(local, link.ns_ip),
+            lambda: holding_the_counter_row(local, link.ns_ip),
             timeout=120,
             what="the worker's work transaction to hold its row lock",
         )
