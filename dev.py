@@ -6,7 +6,7 @@ project's virtual environment exists and matches its lock (creating it, installi
 into it, syncing the locked packages, installing this checkout), then runs:
 
     python3 dev.py setup            only the set-up
-    python3 dev.py test [ARGS]      the whole test suite (pytest ARGS)
+    python3 dev.py test [ARGS]      the whole test suite (two sessions side by side), or pytest ARGS
     python3 dev.py demo [ARGS]      the guided demo of the invoice DAG
     python3 dev.py lint             ruff and mypy
     python3 dev.py cli ARGS         the airflow-idempotency CLI
@@ -33,6 +33,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
@@ -143,7 +144,7 @@ def setup(line: Line) -> None:
     say(f"environment ready ({line.name})")
 
 
-def exec_in_venv(line: Line, args: list[str]) -> None:
+def venv_env(line: Line) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{line.bin}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(
@@ -153,8 +154,50 @@ def exec_in_venv(line: Line, args: list[str]) -> None:
     # here; it exists once `python3 dev.py setup --airflow 2` has run.
     env.setdefault("IDEMPOTENCY_AIRFLOW2_PYTHON", str(LINES["2"].python))
     env.setdefault("IDEMPOTENCY_AIRFLOW3_PYTHON", str(LINES["3.3"].python))
+    return env
+
+
+def exec_in_venv(line: Line, args: list[str]) -> None:
+    env = venv_env(line)
     os.chdir(ROOT)
     os.execve(str(line.python), [str(line.python), *args], env)
+
+
+def test_in_two_sessions(line: Line) -> int:
+    """The whole suite as two pytest sessions side by side: the tests that start Airflow's own
+    processes (marked airflow_processes) one at a time, and the rest of the suite beside them
+    (the core, the ledger, the view in process, the fault scenarios that drive Airflow in
+    process: they wait mostly on PostgreSQL). Two Airflow stacks at once saturate a 2-core
+    machine; one stack beside the rest leaves it about half idle. The second session's output
+    follows the first's; the exit status is the first non-zero of the two."""
+    env = venv_env(line)
+    pytest = [str(line.python), "-m", "pytest"]
+    with tempfile.NamedTemporaryFile("w+", prefix="dev-test-rest-", suffix=".log") as log:
+        print(
+            "[test] the whole suite, in two pytest sessions side by side: the tests that start "
+            "Airflow processes (`-m airflow_processes`) here, the rest (`-m 'not "
+            f"airflow_processes'`) beside them, its output after theirs ({log.name})",
+            flush=True,
+        )
+        rest = subprocess.Popen(
+            [*pytest, "-m", "not airflow_processes"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            processes = subprocess.call([*pytest, "-m", "airflow_processes"], cwd=ROOT, env=env)
+            print("[test] the tests that start Airflow processes: done; the rest ...", flush=True)
+            others = rest.wait()
+        finally:
+            if rest.poll() is None:  # interrupted: stop the other session too
+                rest.terminate()
+                rest.wait()
+        log.seek(0)
+        sys.stdout.write(log.read())
+    print(
+        f"[test] the tests that start Airflow processes exited {processes}, the rest {others}",
+        flush=True,
+    )
+    return processes or others
 
 
 def main(argv: list[str]) -> None:
@@ -177,6 +220,8 @@ def main(argv: list[str]) -> None:
             raise SystemExit(2)
         line, rest = LINES[name], rest[2:]
     setup(line)
+    if command == "test" and not rest and line is LINES["3.3"]:
+        raise SystemExit(test_in_two_sessions(line))
     if command == "test":
         exec_in_venv(line, ["-m", "pytest", *rest])
     elif command == "demo":

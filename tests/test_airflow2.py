@@ -23,7 +23,11 @@ from devtools.workers import start_airflow
 from fault_support import advisory_locks
 from workers import kill_group, private_airflow_env, wait_until
 
-pytestmark = [pytest.mark.airflow2_only, pytest.mark.usefixtures("airflow_home")]
+pytestmark = [
+    pytest.mark.airflow2_only,
+    pytest.mark.usefixtures("airflow_home"),
+    pytest.mark.airflow_processes,
+]
 
 RECONCILE = "daily_reconciliation"
 PASTED = "daily_reconciliation_pasted_twice"

@@ -14,6 +14,8 @@ import pytest
 
 from devtools.airflow_stack import airflow_stack, run_id_from_trigger_output
 
+pytestmark = pytest.mark.airflow_processes
+
 DAGS = Path(__file__).resolve().parent / "dags_stack"
 
 

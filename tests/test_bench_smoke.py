@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.airflow_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
     "overhead",

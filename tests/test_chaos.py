@@ -22,6 +22,8 @@ import pytest
 
 from devtools.chaos_builds import BUILDS, CORRECT
 
+pytestmark = pytest.mark.airflow_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 SHORT_STEPS = 30
 CI_BROKEN = ("lock-off", "completed-check-off", "fence-off", "skip-confirmed")

@@ -19,6 +19,8 @@ import pytest
 
 from devtools.chaos_builds import BROKEN, BUILDS, patched_copy
 
+pytestmark = pytest.mark.airflow_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = Path(__file__).with_name("broken_build_scenario.py")
 EXPOSED_BY = {

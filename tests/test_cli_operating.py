@@ -23,7 +23,7 @@ from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
 from devtools.airflow_env import DAGS_FOLDER
 from workers import TEST_DAGS, private_airflow_env
 
-pytestmark = pytest.mark.both_airflow_lines
+pytestmark = [pytest.mark.both_airflow_lines, pytest.mark.airflow_processes]
 
 
 def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:

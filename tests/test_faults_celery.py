@@ -30,7 +30,7 @@ from devtools.airflow_stack import REDIS_URL, AirflowStack, airflow_stack
 from devtools.postgres import PostgresServer
 from fault_support import figures
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
 
 DATES = [f"2026-10-0{d}" for d in range(1, 8)]
 MANUAL = ["2026-10-02", "2026-10-04", "2026-10-06"]

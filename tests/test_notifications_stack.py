@@ -20,7 +20,7 @@ from test_notifications import Webhook
 DAGS = Path(__file__).parent / "dags_effects"
 DAG_ID = "notify_effects"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
 
 
 @pytest.fixture(scope="module")

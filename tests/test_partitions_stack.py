@@ -26,7 +26,7 @@ from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack, RunResult, StackError
 from devtools.postgres import PostgresServer, temporary_database
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

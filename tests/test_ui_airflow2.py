@@ -34,7 +34,7 @@ from devtools.airflow_stack import free_port
 from devtools.postgres import temporary_database
 from devtools.workers import kill_group, start_airflow
 
-pytestmark = [pytest.mark.airflow2_only, pytest.mark.slow]
+pytestmark = [pytest.mark.airflow2_only, pytest.mark.slow, pytest.mark.airflow_processes]
 
 TESTS = Path(__file__).resolve().parent
 DAGS = TESTS / "dags_ui"

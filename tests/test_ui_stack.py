@@ -25,7 +25,7 @@ from devtools.airflow_stack import AirflowStack
 from devtools.postgres import temporary_database
 from ui_auth_manager import DENIED_ENV
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
 
 TESTS = Path(__file__).resolve().parent
 DAGS = TESTS / "dags_ui"

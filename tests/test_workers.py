@@ -15,7 +15,7 @@ import pytest
 
 from workers import kill_group, start_worker, wait_until
 
-pytestmark = pytest.mark.both_airflow_lines
+pytestmark = [pytest.mark.both_airflow_lines, pytest.mark.airflow_processes]
 
 
 def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
