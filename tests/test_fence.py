@@ -320,3 +320,21 @@ def test_a_transaction_timeout_does_not_end_the_run(postgres18: str) -> None:
     result = run_idempotently(connect=connect_to(dsn), job_name=JOB, run_key=KEY, work=work)
     assert result.outcome is RunOutcome.COMPLETED
     assert seen == [("1s",)]
+
+
+def test_the_server_side_bounds_follow_the_clients_own_keepalives(pg_dsn: str) -> None:
+    """The dead-peer bounds the provider's transactions set on the server are the connection's
+    own libpq options where it has them (from the Airflow connection), else the defaults."""
+    from airflow_idempotency.locks import DEAD_PEER_DEFAULTS, server_keepalive_settings
+
+    with psycopg.connect(pg_dsn, keepalives_idle=7, tcp_user_timeout=12_000) as given:
+        assert server_keepalive_settings(given) == {
+            "keepalives_idle": "7",
+            "keepalives_interval": str(DEAD_PEER_DEFAULTS["keepalives_interval"]),
+            "keepalives_count": str(DEAD_PEER_DEFAULTS["keepalives_count"]),
+            "tcp_user_timeout": "12000",
+        }
+    with psycopg.connect(pg_dsn) as plain:
+        assert server_keepalive_settings(plain) == {
+            name: str(value) for name, value in DEAD_PEER_DEFAULTS.items() if name != "keepalives"
+        }
