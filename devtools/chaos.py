@@ -349,17 +349,8 @@ class Chaos:
         """The phase of ``build``: business dates after every earlier phase's (so that their
         Airflow runs never collide), and its seed."""
         dates = build.dates or self.args.dates
-        steps = self.args.steps if not build.broken else self.args.broken_steps
-        count = dates + (steps // self.args.new_date_every if self.args.new_date_every else 0)
-        first = self.phases[-1].dates[-1] + dt.timedelta(days=1) if self.phases else FIRST_DATE
-        last = first + dt.timedelta(days=count - 1)
-        yesterday = dt.datetime.now(dt.timezone.utc).date() - dt.timedelta(days=1)
-        if last > yesterday:
-            raise SystemExit(
-                f"phase {build.name} would need business dates up to {last}, and only ended "
-                f"days (up to {yesterday}) can run: fewer --steps or --builds, or a larger "
-                "--new-date-every"
-            )
+        first, last = phase_dates(self.args)[index]
+        count = (last - first).days + 1
         # A broken build runs with its own fixed seed (chosen so that it is caught every
         # time), unless --broken-seed says otherwise; a correct one with --seed.
         seed = self.seed
@@ -1225,6 +1216,30 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+def phase_dates(args: argparse.Namespace) -> list[tuple[dt.date, dt.date]]:
+    """The business dates of each phase, first and last: after every earlier phase's (so that
+    their Airflow runs never collide). Raises ValueError when a phase would need a day that
+    has not ended, before anything starts."""
+    plan: list[tuple[dt.date, dt.date]] = []
+    yesterday = dt.datetime.now(dt.timezone.utc).date() - dt.timedelta(days=1)
+    for name in args.builds:
+        build = BUILDS[name]
+        steps = args.broken_steps if build.broken else args.steps
+        count = (build.dates or args.dates) + (
+            steps // args.new_date_every if args.new_date_every else 0
+        )
+        first = plan[-1][1] + dt.timedelta(days=1) if plan else FIRST_DATE
+        last = first + dt.timedelta(days=count - 1)
+        if last > yesterday:
+            raise ValueError(
+                f"phase {name} would need business dates up to {last}, and only ended days "
+                f"(up to {yesterday}) can run: fewer --steps or --builds, or a larger "
+                "--new-date-every"
+            )
+        plan.append((first, last))
+    return plan
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.broken:
@@ -1239,6 +1254,10 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads(args.from_summary.read_text(encoding="utf-8"))
         write_faults_md(args.faults_md, render_markdown(saved, saved.get("command", "")))
         return 0
+    try:
+        phase_dates(args)  # every phase's dates exist, before a stack starts
+    except ValueError as exc:
+        parser().error(str(exc))
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1, 10**6)
     # SIGTERM (a CI timeout, a test's clean-up) unwinds like Ctrl-C: the stack, the service

@@ -9,6 +9,7 @@ bug at once, so that each is caught every time.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import random
@@ -185,3 +186,27 @@ def test_faults_md_section_is_replaced_and_kept_by_the_fault_report(tmp_path: Pa
     regenerated = keep_chaos_section(path, "# Fault scenarios\n\nnew rows\n")
     assert regenerated.startswith("# Fault scenarios\n\nnew rows\n")
     assert "seed **2**" in regenerated and regenerated.count("## Chaos") == 1
+
+
+def test_a_plan_that_runs_out_of_ended_days_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """Each phase takes business dates after the earlier ones'; a plan whose last phase would
+    need a day that has not ended is refused up front (exit 2, naming the phase and the fix),
+    not after the earlier phases ran for half an hour without writing their summary."""
+    from devtools.chaos import FIRST_DATE, main, parser, phase_dates
+
+    # One date more than the days that have ended since the first business date, whatever today.
+    ended = (dt.datetime.now(dt.timezone.utc).date() - FIRST_DATE).days
+    steps = str(10 * ended)  # a new date every 10 steps (the default)
+    builds = "correct,lock-off,fence-off"
+    args = parser().parse_args(["--steps", steps, "--builds", builds])
+    with pytest.raises(ValueError, match=r"phase correct would need business dates up to"):
+        phase_dates(args)
+    with pytest.raises(SystemExit) as refused:
+        main(["--steps", steps, "--builds", builds, "--workdir", str(tmp_path / "w")])
+    assert refused.value.code == 2 and not (tmp_path / "w").exists()
+    fits = parser().parse_args(["--steps", "30", "--builds", builds])
+    plan = phase_dates(fits)
+    assert [first for first, _ in plan] == sorted({first for first, _ in plan})
+    assert all(plan[i][1] < plan[i + 1][0] for i in range(len(plan) - 1))
