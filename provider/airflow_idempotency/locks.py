@@ -213,7 +213,8 @@ def server_keepalive_settings(conn: psycopg.Connection) -> dict[str, str]:
     fenced transaction, each start): the client's own libpq values (from the Airflow
     connection), else :data:`DEAD_PEER_DEFAULTS`; seconds, and ms for ``tcp_user_timeout``."""
     # The connection's own options as libpq holds them (``ConnectionInfo.get_parameters``
-    # computes libpq's defaults and the home directory on every call: ~0.25 ms, twice per run).
+    # computes libpq's defaults and the home directory on every call: 113 us, measured; this
+    # reads the same options in 46 us, and a new key reads them twice).
     given = {option.keyword.decode(): option.val for option in conn.pgconn.info}
     return {
         name: (given.get(name) or b"").decode() or str(DEAD_PEER_DEFAULTS[name])
