@@ -32,8 +32,9 @@ at the same instant).
 
 Faults: ``crash`` (a crash point armed in AIRFLOW_IDEMPOTENCY_FAULT_DIR: the next worker
 process that reaches it SIGKILLs itself), ``terminate_lock`` (pg_terminate_backend of a
-session holding a run lock; the database clock once that backend is gone is recorded in
-``witness_lock_losses``), ``remote_5xx``, ``remote_reset``, ``remote_timeout`` (commit then
+session holding a run lock, found while a stall armed in the same folder holds one run at a
+point for 3 s, often in its open work transaction; the database clock once that backend is
+gone is recorded in ``witness_lock_losses``), ``remote_5xx``, ``remote_reset``, ``remote_timeout`` (commit then
 no answer), ``remote_latency`` (the accounting service's fault injection, for some
 seconds), ``service_kill`` (the accounting service SIGKILLed, restarted on the same port
 after a few seconds), ``pg_restart`` (the job database stopped fast or immediate, started
@@ -121,6 +122,11 @@ CRASH_POINTS = (
     "invoices.after_commit",
     "totals.after_delete",
 )
+# Where terminate_lock stalls one run (3 s) so that a lock session is there to end: in the
+# open work transaction of a witnessed job, or (for any run) just after its attempt started.
+STALL_SECONDS = 3
+STALL_IN_WORK = ("invoices.before_commit", "totals.after_delete")
+STALL_ANY = "runner.after_started"
 # What --require-fired can ask for, and the fault that fires it.
 PROOFS = {"crash": "crash", "terminate_lock": "terminate_lock", "restart": "pg_restart"}
 
@@ -783,6 +789,7 @@ class Chaos:
             # is witnessed, so that what the work commits afterwards is seen.
             share = 1.0 if self.p.build.faults.get("terminate_lock") else 0.5
             params["work"] = rng.random() < share
+            params["stall_at"] = rng.choice(STALL_IN_WORK) if params["work"] else STALL_ANY
         return params
 
     def start_fault(
@@ -854,17 +861,26 @@ class Chaos:
     def terminate_lock(self, event: Event, p: dict[str, Any]) -> str:
         """End a run lock's session; record when the database no longer had it.
 
-        Run locks live only while a task runs: wait up to 15 s for one (for one whose
-        attempt does witnessed work, when ``p["work"]``).
+        Run locks live only while a task runs, often for less than the time between two
+        looks: a stall is armed (the next run to pass its point holds its lock there for
+        STALL_SECONDS; inside its open work transaction when ``p["work"]``), and this waits
+        up to 15 s for a lock (one whose attempt does witnessed work, when ``p["work"]``).
         """
+        stall = self.fault_dir / f"{p['stall_at']}.stall"
+        staging = self.fault_dir / f"staging-{event.step}-{p['stall_at']}"
+        staging.write_text(str(STALL_SECONDS))
+        staging.replace(stall)  # a worker never reads a half-written file
         deadline = time.monotonic() + 15
-        while True:
-            sessions = self.retrying(lambda: invariants.run_lock_sessions(self.dsn))
-            working = [s for s in sessions if s["job_name"] in WITNESSED_JOBS]
-            candidates = working if p["work"] else sessions
-            if candidates or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        try:
+            while True:
+                sessions = self.retrying(lambda: invariants.run_lock_sessions(self.dsn))
+                working = [s for s in sessions if s["job_name"] in WITNESSED_JOBS]
+                candidates = working if p["work"] else sessions
+                if candidates or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        finally:
+            stall.unlink(missing_ok=True)  # not claimed by then: disarmed
         candidates = candidates or sessions
         if not candidates:
             return "no lock held"
@@ -909,12 +925,22 @@ class Chaos:
         self.ensure_service()
         self.clear_remote_faults()
 
+    def crashes_claimed(self) -> list[str]:
+        """The crash points a worker claimed (stalls armed by terminate_lock are not crashes)."""
+        return sorted(
+            point
+            for point, claimed, _ in (
+                p.name.partition(".claimed-by-") for p in self.fault_dir.iterdir()
+            )
+            if claimed and not point.endswith(".stall")
+        )
+
     def fired(self) -> dict[str, int]:
         """Faults that really happened: crash points claimed by a worker, lock sessions
         ended, restarts (the database or the service)."""
         results = self.p.fault_results
         return {
-            "crash": sum(".claimed-by-" in p.name for p in self.fault_dir.iterdir()),
+            "crash": len(self.crashes_claimed()),
             "terminate_lock": results["terminate_lock: terminated"],
             "restart": results["pg_restart: restarted"] + results["service_kill: restarted"],
         }
@@ -1087,11 +1113,7 @@ class Chaos:
             "fired": self.fired(),
             "quiescent_points": phase.quiescent_points,
             "components_restarted": dict(self.revived),
-            "crashes_claimed": sorted(
-                p.name.split(".claimed-by-")[0]
-                for p in self.fault_dir.iterdir()
-                if ".claimed-by-" in p.name
-            ),
+            "crashes_claimed": self.crashes_claimed(),
             "invariant_checks": dict(sorted(phase.checker.checked.items())),
             "attempt_outcomes": dict(
                 self.db_rows(

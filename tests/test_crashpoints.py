@@ -21,3 +21,27 @@ def test_an_armed_crash_kills_exactly_one_process(tmp_path: Path) -> None:
     codes = sorted(p.wait(timeout=60) for p in procs)
     assert codes == [-9, 0, 0, 0]
     assert [p.name.split(".claimed-by-")[0] for p in tmp_path.iterdir()] == ["ledger.after_claim"]
+
+
+def test_an_armed_stall_pauses_exactly_one_process(tmp_path: Path) -> None:
+    """Four processes pass a point with a 2-second stall armed there: one of them stalls that
+    long and then goes on, the others pass at once; the claimed file names the staller."""
+    (tmp_path / "runner.after_started.stall").write_text("2")
+    code = (
+        "import os, time; from airflow_idempotency.crashpoints import crash_point;"
+        "t = time.monotonic(); crash_point('runner.after_started');"
+        "print(os.getpid(), round(time.monotonic() - t, 2))"
+    )
+    env = {**os.environ, "AIRFLOW_IDEMPOTENCY_FAULT_DIR": str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    results = [p.communicate(timeout=60)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0]
+    stalled = [pid for pid, seconds in results if float(seconds) >= 2]
+    assert len(stalled) == 1, results
+    assert max(float(s) for pid, s in results if pid not in stalled) < 1, results
+    assert [p.name for p in tmp_path.iterdir()] == [
+        f"runner.after_started.stall.claimed-by-{stalled[0]}"
+    ]

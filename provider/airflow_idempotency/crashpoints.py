@@ -13,6 +13,9 @@ For tests and demos of crash recovery; no code is edited to inject a fault.
   a file of that point's name is in the folder, and it is the process that claims it (it
   renames the file away, atomically): a test arms a crash for exactly one of many worker
   processes, at a moment it chooses, by creating ``/tmp/faults/ledger.after_remote_commit``.
+  A file ``<point>.stall`` there holding a number of seconds stalls the one process that
+  claims it that long at the point instead (a window in which a test can, say, end that
+  run's lock session).
 
 Several points may be given, comma-separated. With none of these set (the normal case)
 a fault point costs four dictionary lookups.
@@ -53,6 +56,7 @@ def crash_point(name: str) -> None:
     """Crash (SIGKILL), sleep or wait here if ``name`` is configured; otherwise do nothing."""
     environ = os.environ
     if FAULT_DIR_ENV in environ:
+        _armed_stall(environ[FAULT_DIR_ENV], name)
         _armed_crash(environ[FAULT_DIR_ENV], name)
     if CRASH_ENV not in environ and SLEEP_ENV not in environ and WAIT_ENV not in environ:
         return
@@ -75,15 +79,33 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _armed_crash(folder: str, name: str) -> None:
-    """SIGKILL this process if a crash is armed at ``name`` and this process claims it."""
-    armed = os.path.join(folder, name)
+def _claim(armed: str) -> str | None:
+    """The claimed name of the armed file, if this process won it (a rename is atomic: one
+    process wins); None if it is not armed or another process claimed it first."""
     if not os.path.exists(armed):
-        return
+        return None
     claimed = f"{armed}.claimed-by-{os.getpid()}"
     try:
-        os.rename(armed, claimed)  # atomic: one process wins
+        os.rename(armed, claimed)
     except OSError:
-        return  # another process claimed it first
+        return None
+    return claimed
+
+
+def _armed_crash(folder: str, name: str) -> None:
+    """SIGKILL this process if a crash is armed at ``name`` and this process claims it."""
+    if _claim(os.path.join(folder, name)) is None:
+        return
     print(f"fault point {name}: armed crash claimed, SIGKILL", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _armed_stall(folder: str, name: str) -> None:
+    """Sleep the seconds written in ``<name>.stall`` if this process claims that file."""
+    claimed = _claim(os.path.join(folder, f"{name}.stall"))
+    if claimed is None:
+        return
+    with open(claimed, encoding="ascii") as armed:
+        seconds = float(armed.read().strip() or 0)
+    print(f"fault point {name}: armed stall claimed ({seconds} s)", file=sys.stderr, flush=True)
+    time.sleep(seconds)
