@@ -170,3 +170,12 @@ class Watched:
 def figures(text: str) -> None:
     """Print what a scenario measured; devtools/fault_report.py copies these lines to FAULTS.md."""
     print(f"[figures] {text}", flush=True)
+
+
+def refusal(error: BaseException, seconds: float | None = None) -> str:
+    """How a refusal reads in FAULTS.md: the error's type and the start of its message (what
+    the user sees), and how long it took when ``seconds`` is given."""
+    message = " ".join(str(error).split())
+    message = message if len(message) <= 160 else message[:157] + "..."
+    took = "" if seconds is None else f" after {seconds * 1000:.0f} ms"
+    return f"refused{took} with {type(error).__name__}: {message}"

@@ -34,6 +34,7 @@ from fault_support import (
     final_state,
     finish,
     kill_group,
+    refusal,
     service_counts,
     spawn_worker,
 )
@@ -175,17 +176,19 @@ def test_server_down_at_the_start_fails_fast(private: PrivateServer) -> None:
     private.server.stop("fast")
     try:
         began = time.monotonic()
-        with pytest.raises(psycopg.OperationalError):
+        with pytest.raises(psycopg.OperationalError) as refused:
             run_idempotently(
                 connect=lambda: psycopg.connect(private.dsn, connect_timeout=5),
                 job_name="nightly",
                 run_key=D,
                 work=lambda run: write_step(run, "first"),
             )
-        assert time.monotonic() - began < 10
+        took = time.monotonic() - began
+        assert took < 10
     finally:
         private.server.start()
     assert rows(private.dsn, "SELECT to_regclass('idempotency.job_runs')") == [(None,)]
+    began = time.monotonic()
     done = run_idempotently(
         connect=lambda: psycopg.connect(private.dsn),
         job_name="nightly",
@@ -193,6 +196,10 @@ def test_server_down_at_the_start_fails_fast(private: PrivateServer) -> None:
         work=lambda run: write_step(run, "first"),
     )
     assert done.outcome is RunOutcome.COMPLETED
+    figures(
+        f"{refusal(refused.value, took)}; nothing written (no idempotency schema);"
+        f" after the restart the run completed in {time.monotonic() - began:.2f} s"
+    )
 
 
 @pytest.mark.both_airflow_lines

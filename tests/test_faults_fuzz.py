@@ -47,7 +47,7 @@ from airflow_idempotency.run_key import (
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from devtools.postgres import temporary_database
-from fault_support import advisory_locks, figures
+from fault_support import advisory_locks, figures, refusal
 
 FUZZ = settings(
     max_examples=80,  # each test sets its own count
@@ -525,7 +525,7 @@ def test_a_run_key_in_the_last_period_of_year_9999_is_refused_as_invalid_input(
     period: Any, key: str
 ) -> None:
     """A run_key whose period ends after year 9999 is refused with InvalidRunKeyError like any other impossible key."""
-    with pytest.raises(InvalidRunKeyError):
+    with pytest.raises(InvalidRunKeyError) as refused:
         resolve_run_key(
             RunKeyRule(period=period),
             RunFacts(
@@ -537,14 +537,16 @@ def test_a_run_key_in_the_last_period_of_year_9999_is_refused_as_invalid_input(
                 now=dt.datetime(2026, 10, 2, tzinfo=dt.timezone.utc),
             ),
         )
+    figures(refusal(refused.value))
 
 
 @pytest.mark.both_airflow_lines
 def test_the_operator_fails_a_far_future_run_key_without_retry() -> None:
     """A manual run with conf run_key 9999-12-31 fails with AirflowFailException (no retry) before touching a database."""
     dag_run = SimpleNamespace(conf={"run_key": "9999-12-31"}, run_type="manual", logical_date=None)
-    with pytest.raises(AirflowFailException):
+    with pytest.raises(AirflowFailException) as refused:
         FUZZ_OPERATOR.execute({"dag_run": dag_run, "params": {}, "logical_date": None})  # type: ignore[arg-type]
+    figures(f"{refusal(refused.value)} (a failure Airflow does not retry)")
 
 
 def test_a_non_ascii_idempotency_key_is_refused_before_anything_is_written(
@@ -554,10 +556,11 @@ def test_a_non_ascii_idempotency_key_is_refused_before_anything_is_written(
     empty(fuzz_dsn)
     calls: list[str] = []
     effects = [Effect("invoice:2026-10-01:order_1", {"n": 1}), Effect("facture:été:2", {"n": 2})]
-    with pytest.raises(InvalidInputError):
+    with pytest.raises(InvalidInputError) as refused:
         send(fuzz_dsn, fuzz_service.url, effects, calls)
     assert table_rows(fuzz_dsn, "SELECT count(*) FROM idempotency.outbound_ledger") == [(0,)]
     assert calls == []
+    figures(f"{refusal(refused.value)}; 0 ledger rows, 0 requests (the valid key beside it unsent)")
 
 
 def test_a_percent_sign_in_a_job_name_or_run_key_is_logged_verbatim(
@@ -575,7 +578,9 @@ def test_a_percent_sign_in_a_job_name_or_run_key_is_logged_verbatim(
         work=lambda run: {"ok": 1},
     )
     assert result.outcome is RunOutcome.COMPLETED
-    assert f"job=fees 100% run_key=50% off attempt={result.attempt_id} started" in caplog.text
+    line = f"job=fees 100% run_key=50% off attempt={result.attempt_id} started"
+    assert line in caplog.text
+    figures(f"completed; logged verbatim: {line!r}")
 
 
 @pytest.mark.both_airflow_lines
@@ -604,3 +609,6 @@ def test_an_operator_whose_job_name_has_a_percent_sign_completes(airflow_pg_conn
     assert table_rows(airflow_pg_conn, "SELECT status FROM idempotency.job_runs") == [
         ("completed",)
     ]
+    figures(
+        f"DAG run {dag_run.state}; the work ran once, for run key {calls[0]}; job_runs: completed"
+    )

@@ -32,6 +32,7 @@ from fault_support import (
     final_state,
     finish,
     kill_group,
+    refusal,
     rows,
     service_counts,
     spawn_worker,
@@ -221,12 +222,13 @@ def test_a_failure_after_the_lock_session_died_is_recorded(pg_dsn: str) -> None:
         with run.transaction() as cur:  # the fencing check refuses this commit
             cur.execute("SELECT 1")
 
-    with pytest.raises(LockLostError):
+    with pytest.raises(LockLostError) as lost:
         run_idempotently(
             connect=lambda: psycopg.connect(pg_dsn), job_name="j", run_key="k", work=work
         )
     assert rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [("lock_lost",)]
     assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("failed",)]
+    figures(f"{refusal(lost.value)}; attempt recorded lock_lost, run failed")
 
 
 def test_a_lost_attempt_does_not_rewrite_rows_its_successor_confirmed(
@@ -272,7 +274,7 @@ def test_a_lost_attempt_does_not_rewrite_rows_its_successor_confirmed(
         )
         ledger.send_all(effects, first_call_loses_the_lock, base_url=accounting.url)
 
-    with pytest.raises(LockLostError):
+    with pytest.raises(LockLostError) as lost:
         run_idempotently(connect=connect, job_name="job", run_key="k", work=work)
     assert accounting.stats()["invoices"] == 2
     assert rows(
@@ -280,3 +282,8 @@ def test_a_lost_attempt_does_not_rewrite_rows_its_successor_confirmed(
         "SELECT idempotency_key, status, last_attempt_id, last_error"
         " FROM idempotency.outbound_ledger ORDER BY idempotency_key",
     ) == [(e.idempotency_key, "succeeded", attempt_ids["B"], None) for e in effects]
+    figures(
+        f"attempt {attempt_ids['A']} lost its lock mid-call and ended with {type(lost.value).__name__};"
+        f" attempt {attempt_ids['B']} confirmed 2 of 2 effects and still names them; 2 invoices"
+        " at the remote"
+    )

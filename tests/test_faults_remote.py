@@ -135,6 +135,22 @@ def test_a_failed_export_fails_the_dag_run(invoicing: Any, monkeypatch: pytest.M
     dag_run = run_finalize()
     assert task_states(dag_run)["export_invoices"] == "failed"
     assert dag_run.state != SUCCESS
+    ledger = rows(
+        invoicing.dsn,
+        "SELECT status, count(*) FROM idempotency.outbound_ledger GROUP BY status ORDER BY 1",
+    )
+    tries = rows(
+        invoicing.dsn,
+        "SELECT count(*) FROM idempotency.job_run_attempts"
+        " WHERE job_name = 'finalize_invoices.export_invoices'",
+    )[0][0]
+    counts = service_counts(invoicing.service)
+    assert counts["invoices"] == 0, counts
+    figures(
+        f"export_invoices failed after {tries} attempts, DAG run {dag_run.state};"
+        f" ledger {dict(ledger)}; {counts['requests']} requests refused by the remote,"
+        f" {counts['invoices']} invoices made there"
+    )
 
 
 def _export_until(dsn: str, url: str, items: Any, **options: Any) -> tuple[Any, float]:
