@@ -34,11 +34,11 @@ Faults: ``crash`` (a crash point armed in AIRFLOW_IDEMPOTENCY_FAULT_DIR: the nex
 process that reaches it SIGKILLs itself), ``terminate_lock`` (pg_terminate_backend of a
 session holding a run lock, found while a stall armed in the same folder holds one run at a
 point for 3 s, often in its open work transaction; the database clock once that backend is
-gone is recorded in ``witness_lock_losses``), ``remote_5xx``, ``remote_reset``, ``remote_timeout`` (commit then
-no answer), ``remote_latency`` (the accounting service's fault injection, for some
-seconds), ``service_kill`` (the accounting service SIGKILLed, restarted on the same port
-after a few seconds), ``pg_restart`` (the job database stopped fast or immediate, started
-again).
+gone is recorded in ``witness_lock_losses``), ``remote_5xx``, ``remote_reset``,
+``remote_timeout`` (commit then no answer), ``remote_latency`` (the accounting service's
+fault injection, for some seconds), ``service_kill`` (the accounting service SIGKILLed,
+restarted on the same port after a few seconds), ``pg_restart`` (the job database stopped
+fast or immediate, started again).
 
 Invariants (devtools/invariants.py): the history invariants (``always``: executions
 counted by the witnesses) after every step; the end-state ones at every ``--check-every``
