@@ -866,10 +866,12 @@ class Chaos:
         STALL_SECONDS; inside its open work transaction when ``p["work"]``), and this waits
         up to 15 s for a lock (one whose attempt does witnessed work, when ``p["work"]``).
         """
-        stall = self.fault_dir / f"{p['stall_at']}.stall"
-        staging = self.fault_dir / f"staging-{event.step}-{p['stall_at']}"
-        staging.write_text(str(STALL_SECONDS))
-        staging.replace(stall)  # a worker never reads a half-written file
+        stall = None  # a caller that holds its own run's lock open passes no stall_at
+        if p.get("stall_at"):
+            stall = self.fault_dir / f"{p['stall_at']}.stall"
+            staging = self.fault_dir / f"staging-{event.step}-{p['stall_at']}"
+            staging.write_text(str(STALL_SECONDS))
+            staging.replace(stall)  # a worker never reads a half-written file
         deadline = time.monotonic() + 15
         try:
             while True:
@@ -880,7 +882,8 @@ class Chaos:
                     break
                 time.sleep(0.1)
         finally:
-            stall.unlink(missing_ok=True)  # not claimed by then: disarmed
+            if stall is not None:
+                stall.unlink(missing_ok=True)  # not claimed by then: disarmed
         candidates = candidates or sessions
         if not candidates:
             return "no lock held"
