@@ -13,9 +13,9 @@ For tests and demos of crash recovery; no code is edited to inject a fault.
   a file of that point's name is in the folder, and it is the process that claims it (it
   renames the file away, atomically): a test arms a crash for exactly one of many worker
   processes, at a moment it chooses, by creating ``/tmp/faults/ledger.after_remote_commit``.
-  A file ``<point>.stall`` there holding a number of seconds stalls the one process that
-  claims it that long at the point instead (a window in which a test can, say, end that
-  run's lock session).
+  A file ``<point>.stall`` there holding a number of seconds stalls (rather than kills)
+  the one process that claims it, that long at the point: a window in which a test can,
+  say, end that run's lock session. A stall and a crash armed at one point both happen.
 
 Several points may be given, comma-separated. With none of these set (the normal case)
 a fault point costs four dictionary lookups.
