@@ -246,6 +246,57 @@ def test_taskflow_decorator(airflow_pg_conn: str) -> None:
     ]
 
 
+def test_return_value_is_the_counts_replayed_on_a_noop(airflow_pg_conn: str) -> None:
+    """A TaskFlow consumer receives the dict the work returned, the same one on the no-op
+    rerun (replayed from job_runs.details); an empty result and a dry run push nothing."""
+    received: list[tuple[str, Any]] = []
+    with DAG(
+        "op_returns",
+        schedule=daily_trigger(),
+        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+        catchup=False,
+        params=idempotency_params(),
+    ) as dag:
+
+        @task.idempotent_run
+        def counted(run: RunContext) -> dict[str, int]:
+            return {"invoices": 3}
+
+        @task.idempotent_run
+        def silent(run: RunContext) -> None:
+            return None
+
+        @task
+        def consume(counts: Any, nothing: Any) -> None:
+            received.append(("counted", counts))
+            received.append(("silent", nothing))
+
+        consume(counted(), silent())
+    run_dag(dag, logical_date=utc(2026, 10, 2, 1))  # completes both keys
+    run_dag(dag, logical_date=utc(2026, 10, 2, 1))  # both no-ops
+    # dag.test keeps the previous run's params in this process: say force/dry_run each time.
+    run_dag(dag, logical_date=utc(2026, 10, 2, 1), conf={"dry_run": True, "force": True})
+    assert received == [
+        ("counted", {"invoices": 3}),
+        ("silent", None),
+        ("counted", {"invoices": 3}),
+        ("silent", None),
+        ("counted", None),
+        ("silent", None),
+    ]
+    outcomes = rows(
+        airflow_pg_conn,
+        "SELECT job_name, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id",
+    )
+    assert sorted(outcomes) == sorted(
+        [
+            (f"op_returns.{t}", o)
+            for t in ("counted", "silent")
+            for o in ("completed", "noop", "dry_run")
+        ]
+    )
+
+
 def test_on_completed_skip(airflow_pg_conn: str) -> None:
     """With on_completed='skip' the no-op rerun ends skipped instead of success."""
     dag = make_dag("op_skip", lambda run: None, on_completed="skip")

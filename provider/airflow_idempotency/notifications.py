@@ -207,11 +207,7 @@ class NotifyOnce:
 
     def _skipped(self, task: Any, context: Any, job_name: str) -> bool:
         """A no-op rerun or a dry run notifies nothing (and writes nothing)."""
-        outcome = getattr(task, "last_run_outcome", None)
-        if outcome is None:
-            with contextlib.suppress(Exception):
-                returned = context["ti"].xcom_pull(task_ids=task.task_id)
-                outcome = returned.get("outcome") if isinstance(returned, dict) else None
+        outcome = getattr(task, "last_run_outcome", None)  # set by execute, in this process
         if outcome in ("noop", "dry_run"):
             _task_log(task).info(
                 "job=%s: %s run, the %s notification is not sent", job_name, outcome, self.event

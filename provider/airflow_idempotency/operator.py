@@ -48,7 +48,7 @@ from airflow_idempotency.run_key import (
     check_text,
     resolve_run_key,
 )
-from airflow_idempotency.runner import RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunOutcome, RunResult, run_idempotently
 from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
 
 if TYPE_CHECKING:
@@ -110,6 +110,13 @@ def _flag(conf: Mapping[str, Any], params: Mapping[str, Any], name: str) -> bool
     raise InvalidInputError(f"{name} must be true or false, got {value!r} in the run's conf/params")
 
 
+def _return_value(result: RunResult) -> dict[str, Any] | None:
+    """The task's XCom: the work's counts (replayed on a no-op); none when empty or dry."""
+    if result.outcome is RunOutcome.DRY_RUN or not result.counts:
+        return None
+    return dict(result.counts)
+
+
 class IdempotentRunOperator(ReschedulingOperator):
     """Run ``python_callable`` (or :meth:`run`) at most once to completion per run key.
 
@@ -119,6 +126,13 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     :param python_callable: called with one argument, the :class:`RunContext` (plus
         ``op_args``/``op_kwargs``); may return a dict of counts, stored in job_runs.details.
+
+    The task's return value (its ``return_value`` XCom, what a TaskFlow downstream task
+    receives) is that dict: the one the work returned, or, on a no-op, the one stored when
+    the key completed, so that a rerun passes on what the first run did. A work that
+    returns nothing (or an empty dict), and a dry run, push no XCom, like a plain ``@task``
+    returning ``None``. What the task did (completed, no-op, dry run) is in its log, its
+    attempt row and the Run keys view.
     :param postgres_conn_id: Airflow connection of the database holding the run records.
     :param job_name: name of the job in the run records (templated); default
         ``<dag_id>.<task_id>``. Give two DAGs the same job name to make them exclude each other.
@@ -331,13 +345,13 @@ class IdempotentRunOperator(ReschedulingOperator):
             partition_key=run_partition(context)[0],
         )
 
-    def execute(self, context: Context) -> dict[str, Any]:
+    def execute(self, context: Context) -> dict[str, Any] | None:
         try:
             return self._execute(context)
         except IdempotencyError as exc:
             raise self.airflow_failure(context, exc) from exc
 
-    def _execute(self, context: Context) -> dict[str, Any]:
+    def _execute(self, context: Context) -> dict[str, Any] | None:
         self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
         job_name = check_text(self.effective_job_name, "job name")
         resolved = self.resolve_run_key(context)
@@ -371,7 +385,7 @@ class IdempotentRunOperator(ReschedulingOperator):
                 f"job={job_name} run_key={resolved.run_key}: already completed, skipping"
             )
         self._asset_events(context, result.outcome, resolved.run_key)
-        return result.as_dict()
+        return _return_value(result)
 
     def _asset_events(self, context: Context, outcome: RunOutcome, run_key: str) -> None:
         """What the success tells Airflow about the task's ``outlets``.

@@ -93,7 +93,7 @@ class RunResult:
     counts: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-friendly form (the operator's XCom return value)."""
+        """A JSON-friendly form. (The operator returns only ``counts``: its docstring says why.)"""
         return {
             "outcome": self.outcome.value,
             "job_name": self.job_name,
