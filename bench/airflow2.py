@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from bench.common import bytecode_env
 from devtools import airflow_env
 
 PARALLELISM = 4
@@ -54,6 +55,7 @@ class Airflow2Home:
                 "AIRFLOW__CORE__PARALLELISM": str(PARALLELISM),
                 "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
                 "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(job_dsn),
+                **bytecode_env(home),
             }
         )
         if params.get("password"):

@@ -37,7 +37,17 @@ from typing import Any
 import psycopg
 
 from bench.airflow2 import airflow2_python
-from bench.common import BenchResult, Size, at_most, database, median, percentile, run_child, say
+from bench.common import (
+    BenchResult,
+    Size,
+    at_most,
+    bytecode_env,
+    database,
+    median,
+    percentile,
+    run_child,
+    say,
+)
 from devtools import airflow_env
 from devtools.postgres import PostgresServer
 
@@ -87,11 +97,7 @@ def _plugin_load(result: BenchResult, samples: int) -> None:
     env_before = dict(os.environ)
     try:
         airflow_env.configure(home)  # the children inherit it
-        # As an installed wheel has it: bytecode. The checkout is installed editable and CI
-        # sets PYTHONDONTWRITEBYTECODE, so without this every child would compile the
-        # plugin's modules from source (a cost no deployed task pays).
-        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-        os.environ["PYTHONPYCACHEPREFIX"] = str(home / "pycache")
+        os.environ.update(bytecode_env(home))  # as an installed wheel has it: bytecode
         timings: dict[bool, list[float]] = {True: [], False: []}
         for with_plugin in (True, False):  # warm-up: writes the bytecode
             run_child("bench.ui:child_plugin_load", {"with_plugin": with_plugin})
