@@ -45,7 +45,16 @@ from typing import Any
 import psycopg
 
 from bench.airflow2 import PARALLELISM, Airflow2Home, airflow2_python
-from bench.common import BenchResult, Size, at_most, bytecode_env, database, median, say
+from bench.common import (
+    SUPERVISOR_ENV,
+    BenchResult,
+    Size,
+    at_most,
+    bytecode_env,
+    database,
+    median,
+    say,
+)
 from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack, StackError, airflow_stack
 from devtools.postgres import PostgresServer
@@ -389,6 +398,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
                 env = {
                     "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(dsn3),
                     **bytecode_env(home),
+                    **SUPERVISOR_ENV,
                 }
                 stack = es.enter_context(airflow_stack(home / "home", DAGS_FOLDER, extra_env=env))
                 say(f"airflow: 3.3 stack up in {stack.timings.get('start', 0):.0f} s")
@@ -563,7 +573,8 @@ def _report(
         "within a line, so every variant meets the machine over the same minutes; an untimed "
         "warm-up pass of each DAG on each line comes first (none at size tiny); medians. "
         "**Airflow 3.3**: devtools.airflow_stack (SQLite metadata DB, LocalExecutor, "
-        "parallelism 4, scheduler heartbeat 2 s, `airflow backfill create`), one stack for "
+        "parallelism 4, scheduler heartbeat 2 s, `[workers] min_heartbeat_interval` 1 s: "
+        "bench.common.SUPERVISOR_ENV says why, `airflow backfill create`), one stack for "
         "the three DAGs. **Airflow 2.11**: `airflow dags backfill` from .venv-airflow2, which "
         "runs the tasks from the CLI process without a scheduler; Airflow 2's LocalExecutor "
         "refuses SQLite, so its metadata DB is a Postgres database of the same server "

@@ -254,6 +254,16 @@ def bytecode_env(home: Path) -> dict[str, str]:
     return {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(home / "pycache")}
 
 
+# Airflow 3's task supervisor (supervisor.py ``_monitor_subprocess``, 3.3.2) can read the
+# end of every socket of a task process just before the process has exited; it then waits
+# in select() with nothing left to watch for up to ``[workers] min_heartbeat_interval``
+# (default 5 s) before it notices the exit, holding the executor slot. Measured on the bench
+# stack: 27-31 of 86 task processes of either DAG, fair or idempotent, at random. 1 s keeps
+# that race from swamping the span figures (a task here takes ~0.2 s); the heartbeat itself
+# is not reached by such short tasks.
+SUPERVISOR_ENV = {"AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1"}
+
+
 def say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
