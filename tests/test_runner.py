@@ -88,6 +88,30 @@ def test_failure_then_rerun_completes(pg_dsn: str) -> None:
     ) == [("failed", True), ("completed", False)]
 
 
+def test_noop_passes_on_the_counts_of_the_completing_attempt(pg_dsn: str) -> None:
+    """A no-op's counts are what the completing attempt's work returned: not what an earlier
+    failed attempt left in job_runs.details (last_error), nor a forced rerun's leftovers."""
+
+    def boom(ctx: RunContext) -> None:
+        raise RuntimeError("disk full")
+
+    run = {"connect": connect_to(pg_dsn), "job_name": "j", "run_key": "k"}
+    with pytest.raises(RuntimeError):
+        run_idempotently(**run, work=boom)
+    done = run_idempotently(**run, work=lambda ctx: {"orders": 2, "skipped": 1})
+    assert done.counts == {"orders": 2, "skipped": 1}
+    again = run_idempotently(**run, work=boom)
+    assert (again.outcome, again.counts) == (RunOutcome.NOOP, {"orders": 2, "skipped": 1})
+    forced = run_idempotently(**run, work=lambda ctx: {"orders": 3}, options=RunOptions(force=True))
+    assert forced.counts == {"orders": 3}
+    noop = run_idempotently(**run, work=boom)
+    assert (noop.outcome, noop.counts) == (RunOutcome.NOOP, {"orders": 3})
+    # job_runs.details merges them all: the no-op does not read it
+    assert rows(pg_dsn, "SELECT details FROM idempotency.job_runs") == [
+        ({"last_error": "RuntimeError: disk full", "orders": 3, "skipped": 1},)
+    ]
+
+
 def test_force_reruns_a_completed_key(pg_dsn: str) -> None:
     """force=True calls the work again for a completed key and completes it again."""
     calls: list[int] = []

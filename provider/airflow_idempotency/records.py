@@ -87,6 +87,8 @@ class RunRecord:
     completed_at: dt.datetime | None
     updated_at: dt.datetime
     details: dict[str, Any] = field(default_factory=dict)
+    # What the completing attempt's work returned (None: not completed, or attempt pruned).
+    completed_counts: dict[str, Any] | None = None
 
 
 def get_run(conn: psycopg.Connection, schema: str, job_name: str, run_key: str) -> RunRecord | None:

@@ -103,6 +103,13 @@ class RunResult:
         }
 
 
+def _replayed(existing: RunRecord) -> dict[str, Any]:
+    """The counts a no-op passes on: those the completing attempt's work returned (details
+    also keeps what failed attempts and resets added); details if that attempt was pruned."""
+    counts = existing.completed_counts
+    return dict(counts if counts is not None else existing.details)
+
+
 def _describe_holder(conn: psycopg.Connection, schema: str, lock_key: int) -> dict[str, Any]:
     row = query_row(conn, "run_lock_holder", schema, {"lock_key": lock_key})
     if not row:
@@ -313,7 +320,7 @@ class _Run:
             existing.attempt_count,
         )
         return RunResult(
-            RunOutcome.NOOP, self.job_name, self.run_key, self.attempt_id, dict(existing.details)
+            RunOutcome.NOOP, self.job_name, self.run_key, self.attempt_id, _replayed(existing)
         )
 
     def _run(

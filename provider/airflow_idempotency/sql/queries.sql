@@ -97,9 +97,13 @@ SELECT {schema}.fence_take_over(%(lock_key)s),
                                 %(keepalives_count)s, %(tcp_user_timeout)s);
 
 -- name: get_run
+-- completed_counts: what the completing attempt's work returned (details also keeps what
+-- earlier attempts and resets added, e.g. last_error), the value a no-op passes on.
 SELECT job_name, run_key, status, triggered_by, triggering_user, dag_id, run_id, task_id,
-       attempt_count, current_attempt_id, started_at, completed_at, updated_at, details
-FROM {schema}.job_runs
+       attempt_count, current_attempt_id, started_at, completed_at, updated_at, details,
+       (SELECT a.details -> 'counts' FROM {schema}.job_run_attempts AS a
+        WHERE a.attempt_id = r.current_attempt_id AND r.status = 'completed') AS completed_counts
+FROM {schema}.job_runs AS r
 WHERE job_name = %(job_name)s AND run_key = %(run_key)s;
 
 -- name: insert_attempt
