@@ -179,6 +179,11 @@ def run_idempotently(
     """Execute ``work`` at most once to completion for (job_name, run_key). See the module doc.
 
     :param connect: opens a new connection to the job database on every call.
+    :param job_name: the job's name in the run records (the operator's default is
+        ``<dag_id>.<task_id>``).
+    :param run_key: the business period, e.g. ``2026-10-01``.
+    :param work: called with the :class:`RunContext`; returns a dict of counts (stored in
+        ``job_runs.details``) or ``None``.
     :param options: ``force`` and ``dry_run``.
     :param trigger: who or what started the run, and its Airflow ids (recorded with it).
     :param environment: the bookkeeping schema, the logger, the metrics and the Airflow
