@@ -46,6 +46,7 @@ def test_every_public_name_resolves_and_nothing_else_is_offered() -> None:
     """Each name of ``__all__`` is an object of the provider; ``dir()`` lists just them; any
     other name is an AttributeError that names it."""
     assert len(airflow_idempotency.__all__) == len(PUBLIC)  # no name twice
+    assert set(airflow_idempotency._EXPORTS) == PUBLIC - {"__version__"}  # each one lazily
     for name in PUBLIC - {"__version__"}:
         value = getattr(airflow_idempotency, name)
         assert value.__module__.startswith("airflow_idempotency."), (name, value.__module__)

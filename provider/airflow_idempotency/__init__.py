@@ -71,7 +71,35 @@ _EXPORTS = {
     "EffectsUnknownError": "exceptions",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+# A literal list, so that type checkers see the names it re-exports (mypy --strict reads no
+# `*_EXPORTS`); tests/test_public_api.py checks that it names exactly the lazy exports.
+__all__ = [
+    "ConfigurationError",
+    "Effect",
+    "EffectsUnknownError",
+    "IdempotencyError",
+    "IdempotentRunOperator",
+    "InvalidInputError",
+    "LockLostError",
+    "OutboundLedger",
+    "OutputFile",
+    "RemoteCallError",
+    "RunContext",
+    "RunKeyRule",
+    "RunLockedError",
+    "RunOptions",
+    "RunOutcome",
+    "SmtpSender",
+    "WorkConflictError",
+    "__version__",
+    "email_effect",
+    "idempotency_params",
+    "idempotent_run_task",
+    "notify_once",
+    "post_json",
+    "run_idempotently",
+    "webhook",
+]
 
 
 def __getattr__(name: str) -> Any:
