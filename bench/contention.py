@@ -48,10 +48,12 @@ def _worker(dsn: str, ready: Any, starts: Any, releases: Any, results: Any) -> N
     import logging
 
     from airflow_idempotency import RunLockedError, run_idempotently
+    from airflow_idempotency.run_context import RunEnvironment
 
     quiet = logging.getLogger("bench.contention.worker")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
+    environment = RunEnvironment(logger=quiet)
 
     def hold_until(event: Any) -> Any:
         def hold(_run: Any) -> dict[str, int]:
@@ -75,7 +77,7 @@ def _worker(dsn: str, ready: Any, starts: Any, releases: Any, results: Any) -> N
                     job_name=JOB,
                     run_key=WARM_KEY,
                     work=hold_until(releases[index]),
-                    logger=quiet,
+                    environment=environment,
                 )
             conn = psycopg.connect(dsn) if session.closed else session
 
@@ -95,7 +97,7 @@ def _worker(dsn: str, ready: Any, starts: Any, releases: Any, results: Any) -> N
                 job_name=JOB,
                 run_key=f"round-{index}",
                 work=hold_until(releases[index]),
-                logger=quiet,
+                environment=environment,
             )
             results.put({"round": index, "outcome": "won", "woke": woke})
         except RunLockedError as exc:

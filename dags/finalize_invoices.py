@@ -28,9 +28,9 @@ from airflow_idempotency import (
     IdempotentRunOperator,
     RunContext,
     RunOptions,
-    conf_flag,
     idempotency_params,
 )
+from airflow_idempotency.operator import conf_flag
 from invoicing import tasks
 
 JOBS_DB = "idempotency_default"  # job_runs, the ledger and the example tables share one DB

@@ -55,7 +55,7 @@ with DAG(
     # [START watch_window]
     @task
     def watch(params: dict[str, Any] | None = None, **context: Any) -> dict[str, int]:
-        from airflow_idempotency import watch_problems  # in the task: parsing stays light
+        from airflow_idempotency.watch import watch_problems  # in the task: parsing stays light
 
         assert params is not None
         as_of = context.get("logical_date") or context["dag_run"].run_after

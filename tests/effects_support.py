@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 
 from airflow_idempotency import RunContext, run_idempotently
+from airflow_idempotency.run_context import RunEnvironment
 from airflow_idempotency.runner import RunOptions, RunResult
 
 
@@ -23,14 +24,14 @@ def run_once(
     metrics: Any = None,
 ) -> RunResult:
     """One execution of (job, run_key) through the real runner and Postgres."""
-    extra = {"metrics": metrics} if metrics is not None else {}
+    environment = RunEnvironment() if metrics is None else RunEnvironment(metrics=metrics)
     return run_idempotently(
         connect=lambda: psycopg.connect(dsn),
         job_name=job,
         run_key=run_key,
         work=work,
         options=RunOptions(force=force, dry_run=dry_run),
-        **extra,
+        environment=environment,
     )
 
 

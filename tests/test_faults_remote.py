@@ -192,7 +192,8 @@ def test_a_remote_that_is_down_fails_the_try_early_and_loses_nothing(
     and what is left pending; the rerun after the service is back sends each effect once."""
     import time
 
-    from airflow_idempotency import Effect, RemoteUnreachableError
+    from airflow_idempotency import Effect
+    from airflow_idempotency.exceptions import RemoteUnreachableError
     from devtools.accounting import run_accounting_service
 
     def effects(service: Any) -> Any:

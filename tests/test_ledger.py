@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from airflow_idempotency import (
     Effect,
-    IdempotencyKeyConflictError,
     InvalidInputError,
     LockLostError,
     OutboundLedger,
@@ -22,6 +21,7 @@ from airflow_idempotency import (
     post_json,
     run_idempotently,
 )
+from airflow_idempotency.exceptions import IdempotencyKeyConflictError
 from airflow_idempotency.ledger import check_idempotency_key
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
 from airflow_idempotency.runner import RunOptions

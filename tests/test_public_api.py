@@ -2,7 +2,9 @@
 
 - ``airflow_idempotency.__all__`` names what users need, each name resolves, and nothing
   else is offered at the top level;
-- the example DAGs (``dags/``) import only those names;
+- the rest of the public API is what the API reference (docs/api.md) documents by its
+  module's path (``airflow_idempotency.records.Trigger``): each of those resolves too;
+- the example DAGs (``dags/``) import only public names;
 - no import cycle inside the provider (lazy imports in functions count too);
 - every third-party module the provider imports is a declared dependency, or the web
   framework of one Airflow line, imported only by that line's view.
@@ -24,6 +26,9 @@ import airflow_idempotency
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "provider" / "airflow_idempotency"
 PUBLIC = set(airflow_idempotency.__all__)
+API_REFERENCE = ROOT / "docs" / "api.md"
+# What users need is a short list; the rest of the API is imported from its module.
+MAX_PUBLIC = 25
 
 # The web framework of each Airflow line is Airflow's own, not a requirement of ours: the
 # view's module for the line imports it, and Airflow loads that module only on its line.
@@ -41,12 +46,45 @@ def test_every_public_name_resolves_and_nothing_else_is_offered() -> None:
     """Each name of ``__all__`` is an object of the provider; ``dir()`` lists just them; any
     other name is an AttributeError that names it."""
     assert len(airflow_idempotency.__all__) == len(PUBLIC)  # no name twice
+    assert set(airflow_idempotency._EXPORTS) == PUBLIC - {"__version__"}  # each one lazily
     for name in PUBLIC - {"__version__"}:
         value = getattr(airflow_idempotency, name)
         assert value.__module__.startswith("airflow_idempotency."), (name, value.__module__)
     assert sorted(dir(airflow_idempotency)) == sorted(PUBLIC)
     with pytest.raises(AttributeError, match="'hold_run_lock'"):
         airflow_idempotency.hold_run_lock  # noqa: B018 (a module-level name, not public)
+
+
+_DOCUMENTED = re.compile(
+    r"^\.\. auto(?:class|function|exception|data|attribute)::\s+"
+    r"airflow_idempotency\.(?P<module>[\w.]+)\.(?P<name>\w+)\b",
+    re.MULTILINE,
+)
+
+
+def documented_in_modules(reference: str) -> dict[str, set[str]]:
+    """Module -> the names the API reference ``reference`` documents by that module's path
+    (``.. autoclass:: airflow_idempotency.records.Trigger``: ``records`` -> ``Trigger``)."""
+    found: dict[str, set[str]] = {}
+    for match in _DOCUMENTED.finditer(reference):
+        found.setdefault(f"airflow_idempotency.{match['module']}", set()).add(match["name"])
+    return found
+
+
+IN_MODULES = documented_in_modules(API_REFERENCE.read_text(encoding="utf-8"))
+
+
+def test_the_public_api_is_short_and_the_rest_is_documented_by_its_module() -> None:
+    """``__all__`` stays a short list; each name the API reference documents by its module
+    resolves there, in a module that is not private, and is not in ``__all__`` as well."""
+    assert len(PUBLIC) <= MAX_PUBLIC, sorted(PUBLIC)
+    assert sum(map(len, IN_MODULES.values())) >= 15, IN_MODULES  # the reference was read
+    for module, names in IN_MODULES.items():
+        assert not any(part.startswith("_") for part in module.split(".")), module
+        for name in names:
+            assert name not in PUBLIC, f"{name}: documented as {module}.{name} and public"
+            value = getattr(importlib.import_module(module), name)
+            assert value.__module__.startswith("airflow_idempotency."), (name, value)
 
 
 def provider_imports(source: str) -> Iterator[tuple[str, list[str]]]:
@@ -62,13 +100,20 @@ def provider_imports(source: str) -> Iterator[tuple[str, list[str]]]:
 
 
 def non_public(source: str) -> list[str]:
-    """The imports of ``source`` that reach past the public API."""
+    """The imports of ``source`` that reach past the public API: a top-level name not in
+    ``__all__``, or a module's name that the API reference does not document there."""
     problems = []
     for module, names in provider_imports(source):
-        if module != "airflow_idempotency":
-            problems.append(f"imports from {module}: import {', '.join(names)} from the package")
-        elif unknown := [n for n in names if n not in PUBLIC]:
-            problems.append(f"imports {', '.join(unknown)}: not in airflow_idempotency.__all__")
+        if module == "airflow_idempotency":
+            if unknown := [n for n in names if n not in PUBLIC]:
+                problems.append(f"imports {', '.join(unknown)}: not in airflow_idempotency.__all__")
+        elif not names:
+            problems.append(f"imports the module {module}: import its names")
+        elif unknown := [n for n in names if n not in IN_MODULES.get(module, set())]:
+            problems.append(
+                f"imports {', '.join(unknown)} from {module}: not in the API reference "
+                "(docs/api.md) by that path"
+            )
     return problems
 
 
@@ -89,11 +134,33 @@ def test_the_public_name_check_catches_a_private_import() -> None:
     source = (
         "from airflow_idempotency.locks import named_lock_key\n"
         "from airflow_idempotency import RunContext, hold_run_lock\n"
+        "from airflow_idempotency.records import Trigger, RunRecords\n"
+        "from airflow_idempotency.operator import conf_flag\n"
         "def f():\n    import airflow_idempotency.compat\n"
     )
     problems = non_public(source)
-    assert len(problems) == 3, problems
+    assert len(problems) == 4, problems
+    assert "named_lock_key from airflow_idempotency.locks: not in the API" in problems[0]
     assert "hold_run_lock: not in" in problems[1]
+    assert "imports RunRecords from airflow_idempotency.records: not in" in problems[2]
+    assert "imports the module airflow_idempotency.compat" in problems[3]
+
+
+def test_the_reference_reader_finds_names_by_their_module() -> None:
+    reference = (
+        "```{eval-rst}\n"
+        ".. autoclass:: airflow_idempotency.RunContext()\n"
+        "   :members:\n"
+        ".. autoclass:: airflow_idempotency.records.Trigger\n"
+        ".. autofunction:: airflow_idempotency.ui.app.create_app\n"
+        ".. autoexception:: airflow_idempotency.exceptions.SchemaError\n"
+        "```\n"
+    )
+    assert documented_in_modules(reference) == {
+        "airflow_idempotency.records": {"Trigger"},
+        "airflow_idempotency.ui.app": {"create_app"},
+        "airflow_idempotency.exceptions": {"SchemaError"},
+    }
 
 
 def _module_of(path: Path) -> str:

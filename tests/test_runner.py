@@ -12,6 +12,7 @@ import pytest
 from airflow_idempotency import schema as schema_mod
 from airflow_idempotency.exceptions import LockLostError, RunLockedError, SchemaError
 from airflow_idempotency.locks import run_lock_key
+from airflow_idempotency.run_context import RunEnvironment
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
 from lock_sessions import terminate_lock_session
 
@@ -343,7 +344,7 @@ def test_configurable_schema_name(pg_dsn: str) -> None:
         job_name="j",
         run_key="k",
         work=lambda ctx: None,
-        schema="ops_jobs",
+        environment=RunEnvironment(schema="ops_jobs"),
     )
     assert rows(pg_dsn, "SELECT count(*) FROM ops_jobs.job_runs") == [(1,)]
 
@@ -370,7 +371,7 @@ def test_invalid_schema_name_is_refused(pg_dsn: str) -> None:
             job_name="j",
             run_key="k",
             work=lambda ctx: None,
-            schema='x"; drop',
+            environment=RunEnvironment(schema='x"; drop'),
         )
     assert rows(pg_dsn, "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'x%%'") == [(0,)]
 
@@ -398,7 +399,7 @@ def test_upgrade_from_an_older_schema_version(pg_dsn: str) -> None:
         job_name="j",
         run_key="k",
         work=lambda ctx: None,
-        schema="old_release",
+        environment=RunEnvironment(schema="old_release"),
     )
     assert result.outcome is RunOutcome.NOOP  # the old row survived the upgrade
     assert rows(pg_dsn, "SELECT max(version) FROM old_release.schema_version") == [
@@ -521,7 +522,7 @@ def test_every_outcome_is_counted(pg_dsn: str) -> None:
                 job_name="j",
                 run_key=key,
                 work=work,
-                metrics=metrics,
+                environment=RunEnvironment(metrics=metrics),
                 **kw,
             )
 

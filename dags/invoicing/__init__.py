@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 from functools import cache
 from pathlib import Path
 
 import psycopg
 
-from airflow_idempotency import named_queries
-
 HERE = Path(__file__).parent
+_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 # Serialises concurrent creation of the example schema: an advisory lock named by its text.
 _SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('invoicing.schema', 0))"
 
 
 @cache
 def queries() -> dict[str, str]:
-    """The statements of queries.sql, by name."""
-    return named_queries((HERE / "queries.sql").read_text(encoding="utf-8"))
+    """The statements of queries.sql, by the name on the ``-- name: NAME`` line before each."""
+    parts = _NAME.split((HERE / "queries.sql").read_text(encoding="utf-8"))
+    # parts = [preamble, name1, body1, name2, body2, ...]
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
 def ensure_example_schema(conn: psycopg.Connection) -> None:

@@ -16,10 +16,10 @@ from airflow_idempotency import (
     OutputFile,
     RunContext,
     SmtpSender,
-    crash_point,
     email_effect,
     post_json,
 )
+from airflow_idempotency.crashpoints import crash_point
 from invoicing import ensure_example_schema, queries
 
 KEY_PREFIX = "finalize_invoices"  # idempotency keys: finalize_invoices:<date>:order_<id>

@@ -1,9 +1,12 @@
 """Airflow provider that makes batch jobs safe to run again.
 
-Public API (imported lazily, so that Airflow can load the provider entry point while its
-own configuration is still initialising)::
+Public API: what a DAG author or a script needs, imported lazily (so that Airflow can load
+the provider entry point while its own configuration is still initialising)::
 
     from airflow_idempotency import IdempotentRunOperator, RunContext, RunKeyRule
+
+The rest of the API is imported from its module, by the path docs/api.md shows (e.g.
+``from airflow_idempotency.records import Trigger``); anything not shown there is internal.
 """
 
 from __future__ import annotations
@@ -14,104 +17,89 @@ from typing import TYPE_CHECKING, Any
 from airflow_idempotency.provider_info import __version__
 
 if TYPE_CHECKING:
-    from airflow_idempotency._sql import named_queries
-    from airflow_idempotency.crashpoints import crash_point
     from airflow_idempotency.decorator import idempotent_run_task
-    from airflow_idempotency.effects import EffectSender, HttpSender, webhook
+    from airflow_idempotency.effects import Effect, post_json, webhook
     from airflow_idempotency.exceptions import (
         ConfigurationError,
         EffectsUnknownError,
         IdempotencyError,
-        IdempotencyKeyConflictError,
-        InvalidEffectError,
         InvalidInputError,
-        InvalidRunKeyError,
         LockLostError,
-        OutcomeUnknownError,
-        PeriodNotEndedError,
-        PermanentRemoteError,
         RemoteCallError,
-        RemoteError,
-        RemoteUnreachableError,
-        RunKeyMissingError,
         RunLockedError,
-        SchemaError,
-        TransientRemoteError,
         WorkConflictError,
     )
-    from airflow_idempotency.hook import IdempotencyHook
-    from airflow_idempotency.ledger import (
-        Confirmation,
-        Effect,
-        LedgerSummary,
-        OutboundLedger,
-        post_json,
-    )
+    from airflow_idempotency.ledger import OutboundLedger
     from airflow_idempotency.mail import SmtpSender, email_effect
     from airflow_idempotency.notifications import notify_once
-    from airflow_idempotency.operator import IdempotentRunOperator, conf_flag, idempotency_params
-    from airflow_idempotency.outputs import OutputConflictError, OutputFile
-    from airflow_idempotency.records import RunOptions, Trigger
+    from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
+    from airflow_idempotency.outputs import OutputFile
+    from airflow_idempotency.records import RunOptions
     from airflow_idempotency.run_context import RunContext
     from airflow_idempotency.run_key import RunKeyRule
-    from airflow_idempotency.runner import (
-        RunOutcome,
-        RunResult,
-        run_idempotently,
-    )
-    from airflow_idempotency.watch import watch_problems
+    from airflow_idempotency.runner import RunOutcome, run_idempotently
 
 _EXPORTS = {
+    # The operator, the decorator and what a DAG gives them.
     "IdempotentRunOperator": "operator",
-    "idempotency_params": "operator",
-    "conf_flag": "operator",
     "idempotent_run_task": "decorator",
-    "IdempotencyHook": "hook",
+    "idempotency_params": "operator",
+    "RunKeyRule": "run_key",
+    # The run: what the work receives, and the contract without Airflow.
     "RunContext": "run_context",
+    "run_idempotently": "runner",
     "RunOptions": "records",
     "RunOutcome": "runner",
-    "RunResult": "runner",
-    "run_idempotently": "runner",
-    "RunKeyRule": "run_key",
-    "named_queries": "_sql",
-    "crash_point": "crashpoints",
-    "watch_problems": "watch",
+    # The outbound ledger and its senders.
     "OutboundLedger": "ledger",
-    "Effect": "ledger",
-    "Confirmation": "ledger",
-    "LedgerSummary": "ledger",
-    "post_json": "ledger",
-    "EffectSender": "effects",
-    "HttpSender": "effects",
+    "Effect": "effects",
+    "post_json": "effects",
     "webhook": "effects",
     "SmtpSender": "mail",
     "email_effect": "mail",
     "notify_once": "notifications",
     "OutputFile": "outputs",
-    "OutputConflictError": "outputs",
-    "Trigger": "records",
+    # The exceptions to catch: their base class, and one per way a run can fail (docs/api.md
+    # says what each means for a task).
     "IdempotencyError": "exceptions",
     "InvalidInputError": "exceptions",
-    "InvalidRunKeyError": "exceptions",
-    "RunKeyMissingError": "exceptions",
-    "PeriodNotEndedError": "exceptions",
-    "IdempotencyKeyConflictError": "exceptions",
-    "SchemaError": "exceptions",
+    "ConfigurationError": "exceptions",
     "RunLockedError": "exceptions",
     "LockLostError": "exceptions",
     "WorkConflictError": "exceptions",
     "RemoteCallError": "exceptions",
-    "RemoteError": "exceptions",
-    "RemoteUnreachableError": "exceptions",
-    "TransientRemoteError": "exceptions",
-    "PermanentRemoteError": "exceptions",
-    "OutcomeUnknownError": "exceptions",
     "EffectsUnknownError": "exceptions",
-    "InvalidEffectError": "exceptions",
-    "ConfigurationError": "exceptions",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+# A literal list, so that type checkers see the names it re-exports (mypy --strict reads no
+# `*_EXPORTS`); tests/test_public_api.py checks that it names exactly the lazy exports.
+__all__ = [
+    "ConfigurationError",
+    "Effect",
+    "EffectsUnknownError",
+    "IdempotencyError",
+    "IdempotentRunOperator",
+    "InvalidInputError",
+    "LockLostError",
+    "OutboundLedger",
+    "OutputFile",
+    "RemoteCallError",
+    "RunContext",
+    "RunKeyRule",
+    "RunLockedError",
+    "RunOptions",
+    "RunOutcome",
+    "SmtpSender",
+    "WorkConflictError",
+    "__version__",
+    "email_effect",
+    "idempotency_params",
+    "idempotent_run_task",
+    "notify_once",
+    "post_json",
+    "run_idempotently",
+    "webhook",
+]
 
 
 def __getattr__(name: str) -> Any:

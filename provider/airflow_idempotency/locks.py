@@ -146,6 +146,21 @@ def hold_run_lock(
     """
     if not conn.autocommit or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         raise ValueError("hold_run_lock needs an idle connection in autocommit mode")
+    lock = _begin_and_try(conn, lock_key, schema=schema, application_name=application_name)
+    try:
+        yield lock
+    except BaseException:
+        _end(conn, "ROLLBACK")
+        raise
+    _end(conn, "COMMIT")
+
+
+def _begin_and_try(
+    conn: psycopg.Connection, lock_key: int, *, schema: str, application_name: str
+) -> RunLock | None:
+    """Begin the lock transaction and try the key in it: the lock, or ``None`` when another
+    session holds it (the transaction stays open either way). Rolled back, and the error
+    raised, when the statements fail or the session already held the key."""
     params = {
         "lock_key": lock_key,
         "application_name": application_name,
@@ -173,13 +188,7 @@ def hold_run_lock(
             "pooler in transaction mode). Taking it again would exclude no one. Point that "
             "client at a direct connection or pool_mode = session, or upgrade it."
         )
-    lock = RunLock(lock_key, backend_pid) if acquired else None
-    try:
-        yield lock
-    except BaseException:
-        _end(conn, "ROLLBACK")
-        raise
-    _end(conn, "COMMIT")
+    return RunLock(lock_key, backend_pid) if acquired else None
 
 
 def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:

@@ -38,7 +38,7 @@ from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE, run_key_links
 from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.metrics import AIRFLOW_METRICS
 from airflow_idempotency.records import RunOptions, Trigger
-from airflow_idempotency.run_context import RunContext
+from airflow_idempotency.run_context import RunContext, RunEnvironment
 from airflow_idempotency.run_key import (
     OVERRIDE_FLAG,
     SEGMENT_DELIMITER,
@@ -374,10 +374,12 @@ class IdempotentRunOperator(ReschedulingOperator):
             work=self.run,
             options=options,
             trigger=self._trigger(context),
-            schema=self.schema,
-            airflow_context=context,
-            logger=self.log,  # type: ignore[arg-type]
-            metrics=AIRFLOW_METRICS,
+            environment=RunEnvironment(
+                schema=self.schema,
+                logger=self.log,
+                metrics=AIRFLOW_METRICS,
+                airflow_context=context,
+            ),
         )
         self.last_run_outcome = result.outcome.value
         if result.outcome is RunOutcome.NOOP and self.on_completed == "skip":

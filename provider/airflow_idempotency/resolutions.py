@@ -18,7 +18,9 @@ effect's (job, run key), so that no attempt of that key is sending at the same m
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -70,38 +72,15 @@ def resolve_unknown(
     """
     resolved_by, reason = _checked(action, remote_system, idempotency_key, resolved_by, reason)
     effect = _effect(conn, schema, remote_system, idempotency_key)
-    lock_key = run_lock_key(effect["job_name"], effect["run_key"])
-    with hold_run_lock(
-        conn, lock_key, schema=schema, application_name="airflow-idempotency ledger"
-    ) as lock:
-        if lock is None:
-            raise RunLockedError(
-                f"run key {effect['run_key']!r} of {effect['job_name']!r} is locked: an attempt "
-                "is running it now (see `airflow-idempotency locks`). Resolve when it has ended."
-            )
-        row = query_row(
-            conn,
-            "ledger_effect_for_update",
-            schema,
-            {"remote_system": remote_system, "key": idempotency_key},
-        )
-        if row is None or row["status"] != "unknown":
-            status = row["status"] if row else "gone"
-            raise InvalidInputError(
-                f"effect {idempotency_key!r} of {remote_system!r} is {status}, not unknown: "
-                "nothing to resolve (only an effect whose outcome was lost can be)"
-            )
-        done = query_row(
-            conn,
-            "ledger_resolve_unknown",
-            schema,
-            {
-                "ledger_id": row["ledger_id"],
-                "action": action,
-                "resolved_by": resolved_by,
-                "reason": reason,
-            },
-        )
+    with _run_lock_of(conn, schema, effect):
+        ledger_id = _unknown_effect_id(conn, schema, remote_system, idempotency_key)
+        params = {
+            "ledger_id": ledger_id,
+            "action": action,
+            "resolved_by": resolved_by,
+            "reason": reason,
+        }
+        done = query_row(conn, "ledger_resolve_unknown", schema, params)
     assert done is not None  # the row was locked FOR UPDATE and unknown
     return Resolution(
         resolution_id=done["resolution_id"],
@@ -140,6 +119,35 @@ def _effect(conn: psycopg.Connection, schema: str, remote_system: str, key: str)
             "(`airflow-idempotency ledger` lists them)"
         )
     return row
+
+
+@contextlib.contextmanager
+def _run_lock_of(conn: psycopg.Connection, schema: str, effect: dict[str, Any]) -> Iterator[None]:
+    """Hold the run lock of the effect's (job, run key) for the block (its transaction is the
+    block's); :class:`RunLockedError` while an attempt of that key holds it."""
+    lock_key = run_lock_key(effect["job_name"], effect["run_key"])
+    with hold_run_lock(
+        conn, lock_key, schema=schema, application_name="airflow-idempotency ledger"
+    ) as lock:
+        if lock is None:
+            raise RunLockedError(
+                f"run key {effect['run_key']!r} of {effect['job_name']!r} is locked: an attempt "
+                "is running it now (see `airflow-idempotency locks`). Resolve when it has ended."
+            )
+        yield
+
+
+def _unknown_effect_id(conn: psycopg.Connection, schema: str, remote_system: str, key: str) -> int:
+    """The ledger id of the effect, locked FOR UPDATE; refused unless it is ``unknown``."""
+    params = {"remote_system": remote_system, "key": key}
+    row = query_row(conn, "ledger_effect_for_update", schema, params)
+    if row is None or row["status"] != "unknown":
+        status = row["status"] if row else "gone"
+        raise InvalidInputError(
+            f"effect {key!r} of {remote_system!r} is {status}, not unknown: "
+            "nothing to resolve (only an effect whose outcome was lost can be)"
+        )
+    return int(row["ledger_id"])
 
 
 def resolutions(

@@ -1,4 +1,6 @@
-"""What the work of one run receives: :class:`RunContext`, and its logger :class:`RunLogger`."""
+"""What the work of one run receives: :class:`RunContext`, and its logger :class:`RunLogger`;
+and what its caller says about where runs keep their records and report,
+:class:`RunEnvironment`."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from airflow_idempotency.locks import (
 )
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.records import RunIdentity, RunOptions
+from airflow_idempotency.schema import DEFAULT_SCHEMA
 
 ConnectionFactory = Callable[[], AbstractContextManager[psycopg.Connection]]
 """Opens a new connection: ``lambda: psycopg.connect(dsn)``, or a pool's ``connection``."""
@@ -59,18 +62,35 @@ class RunLogger:
 
 
 @dataclass(frozen=True)
+class RunEnvironment:
+    """Where a run keeps its records and where it reports, the same for every run of a
+    caller: the operator passes its own; a script's runs usually keep the defaults.
+
+    :ivar schema: the Postgres schema of the bookkeeping tables (``idempotency``).
+    :ivar logger: a stdlib logger, or Airflow's structlog task logger; ``None``: the
+        ``airflow_idempotency`` logger.
+    :ivar metrics: receives the counters and timers of :mod:`airflow_idempotency.metrics`
+        (the operator passes Airflow's); none by default.
+    :ivar airflow_context: the Airflow task context, when an operator runs it
+        (:attr:`RunContext.airflow_context`).
+    """
+
+    schema: str = DEFAULT_SCHEMA
+    logger: Any = None
+    metrics: Metrics = NO_METRICS
+    airflow_context: Any = None
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """Everything about a run that is known before it starts: which run it is and its
-    switches, where its records live (``connect``, ``schema``), and where it reports (its
-    logger and metrics, and the Airflow task context when an operator runs it)."""
+    switches, where its records live (``connect``, and the environment's ``schema``), and
+    where it reports (the rest of its environment)."""
 
     run: RunIdentity
     options: RunOptions
     connect: ConnectionFactory
-    schema: str
-    logger: Any  # a stdlib logger, or Airflow's structlog task logger
-    metrics: Metrics = NO_METRICS
-    airflow_context: Any = None
+    environment: RunEnvironment
 
 
 class RunContext:
@@ -103,10 +123,10 @@ class RunContext:
         self.dry_run = spec.options.dry_run
         self.force = spec.options.force
         self.trigger = spec.run.trigger
-        self.schema = spec.schema
+        self.schema = spec.environment.schema
         self.log = log
-        self.airflow_context = spec.airflow_context
-        self.metrics = spec.metrics
+        self.airflow_context = spec.environment.airflow_context
+        self.metrics = spec.environment.metrics
         self._lock = lock
         self._conn = connection
         self._connect = spec.connect

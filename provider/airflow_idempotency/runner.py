@@ -45,7 +45,6 @@ from airflow_idempotency._sql import query, query_row
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
-from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.records import (
     AttemptOutcome,
     RunIdentity,
@@ -57,14 +56,24 @@ from airflow_idempotency.records import (
 from airflow_idempotency.run_context import (
     ConnectionFactory,
     RunContext,
+    RunEnvironment,
     RunLogger,
     RunSpec,
     autocommit_connection,
 )
 from airflow_idempotency.run_key import check_text
-from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, validate_schema_name
+from airflow_idempotency.schema import ensure_schema, validate_schema_name
 
-__all__ = ["RunContext", "RunOptions", "RunOutcome", "RunResult", "Work", "run_idempotently"]
+__all__ = [
+    "RunContext",
+    "RunEnvironment",
+    "RunOptions",
+    "RunOutcome",
+    "RunResult",
+    "Trigger",
+    "Work",
+    "run_idempotently",
+]
 
 log = logging.getLogger("airflow_idempotency")
 
@@ -161,6 +170,7 @@ def _jsonable_counts(value: Mapping[str, Any] | None) -> dict[str, Any]:
 
 _DEFAULT_OPTIONS = RunOptions()
 _UNKNOWN_TRIGGER = Trigger()
+_DEFAULT_ENVIRONMENT = RunEnvironment()
 
 
 def run_idempotently(
@@ -171,27 +181,26 @@ def run_idempotently(
     work: Work,
     options: RunOptions = _DEFAULT_OPTIONS,
     trigger: Trigger = _UNKNOWN_TRIGGER,
-    schema: str = DEFAULT_SCHEMA,
-    airflow_context: Any = None,
-    logger: logging.Logger | None = None,
-    metrics: Metrics = NO_METRICS,
+    environment: RunEnvironment = _DEFAULT_ENVIRONMENT,
 ) -> RunResult:
     """Execute ``work`` at most once to completion for (job_name, run_key). See the module doc.
 
-    ``metrics`` receives the counters and timers of :mod:`airflow_idempotency.metrics`
-    (the operator passes Airflow's).
+    :param connect: opens a new connection to the job database on every call.
+    :param job_name: the job's name in the run records (the operator's default is
+        ``<dag_id>.<task_id>``).
+    :param run_key: the business period, e.g. ``2026-10-01``.
+    :param work: called with the :class:`RunContext`; returns a dict of counts (stored in
+        ``job_runs.details``) or ``None``.
+    :param options: ``force`` and ``dry_run``.
+    :param trigger: who or what started the run, and its Airflow ids (recorded with it).
+    :param environment: the bookkeeping schema, the logger, the metrics and the Airflow
+        task context (:class:`~airflow_idempotency.run_context.RunEnvironment`; the
+        operator passes its own).
     """
     job_name = check_text(job_name, "job name")
     run_key = check_text(run_key, "run key")
-    spec = RunSpec(
-        run=RunIdentity(job_name, run_key, trigger),
-        options=options,
-        connect=connect,
-        schema=validate_schema_name(schema),
-        logger=logger or log,
-        metrics=metrics,
-        airflow_context=airflow_context,
-    )
+    validate_schema_name(environment.schema)
+    spec = RunSpec(RunIdentity(job_name, run_key, trigger), options, connect, environment)
     return _Run(spec, work).execute()
 
 
@@ -201,8 +210,8 @@ class _Run:
     def __init__(self, spec: RunSpec, work: Work) -> None:
         self.spec = spec
         self.work = work
-        self.records = RunRecords(spec.schema, spec.run)
-        self.log = RunLogger(spec.logger, spec.run.job_name, spec.run.run_key)
+        self.records = RunRecords(spec.environment.schema, spec.run)
+        self.log = RunLogger(spec.environment.logger or log, spec.run.job_name, spec.run.run_key)
         self.attempt_id: int | None = None
         self.began = time.monotonic()
 
@@ -220,15 +229,15 @@ class _Run:
 
     @property
     def schema(self) -> str:
-        return self.spec.schema
+        return self.spec.environment.schema
 
     def _count(self, outcome: str) -> None:
-        metrics.run_outcome(self.spec.metrics, outcome, self.job_name)
+        metrics.run_outcome(self.spec.environment.metrics, outcome, self.job_name)
 
     def _decided(self) -> None:
         """The decision is taken (refuse, no-op, or run the work): time it."""
         elapsed = time.monotonic() - self.began
-        metrics.run_timing(self.spec.metrics, "decision", elapsed, self.job_name)
+        metrics.run_timing(self.spec.environment.metrics, "decision", elapsed, self.job_name)
 
     def execute(self) -> RunResult:
         try:
@@ -373,7 +382,7 @@ class _Run:
                 return _jsonable_counts(self.work(ctx))
             finally:
                 elapsed = time.monotonic() - started
-                metrics.run_timing(self.spec.metrics, "work", elapsed, self.job_name)
+                metrics.run_timing(self.spec.environment.metrics, "work", elapsed, self.job_name)
 
     def _start(self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord | None) -> None:
         """Record this execution, committed at once (the lock transaction stays open).

@@ -1,7 +1,7 @@
 """What a watch task fails on: the gaps and stale keys of jobs over a window of business dates.
 
 The example's ``idempotency_watch`` DAG calls :func:`watch_problems` daily; a DAG of yours
-can too (``from airflow_idempotency import watch_problems``).
+can too (``from airflow_idempotency.watch import watch_problems``).
 """
 
 from __future__ import annotations
