@@ -124,15 +124,15 @@ class IdempotentRunOperator(ReschedulingOperator):
     Postgres advisory lock keeps two executions of one key apart; ``job_runs`` and
     ``job_run_attempts`` record what every execution did.
 
+    The task's return value (its ``return_value`` XCom, what a TaskFlow downstream task
+    receives) is the dict of counts ``python_callable`` returned, or, on a no-op, the one
+    stored when the key completed, so that a rerun passes on what the first run did. A work
+    that returns nothing (or an empty dict), and a dry run, push no XCom, like a plain
+    ``@task`` returning ``None``. What the task did (completed, no-op, dry run) is in its
+    log, its attempt row and the Run keys view.
+
     :param python_callable: called with one argument, the :class:`RunContext` (plus
         ``op_args``/``op_kwargs``); may return a dict of counts, stored in job_runs.details.
-
-    The task's return value (its ``return_value`` XCom, what a TaskFlow downstream task
-    receives) is that dict: the one the work returned, or, on a no-op, the one stored when
-    the key completed, so that a rerun passes on what the first run did. A work that
-    returns nothing (or an empty dict), and a dry run, push no XCom, like a plain ``@task``
-    returning ``None``. What the task did (completed, no-op, dry run) is in its log, its
-    attempt row and the Run keys view.
     :param postgres_conn_id: Airflow connection of the database holding the run records.
     :param job_name: name of the job in the run records (templated); default
         ``<dag_id>.<task_id>``. Give two DAGs the same job name to make them exclude each other.
