@@ -292,6 +292,29 @@ def _check_noops(dsn: str, since: dt.datetime, dates: int) -> None:
         raise RuntimeError(f"the pass recorded {noops} noops and {seen}")
 
 
+def _warm_up(line: _Line, dag_id: str, first: dt.date, dates: int) -> dict[str, float]:
+    """The untimed warm-up pass, redone on fresh dates (up to ``PASS_RETRIES`` times) when
+    Airflow aborts it, as the timed passes are: 2.11's backfill job now and then loses its
+    metadata connection or dies on DetachedInstanceError under load (seen 2026-12-03)."""
+    window = first
+    for attempt in range(PASS_RETRIES + 1):
+        try:
+            return line.run_pass(dag_id, window, dates)
+        except RuntimeError as exc:
+            if attempt == PASS_RETRIES:
+                raise
+            last_line = str(exc).strip().splitlines()[-1][:200]
+            say(f"airflow {line.name}: warm-up of {dag_id} failed ({last_line}); retrying")
+            line.notes.append(
+                f"The {line.name} warm-up of {dag_id} was aborted by Airflow and redone on "
+                f"fresh dates: {last_line}"
+            )
+            if isinstance(line, _Line3):
+                _abandon_backfill(line.stack, dag_id)
+            window = line.windows.take(dates)
+    raise AssertionError("unreachable")
+
+
 def _rotate(items: tuple[str, ...], by: int) -> tuple[str, ...]:
     k = by % len(items)
     return items[k:] + items[:k]
@@ -428,7 +451,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
                 for line in lines:
                     warm = line.windows.take(warmup_dates)
                     for dag_id in DAG_IDS:
-                        first[line.name, dag_id] = line.run_pass(dag_id, warm, warmup_dates)
+                        first[line.name, dag_id] = _warm_up(line, dag_id, warm, warmup_dates)
                         say(
                             f"airflow {line.name}: warm-up pass {dag_id} "
                             f"{first[line.name, dag_id]['wall']:.1f} s"
