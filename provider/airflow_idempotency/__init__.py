@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from airflow_idempotency._sql import named_queries
     from airflow_idempotency.crashpoints import crash_point
     from airflow_idempotency.decorator import idempotent_run_task
-    from airflow_idempotency.effects import EffectSender, HttpSender, webhook
+    from airflow_idempotency.effects import BlockingEffectSender, EffectSender, HttpSender, webhook
     from airflow_idempotency.exceptions import (
         ConfigurationError,
         EffectsUnknownError,
@@ -82,6 +82,7 @@ _EXPORTS = {
     "LedgerSummary": "ledger",
     "post_json": "ledger",
     "EffectSender": "effects",
+    "BlockingEffectSender": "effects",
     "HttpSender": "effects",
     "webhook": "effects",
     "SmtpSender": "mail",

@@ -19,24 +19,33 @@ The claim of each batch is fenced: it commits only while this run still holds it
 A crash anywhere leaves ``pending`` rows, which the rerun sends again under the same key,
 so the remote (which deduplicates by key) acts once.
 
-A remote that does not deduplicate (``EffectSender.deduplicating`` false: SMTP, a chat
-webhook, a notifier) gets step 2 as intent, call, outcome: before each call one fenced
-statement marks its key ``unknown`` (the intents of the calls about to start are
-group-committed, together with the outcomes that arrived meanwhile), and the outcome
-replaces it after the call. A crash in between leaves the key ``unknown``: the claim
-returns it, and it is counted and reported, never sent, until an operator resolves it
-(:mod:`airflow_idempotency.resolutions`). A crash leaves at most twice ``concurrency``
-keys unknown: the calls in flight and the outcomes not yet written.
+A remote that does not deduplicate (``deduplicating`` false: SMTP, a chat webhook, a
+notifier) gets step 2 as intent, call, outcome: a call begins only once a fenced
+transaction has committed its key as ``unknown``, and the outcome replaces that after the
+call. The calls are made by workers (one per connection, ``concurrency`` of them: threads
+for a blocking sender) while this thread commits, one transaction at a time, the outcomes
+that arrived together with the intents of the next calls, never more than
+``concurrency + INTENTS_AHEAD`` (8) intents ahead of the outcomes committed. A crash in
+between leaves the key ``unknown``: the claim returns it, and it is counted and reported,
+never sent, until an operator resolves it (:mod:`airflow_idempotency.resolutions`).
+So a crash leaves at most ``concurrency + 8`` keys of an export unknown (12 for
+:class:`~airflow_idempotency.mail.SmtpSender`'s 4 connections): the calls in flight, the
+calls granted and not begun, and the outcomes not yet written. Once the lock is lost no
+intent commits and no further call begins; the outcomes received are still written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime as dt
 import logging
+import queue
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -56,12 +65,15 @@ from airflow_idempotency._sql import query, query_rows
 from airflow_idempotency._transactions import rollback_quietly
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.effects import (
+    BlockingEffectSender,
     Confirmation,
     ConnectionPool,
     Effect,
     EffectSender,
     HttpSender,
     Sender,
+    _SenderContract,
+    awaited,
     post_json,
 )
 from airflow_idempotency.exceptions import (
@@ -92,6 +104,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# A remote that does not deduplicate: the intents committed beyond one per connection, at
+# most, and so the unknown keys a crash leaves beyond concurrency. Fewer starve the calls
+# while a commit (an fsync) is under way: 8 keeps email within 0.9x of a plain smtplib loop
+# (BENCHMARKS.md, emails; 2 x concurrency there was ~0.85x).
+INTENTS_AHEAD = 8
 
 # Pipeline mode needs libpq >= 14 (the psycopg[binary] wheels bundle a newer one).
 _PIPELINE = psycopg.Pipeline.is_supported()
@@ -263,25 +281,29 @@ class _Reachability:
         self.last_error = ""
         self.down = False
         self.answers = 0
+        self._lock = threading.Lock()  # the workers of a remote that does not deduplicate
 
     def answered(self) -> None:
-        self.answers += 1
-        if not self.down:
-            self.silent_since = self.silent_since_wall = None
+        with self._lock:
+            self.answers += 1
+            if not self.down:
+                self.silent_since = self.silent_since_wall = None
 
     def no_answer(self, error: str) -> None:
         now = time.monotonic()
-        self.last_error = error
-        if self.silent_since is None:
-            self.silent_since = now
-            self.silent_since_wall = dt.datetime.now(dt.timezone.utc)
-        elif now - self.silent_since >= self.window:
-            self.down = True
+        with self._lock:
+            self.last_error = error
+            if self.silent_since is None:
+                self.silent_since = now
+                self.silent_since_wall = dt.datetime.now(dt.timezone.utc)
+            elif now - self.silent_since >= self.window:
+                self.down = True
 
     def batch_ended(self, answers_before: int) -> None:
         """A batch's calls are over: down if none had an answer and some had none."""
-        if self.answers == answers_before and self.silent_since is not None:
-            self.down = True
+        with self._lock:
+            if self.answers == answers_before and self.silent_since is not None:
+                self.down = True
 
 
 class OutboundLedger:
@@ -340,7 +362,7 @@ class OutboundLedger:
     def send_all(
         self,
         effects: Iterable[Effect],
-        sender: EffectSender[Any] | Sender,
+        sender: EffectSender[Any] | BlockingEffectSender[Any] | Sender,
         *,
         base_url: str | None = None,
         total: int | None = None,
@@ -348,8 +370,9 @@ class OutboundLedger:
     ) -> LedgerSummary:
         """Send every effect not yet confirmed; return the counts.
 
-        ``sender`` is an :class:`~airflow_idempotency.effects.EffectSender` (SMTP, a webhook,
-        a notifier, ...), or an HTTP call such as :func:`post_json`, sent to ``base_url``
+        ``sender`` is an :class:`~airflow_idempotency.effects.EffectSender` or a
+        :class:`~airflow_idempotency.effects.BlockingEffectSender` (SMTP, a webhook, a
+        notifier, ...), or an HTTP call such as :func:`post_json`, sent to ``base_url``
         (a deduplicating remote).
 
         ``effects`` is consumed lazily, ``batch_size`` at a time. In a dry run nothing is
@@ -361,7 +384,7 @@ class OutboundLedger:
         deduplicate are unknown (never resent on their own), and :class:`RemoteCallError`
         when an effect failed or stayed pending.
         """
-        if not isinstance(sender, EffectSender):
+        if not isinstance(sender, (EffectSender, BlockingEffectSender)):
             if base_url is None:
                 raise InvalidInputError(
                     f"{self.remote_system}: an HTTP sender such as post_json(...) needs base_url="
@@ -439,11 +462,21 @@ class OutboundLedger:
         self,
         conn: psycopg.Connection,
         effects: Iterable[Effect],
-        sender: EffectSender[Any],
+        sender: EffectSender[Any] | BlockingEffectSender[Any],
         total: int | None,
         summary: LedgerSummary,
     ) -> LedgerSummary:
-        pool = ConnectionPool(sender, sender.concurrency or self.concurrency)
+        size = sender.concurrency or self.concurrency
+        if sender.deduplicating and isinstance(sender, BlockingEffectSender):
+            # its calls run in the default executor's threads: as many as calls at once
+            executor = concurrent.futures.ThreadPoolExecutor(
+                size, thread_name_prefix=f"ledger-{self.remote_system}"
+            )
+            asyncio.get_running_loop().set_default_executor(executor)
+        pool = ConnectionPool(awaited(sender, in_threads=True), size)
+        workers = None
+        if not sender.deduplicating:
+            workers = _Workers(self, sender, size)
         batches = (self._prepare(batch, sender) for batch in _batches(effects, self.batch_size))
         try:
             batch = next(batches, None)
@@ -454,14 +487,15 @@ class OutboundLedger:
                 to_send = self._classify(batch, rows, summary)
                 if to_send and not self.run.dry_run:
                     answers_before = self._reach.answers
-                    if sender.deduplicating:
+                    if workers is None:
                         outcomes = await asyncio.gather(
-                            *(self._call(pool, sender, effect) for effect in to_send)
+                            *(self._call(pool, pool.sender, effect) for effect in to_send)
                         )
                         crash_point("ledger.before_record_outcomes")
                         self._record(conn, outcomes, summary)
                     else:
-                        await self._deliver(conn, pool, sender, to_send, summary)
+                        workers.start(len(to_send))
+                        self._deliver(conn, workers, to_send, summary)
                     self._reach.batch_ended(answers_before)
                     if self._lock_lost:
                         raise LockLostError(
@@ -478,11 +512,20 @@ class OutboundLedger:
                 if isinstance(upcoming, Exception):
                     raise upcoming
                 batch = upcoming
+        except BaseException:
+            if workers is not None:  # no call begins any more; the calls in progress end
+                workers.close(abandon=True)
+                workers = None
+            raise
         finally:
             await pool.aclose()
+            if workers is not None:
+                workers.close(abandon=False)
         return summary
 
-    def _prepare(self, effects: list[Effect], sender: EffectSender[Any]) -> _Batch:
+    def _prepare(
+        self, effects: list[Effect], sender: EffectSender[Any] | BlockingEffectSender[Any]
+    ) -> _Batch:
         """Check a batch's keys and effects; compute each request's fingerprint, once.
 
         A malformed key refuses the batch (as ever); an effect the sender refuses (no
@@ -495,7 +538,7 @@ class OutboundLedger:
                 f"duplicate idempotency keys in one batch of {self.remote_system!r}"
             )
         invalid = []
-        if type(sender).check is not EffectSender.check:
+        if type(sender).check is not _SenderContract.check:
             kept = []
             for effect in effects:
                 try:
@@ -514,7 +557,7 @@ class OutboundLedger:
         self,
         conn: psycopg.Connection,
         batch: _Batch,
-        sender: EffectSender[Any],
+        sender: EffectSender[Any] | BlockingEffectSender[Any],
         meanwhile: Callable[[], _Batch | None],
     ) -> tuple[list[tuple[Any, ...]], _Batch | Exception | None]:
         """Claim a batch (fenced); call ``meanwhile`` while the database runs the statement.
@@ -699,45 +742,90 @@ class OutboundLedger:
 
     # -- a remote that does not deduplicate: intent, call, outcome --------------------------
 
-    async def _deliver(
+    def _deliver(
         self,
         conn: psycopg.Connection,
-        pool: ConnectionPool[Any],
-        sender: EffectSender[Any],
+        workers: _Workers,
         effects: list[Effect],
         summary: LedgerSummary,
     ) -> None:
-        """Send a claimed batch, each call after its intent is committed.
+        """Send a claimed batch through the workers, each call only after its intent committed.
 
-        ``concurrency`` calls run at once; the intents of the calls about to start and the
-        outcomes that arrived meanwhile are written by one statement pair (a thread runs it
-        while the calls in flight go on), so a call waits for one commit, not one each.
+        This thread commits, in one transaction each time, the outcomes that arrived and the
+        intents of the next calls, never more than ``workers.window`` intents ahead of the
+        outcomes committed: at any moment at most that many keys of the export are
+        ``unknown`` without their outcome (the crash bound of the module doc). The workers go
+        on with the calls already granted while it commits. The outcomes of the batch's last
+        calls are written together, once every call has ended.
         """
-        intents = _IntentWriter(
-            lambda outcomes, keys: self._write_intents(conn, outcomes, keys),
-            lambda outcomes: self._tally(outcomes, summary),
-        )
-        queue = iter(effects)
+        todo = deque(effects)
+        outstanding = 0  # intents committed whose outcome is not (yet)
+        arrived: list[_Outcome] = []  # outcomes of calls, not yet written
+        local: list[_Outcome] = []  # effects not called (lock lost, remote down): pending
+        lost = 0  # calls that ended in an unexpected error: no outcome, the key stays unknown
+        failure: BaseException | None = None  # the first such error, raised at the end
 
-        async def slot() -> None:
-            for effect in queue:
-                key = effect.idempotency_key
-                if self._reach.down:
-                    intents.outcome(_Outcome(key, "pending", None, _UNREACHABLE, 0))
-                    continue
-                if not await intents.intent(key):
-                    if self._lock_lost:
-                        intents.outcome(_Outcome(key, "pending", None, _NOT_SENT, 0))
-                    else:  # another attempt or an operator moved it meanwhile
-                        summary.skipped_existing += 1
-                    continue
-                crash_point("ledger.after_intent")
-                intents.outcome(await self._call(pool, sender, effect))
+        def take(item: _Outcome | BaseException) -> None:
+            nonlocal lost, failure
+            if isinstance(item, _Outcome):
+                arrived.append(item)
+            else:
+                lost += 1
+                failure = failure or item
 
-        size = sender.concurrency or self.concurrency
-        await asyncio.gather(*(slot() for _ in range(min(size, len(effects)))))
+        def drain() -> None:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    take(workers.done.get_nowait())
+
+        while True:
+            if not todo or failure is not None or self._lock_lost or self._reach.down:
+                if todo and failure is None:  # not called: pending, saying why
+                    reason = _NOT_SENT if self._lock_lost else _UNREACHABLE
+                    local.extend(
+                        _Outcome(e.idempotency_key, "pending", None, reason, 0) for e in todo
+                    )
+                todo.clear()
+                if outstanding == len(arrived) + lost:  # every call granted has ended
+                    break
+                take(workers.done.get())
+                continue
+            if outstanding - len(arrived) >= workers.window:  # wait for a call to end
+                take(workers.done.get())
+            drain()
+            # While the workers have granted calls to begin, wait for more outcomes (no worker
+            # idles meanwhile): fewer, larger commits.
+            while (
+                len(arrived) < INTENTS_AHEAD
+                and outstanding > len(arrived) + lost
+                and workers.waiting()
+                and failure is None
+            ):
+                take(workers.done.get())
+                drain()
+            if failure is not None or self._reach.down:
+                continue
+            room = workers.window - outstanding + len(arrived)
+            calls = [todo.popleft() for _ in range(min(room, len(todo)))]
+            written = arrived + local
+            granted = self._write_intents(conn, written, [e.idempotency_key for e in calls])
+            self._tally(written, summary)
+            outstanding -= len(arrived)
+            arrived, local = [], []
+            for effect in calls:
+                if effect.idempotency_key in granted:
+                    workers.hand(effect)
+                    outstanding += 1
+                elif self._lock_lost:
+                    local.append(_Outcome(effect.idempotency_key, "pending", None, _NOT_SENT, 0))
+                else:  # another attempt or an operator moved it meanwhile
+                    summary.skipped_existing += 1
         crash_point("ledger.before_record_outcomes")
-        intents.flush()
+        if arrived or local:
+            self._write_intents(conn, arrived + local, [])
+            self._tally(arrived + local, summary)
+        if failure is not None:
+            raise failure
 
     def _write_intents(
         self,
@@ -867,56 +955,109 @@ def _of(summary: LedgerSummary, marker: str, limit: int = 3) -> list[str]:
     return [e for e in summary.errors if marker in e][:limit]
 
 
-class _IntentWriter:
-    """Group commit of intents, with the outcomes that arrived meanwhile.
+class _Workers:
+    """The calls to a remote that does not deduplicate, each worker calling the effects
+    handed to it (their intents committed) one at a time on a connection of its own, and
+    handing back each outcome.
 
-    A call asks for its intent and waits; the first ask starts a flush, which writes every
-    intent asked for by then (and every outcome handed in) in one transaction, in a thread,
-    so that calls in flight go on meanwhile; asks that arrive during a write go in the next.
+    A blocking sender gets a thread per worker, each with an event loop of its own (its calls
+    block only that worker; psycopg and sockets release the GIL while they wait, so the
+    thread that commits goes on meanwhile). An async sender gets one event loop in a thread of
+    its own, a coroutine per worker: its coroutines all run on one loop, as they would on the
+    ledger's, and begin in the order the effects were handed out.
     """
 
     def __init__(
         self,
-        write: Callable[[list[_Outcome], list[str]], set[str]],
-        tally: Callable[[list[_Outcome]], None],
+        ledger: OutboundLedger,
+        sender: EffectSender[Any] | BlockingEffectSender[Any],
+        size: int,
     ) -> None:
-        self._write = write
-        self._tally = tally  # on the event loop's thread: the summary is counted there only
-        self._asked: dict[str, asyncio.Future[bool]] = {}
-        self._outcomes: list[_Outcome] = []
-        self._flushing: asyncio.Task[None] | None = None
+        self._ledger = ledger
+        self._blocking = isinstance(sender, BlockingEffectSender)
+        self._sender = awaited(sender, in_threads=False)
+        self.size = size
+        self.window = size + INTENTS_AHEAD  # intents committed and not yet their outcomes, at most
+        self.done: queue.SimpleQueue[_Outcome | BaseException] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[Effect | None] = queue.SimpleQueue()  # blocking
+        self._loop: asyncio.AbstractEventLoop | None = None  # async: the workers' loop
+        self._loop_ready: asyncio.Queue[Effect | None] = asyncio.Queue()
+        self._threads: list[threading.Thread] = []
+        self._tasks: list[concurrent.futures.Future[None]] = []
+        self._abandoned = False
 
-    def outcome(self, outcome: _Outcome) -> None:
-        self._outcomes.append(outcome)
+    def start(self, count: int) -> None:
+        """Have ``min(count, size)`` workers at least (each opens its connection on first need)."""
+        if not self._blocking:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._spawn(self._host)
+                self._tasks = [
+                    asyncio.run_coroutine_threadsafe(self._serve(self._loop_ready.get), self._loop)
+                    for _ in range(self.size)  # coroutines: idle ones open no connection
+                ]
+            return
+        while len(self._threads) < min(count, self.size):
+            self._spawn(lambda: asyncio.run(self._serve(self._next)))
 
-    async def intent(self, key: str) -> bool:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._asked[key] = future
-        if self._flushing is None:
-            self._flushing = asyncio.ensure_future(self._flush())
-        return await future
+    def hand(self, effect: Effect | None) -> None:
+        """Give ``effect`` (its intent committed) to the next free worker; None ends one."""
+        if self._loop is None:
+            self._ready.put(effect)
+        else:
+            self._loop.call_soon_threadsafe(self._loop_ready.put_nowait, effect)
 
-    async def _flush(self) -> None:
+    def waiting(self) -> bool:
+        """Whether effects handed out wait for a worker (so none idles)."""
+        return not self._ready.empty() or self._loop_ready.qsize() > 0
+
+    def close(self, *, abandon: bool) -> None:
+        """End the workers once their calls in progress end, and close their connections;
+        ``abandon``: the calls handed out and not begun are not made."""
+        self._abandoned = abandon
+        for _ in self._tasks or self._threads:
+            self.hand(None)
+        for task in self._tasks:
+            task.result()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        for thread in self._threads:
+            thread.join()
+        self._threads, self._tasks, self._loop = [], [], None
+
+    def _host(self) -> None:
+        """The thread of an async sender's workers: their loop, closed as asyncio.run does."""
+        loop = self._loop
+        assert loop is not None
         try:
-            await asyncio.sleep(0)  # the calls ready at this moment ask too: one commit for all
-            while self._asked:
-                asked, self._asked = self._asked, {}
-                outcomes, self._outcomes = self._outcomes, []
-                try:
-                    granted = await asyncio.to_thread(self._write, outcomes, list(asked))
-                except Exception as exc:  # each waiting call raises it (no orphan task error)
-                    for future in asked.values():
-                        future.set_exception(exc)
-                    return
-                self._tally(outcomes)
-                for key, future in asked.items():
-                    future.set_result(key in granted)
+            loop.run_forever()
         finally:
-            self._flushing = None
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
 
-    def flush(self) -> None:
-        """Write the outcomes not written yet (after the last call)."""
-        outcomes, self._outcomes = self._outcomes, []
-        if outcomes:
-            self._write(outcomes, [])
-            self._tally(outcomes)
+    def _spawn(self, target: Callable[[], Any]) -> None:
+        name = f"ledger-{self._ledger.remote_system}-{len(self._threads)}"
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    async def _next(self) -> Effect | None:
+        return self._ready.get()  # blocks this worker's own loop: it has nothing else to do
+
+    async def _serve(self, take: Callable[[], Awaitable[Effect | None]]) -> None:
+        pool = ConnectionPool(self._sender, 1)
+        try:
+            while (effect := await take()) is not None:
+                self.done.put(await self._one(pool, effect))
+        finally:
+            await pool.aclose()
+
+    async def _one(self, pool: ConnectionPool[Any], effect: Effect) -> _Outcome | BaseException:
+        if self._abandoned or self._ledger._lock_lost:  # granted, but no call once it is lost
+            return _Outcome(effect.idempotency_key, "pending", None, _NOT_SENT, 0)
+        try:
+            crash_point("ledger.after_intent")
+            return await self._ledger._call(pool, self._sender, effect)
+        except BaseException as exc:  # raised by the committing thread, after the others end
+            return exc

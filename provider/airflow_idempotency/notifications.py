@@ -30,7 +30,6 @@ finds it taken and sends nothing).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
@@ -39,7 +38,7 @@ from typing import Any, Literal
 
 import psycopg
 
-from airflow_idempotency.effects import Confirmation, Effect, EffectSender
+from airflow_idempotency.effects import BlockingEffectSender, Confirmation, Effect
 from airflow_idempotency.exceptions import (
     IdempotencyError,
     OutcomeUnknownError,
@@ -118,8 +117,8 @@ def _call(notifier: Notifier, context: Any) -> None:
         notifier(context)
 
 
-class _NotifierSender(EffectSender[None]):
-    """One notifier as the ledger's sender: calls it (in a thread: notifiers block)."""
+class _NotifierSender(BlockingEffectSender[None]):
+    """One notifier as the ledger's sender: calls it (in the ledger's worker thread)."""
 
     kind = "notification"
     deduplicating = False
@@ -131,10 +130,10 @@ class _NotifierSender(EffectSender[None]):
         self.on_error = on_error
         self.target = _notifier_name(notifier)
 
-    async def connect(self) -> None:
+    def connect(self) -> None:
         return None
 
-    async def send(self, connection: None, effect: Effect) -> Confirmation:
+    def send(self, connection: None, effect: Effect) -> Confirmation:
         headers: Any = getattr(self.notifier, "custom_headers", False)
         if headers is not False and hasattr(self.notifier, "smtp_conn_id"):
             # SmtpNotifier: the stable Message-ID the email sender would give this key
@@ -144,7 +143,7 @@ class _NotifierSender(EffectSender[None]):
                 "X-Idempotency-Key": effect.idempotency_key,
             }
         try:
-            await asyncio.to_thread(_call, self.notifier, self.context)
+            _call(self.notifier, self.context)
         except RemoteError:
             raise  # a notifier of our own kind classified its failure itself
         except Exception as exc:
