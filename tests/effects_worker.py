@@ -34,7 +34,7 @@ def main(argv: list[str]) -> None:
     kind, dsn = argv[0], argv[1]
 
     def mail(run: RunContext) -> dict[str, int]:
-        from airflow_idempotency import OutboundLedger
+        from airflow_idempotency import OutboundLedger, Retries
         from airflow_idempotency.mail import SmtpSender
 
         batch_size, concurrency = (int(argv[4]), int(argv[5])) if len(argv) > 4 else (10, 2)
@@ -42,9 +42,8 @@ def main(argv: list[str]) -> None:
             host="127.0.0.1", port=int(argv[2]), from_email="jobs@example.com",
             concurrency=concurrency,
         )  # fmt: skip
-        ledger = OutboundLedger(
-            run, "smtp", batch_size=batch_size, backoff_initial=0.01, backoff_max=0.05
-        )
+        retries = Retries(backoff_initial=0.01, backoff_max=0.05)
+        ledger = OutboundLedger(run, "smtp", batch_size=batch_size, retries=retries)
         return ledger.send_all(emails(int(argv[3])), sender).as_counts("mail")
 
     def file(run: RunContext) -> dict[str, str]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from airflow_idempotency import OutboundLedger, RunContext
+from airflow_idempotency import OutboundLedger, Retries, RunContext
 from airflow_idempotency.effects import Confirmation, Effect, EffectSender, webhook
 from airflow_idempotency.exceptions import (
     EffectsUnknownError,
@@ -70,9 +70,8 @@ def deliver(dsn: str, items: list[Effect], sender: Any, metrics: Any = None) -> 
     out: dict[str, Any] = {}
 
     def work(run: RunContext) -> None:
-        ledger_ = OutboundLedger(
-            run, "chat", backoff_initial=0.01, backoff_max=0.02, max_attempts=2
-        )
+        retries = Retries(max_attempts=2, backoff_initial=0.01, backoff_max=0.02)
+        ledger_ = OutboundLedger(run, "chat", retries=retries)
         try:
             out["result"] = ledger_.send_all(items, sender)
         except Exception as exc:

@@ -18,6 +18,7 @@ from airflow_idempotency import (
     LockLostError,
     OutboundLedger,
     RemoteCallError,
+    Retries,
     RunContext,
     post_json,
     run_idempotently,
@@ -39,9 +40,8 @@ def send(
     out: dict[str, Any] = {}
 
     def work(run: RunContext) -> dict[str, int]:
-        ledger = OutboundLedger(
-            run, "accounting", backoff_initial=0.01, backoff_max=0.05, **options
-        )
+        retries = Retries(options.pop("max_attempts", 5), backoff_initial=0.01, backoff_max=0.05)
+        ledger = OutboundLedger(run, "accounting", retries=retries, **options)
         out["summary"] = ledger.send_all(items, post_json(path), base_url=url)
         return out["summary"].as_counts("exports")
 

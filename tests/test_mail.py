@@ -23,8 +23,8 @@ from airflow_idempotency.exceptions import (
     LockLostError,
     RemoteCallError,
 )
-from airflow_idempotency.ledger import INTENTS_AHEAD
-from airflow_idempotency.mail import SmtpSender, email_effect, message_id
+from airflow_idempotency.ledger import INTENTS_AHEAD, Retries
+from airflow_idempotency.mail import SmtpSecurity, SmtpSender, email_effect, message_id
 from airflow_idempotency.resolutions import resolutions, resolve_unknown
 from devtools.smtp_server import SmtpServer, smtp_connection_env
 from effects_support import ledger, run_once, statuses
@@ -62,9 +62,8 @@ def send(dsn: str, server: SmtpServer, items: Any, **options: Any) -> Any:
             host="127.0.0.1", port=server.port, from_email="jobs@example.com",
             concurrency=concurrency, timeout=5,
         )  # fmt: skip
-        ledger_ = OutboundLedger(
-            run, "smtp", backoff_initial=0.01, backoff_max=0.05, unreachable_after=1, **options
-        )
+        retries = Retries(options.pop("max_attempts", 5), backoff_initial=0.01, backoff_max=0.05)
+        ledger_ = OutboundLedger(run, "smtp", retries=retries, unreachable_after=1, **options)
         try:
             out["summary"] = ledger_.send_all(items, sender)
         except Exception as exc:
@@ -344,7 +343,7 @@ def test_sender_from_an_airflow_smtp_connection(
     assert (sender.host, sender.port, sender.from_email) == (
         "127.0.0.1", smtp.port, "finance-jobs@example.org",
     )  # fmt: skip
-    assert not sender.use_ssl and not sender.starttls
+    assert sender.security == SmtpSecurity(tls=None, verify=True, login=None, password=None)
 
     def work(run: RunContext) -> None:
         OutboundLedger(run, "finance").send_all(emails(2), sender)

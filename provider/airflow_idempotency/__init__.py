@@ -45,9 +45,10 @@ if TYPE_CHECKING:
         Effect,
         LedgerSummary,
         OutboundLedger,
+        Retries,
         post_json,
     )
-    from airflow_idempotency.mail import SmtpSender, email_effect
+    from airflow_idempotency.mail import Recipients, SmtpSecurity, SmtpSender, email_effect
     from airflow_idempotency.notifications import notify_once
     from airflow_idempotency.operator import IdempotentRunOperator, conf_flag, idempotency_params
     from airflow_idempotency.outputs import OutputConflictError, OutputFile
@@ -80,12 +81,15 @@ _EXPORTS = {
     "Effect": "ledger",
     "Confirmation": "ledger",
     "LedgerSummary": "ledger",
+    "Retries": "ledger",
     "post_json": "ledger",
     "EffectSender": "effects",
     "BlockingEffectSender": "effects",
     "HttpSender": "effects",
     "webhook": "effects",
     "SmtpSender": "mail",
+    "SmtpSecurity": "mail",
+    "Recipients": "mail",
     "email_effect": "mail",
     "notify_once": "notifications",
     "OutputFile": "outputs",

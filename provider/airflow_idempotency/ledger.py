@@ -98,6 +98,7 @@ __all__ = [
     "LedgerScope",
     "LedgerSummary",
     "OutboundLedger",
+    "Retries",
     "Sender",
     "check_idempotency_key",
     "post_json",
@@ -182,6 +183,33 @@ class LedgerSummary:
             f"{prefix}_unknown": self.unknown,
             f"{prefix}_invalid": self.invalid,
         }
+
+
+@dataclass(frozen=True)
+class Retries:
+    """How the ledger tries a call again after a transient error (a timeout, a reset, 429,
+    5xx, a 4xx SMTP reply): at most ``max_attempts`` tries in all per effect and call of
+    :meth:`OutboundLedger.send_all`; between them it waits ``backoff_initial`` seconds
+    doubling each time, plus up to 1 s of jitter, and never more than ``backoff_max``.
+
+    ``OutboundLedger(run, "accounting", retries=Retries(max_attempts=3, backoff_max=2))``;
+    ``Retries(max_attempts=1)`` never tries again (the next run does).
+    """
+
+    max_attempts: int = 5
+    backoff_initial: float = 0.2
+    backoff_max: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
+            raise InvalidInputError(
+                f"Retries: max_attempts must be an integer >= 1, not {self.max_attempts!r}"
+            )
+        if not (self.backoff_initial >= 0 and self.backoff_max >= 0):
+            raise InvalidInputError(
+                "Retries: backoff_initial and backoff_max are seconds, >= 0, not "
+                f"{self.backoff_initial!r} and {self.backoff_max!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -314,8 +342,8 @@ class OutboundLedger:
     :param concurrency: calls in flight at once (each on its own connection), unless the
         sender names its own.
     :param batch_size: effects claimed and recorded per statement.
-    :param max_attempts: tries per effect and call of :meth:`send_all` (transient errors).
-    :param timeout: seconds per HTTP request (the ``post_json`` form of :meth:`send_all`).
+    :param retries: how a call that failed with a transient error is tried again
+        (:class:`Retries`: 5 tries, 0.2 s doubling up to 5 s between them).
     :param lock_check_interval: before a call, re-check (at most this often) that the run
         still holds its lock; once it is lost no further call is made.
     :param unreachable_after: stop the export early when no call has had any answer for
@@ -332,24 +360,20 @@ class OutboundLedger:
         *,
         concurrency: int = 16,
         batch_size: int = 500,
-        max_attempts: int = 5,
-        backoff_initial: float = 0.2,
-        backoff_max: float = 5.0,
-        timeout: float = 10.0,
+        retries: Retries = Retries(),
         lock_check_interval: float = 0.5,
         unreachable_after: float = 10.0,
     ) -> None:
         check_text(remote_system, "remote system name")
-        if concurrency < 1 or batch_size < 1 or max_attempts < 1:
-            raise InvalidInputError("concurrency, batch_size and max_attempts must be >= 1")
+        if concurrency < 1 or batch_size < 1:
+            raise InvalidInputError("concurrency and batch_size must be >= 1")
+        if not isinstance(retries, Retries):
+            raise InvalidInputError(f"retries must be a Retries(...), not {retries!r}")
         self.run = run
         self.remote_system = remote_system
         self.concurrency = concurrency
         self.batch_size = batch_size
-        self.max_attempts = max_attempts
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        self.timeout = timeout
+        self.retries = retries
         self.lock_check_interval = lock_check_interval
         self.unreachable_after = unreachable_after
         self._reach = _Reachability(unreachable_after)
@@ -365,6 +389,7 @@ class OutboundLedger:
         sender: EffectSender[Any] | BlockingEffectSender[Any] | Sender,
         *,
         base_url: str | None = None,
+        timeout: float = 10.0,
         total: int | None = None,
         raise_on_failure: bool = True,
     ) -> LedgerSummary:
@@ -373,7 +398,8 @@ class OutboundLedger:
         ``sender`` is an :class:`~airflow_idempotency.effects.EffectSender` or a
         :class:`~airflow_idempotency.effects.BlockingEffectSender` (SMTP, a webhook, a
         notifier, ...), or an HTTP call such as :func:`post_json`, sent to ``base_url``
-        (a deduplicating remote).
+        (a deduplicating remote) with ``timeout`` seconds per request. ``total``: how many
+        effects the stream holds, for the progress messages.
 
         ``effects`` is consumed lazily, ``batch_size`` at a time. In a dry run nothing is
         sent and nothing written: the summary says what would be sent or skipped.
@@ -389,7 +415,7 @@ class OutboundLedger:
                 raise InvalidInputError(
                     f"{self.remote_system}: an HTTP sender such as post_json(...) needs base_url="
                 )
-            sender = HttpSender(base_url, sender, timeout=self.timeout)
+            sender = HttpSender(base_url, sender, timeout=timeout)
         summary = LedgerSummary()
         self._reach = _Reachability(self.unreachable_after)
         try:
@@ -466,17 +492,7 @@ class OutboundLedger:
         total: int | None,
         summary: LedgerSummary,
     ) -> LedgerSummary:
-        size = sender.concurrency or self.concurrency
-        if sender.deduplicating and isinstance(sender, BlockingEffectSender):
-            # its calls run in the default executor's threads: as many as calls at once
-            executor = concurrent.futures.ThreadPoolExecutor(
-                size, thread_name_prefix=f"ledger-{self.remote_system}"
-            )
-            asyncio.get_running_loop().set_default_executor(executor)
-        pool = ConnectionPool(awaited(sender, in_threads=True), size)
-        workers = None
-        if not sender.deduplicating:
-            workers = _Workers(self, sender, size)
+        pool, workers = self._callers(sender)
         batches = (self._prepare(batch, sender) for batch in _batches(effects, self.batch_size))
         try:
             batch = next(batches, None)
@@ -486,26 +502,8 @@ class OutboundLedger:
                 rows, upcoming = self._claim(conn, batch, sender, lambda: next(batches, None))
                 to_send = self._classify(batch, rows, summary)
                 if to_send and not self.run.dry_run:
-                    answers_before = self._reach.answers
-                    if workers is None:
-                        outcomes = await asyncio.gather(
-                            *(self._call(pool, pool.sender, effect) for effect in to_send)
-                        )
-                        crash_point("ledger.before_record_outcomes")
-                        self._record(conn, outcomes, summary)
-                    else:
-                        workers.start(len(to_send))
-                        self._deliver(conn, workers, to_send, summary)
-                    self._reach.batch_ended(answers_before)
-                    if self._lock_lost:
-                        raise LockLostError(
-                            f"job {self.run.job_name!r} run_key {self.run.run_key!r} lost its lock "
-                            f"during the export to {self.remote_system!r}: stopped sending; "
-                            "confirmations received so far are recorded."
-                        )
-                    if self._reach.down:
-                        self._log_progress(summary, total)
-                        raise self._unreachable(sender.target, summary, total)
+                    await self._send_batch(conn, pool, workers, to_send, summary)
+                    self._stop_if_cut_off(sender.target, summary, total)
                 elif to_send:
                     summary.sent += len(to_send)  # would be sent
                 self._log_progress(summary, total)
@@ -522,6 +520,54 @@ class OutboundLedger:
             if workers is not None:
                 workers.close(abandon=False)
         return summary
+
+    def _callers(
+        self, sender: EffectSender[Any] | BlockingEffectSender[Any]
+    ) -> tuple[ConnectionPool[Any], _Workers | None]:
+        """Who makes the calls: the event loop over a pool of connections (deduplicating;
+        a blocking sender's calls in as many executor threads), or the workers."""
+        size = sender.concurrency or self.concurrency
+        if sender.deduplicating and isinstance(sender, BlockingEffectSender):
+            executor = concurrent.futures.ThreadPoolExecutor(
+                size, thread_name_prefix=f"ledger-{self.remote_system}"
+            )
+            asyncio.get_running_loop().set_default_executor(executor)
+        pool = ConnectionPool(awaited(sender, in_threads=True), size)
+        return pool, None if sender.deduplicating else _Workers(self, sender, size)
+
+    async def _send_batch(
+        self,
+        conn: psycopg.Connection,
+        pool: ConnectionPool[Any],
+        workers: _Workers | None,
+        to_send: list[Effect],
+        summary: LedgerSummary,
+    ) -> None:
+        """Make the calls of a claimed batch and record their outcomes."""
+        answers_before = self._reach.answers
+        if workers is None:
+            outcomes = await asyncio.gather(
+                *(self._call(pool, pool.sender, effect) for effect in to_send)
+            )
+            crash_point("ledger.before_record_outcomes")
+            self._record(conn, outcomes, summary)
+        else:
+            workers.start(len(to_send))
+            self._deliver(conn, workers, to_send, summary)
+        self._reach.batch_ended(answers_before)
+
+    def _stop_if_cut_off(self, target: str, summary: LedgerSummary, total: int | None) -> None:
+        """After a batch's outcomes were written: stop once the lock is lost or the remote
+        is down."""
+        if self._lock_lost:
+            raise LockLostError(
+                f"job {self.run.job_name!r} run_key {self.run.run_key!r} lost its lock "
+                f"during the export to {self.remote_system!r}: stopped sending; "
+                "confirmations received so far are recorded."
+            )
+        if self._reach.down:
+            self._log_progress(summary, total)
+            raise self._unreachable(target, summary, total)
 
     def _prepare(
         self, effects: list[Effect], sender: EffectSender[Any] | BlockingEffectSender[Any]
@@ -713,8 +759,8 @@ class OutboundLedger:
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(retryable),
-                stop=stop_after_attempt(self.max_attempts),
-                wait=_backoff(self.backoff_initial, self.backoff_max),
+                stop=stop_after_attempt(self.retries.max_attempts),
+                wait=_backoff(self.retries.backoff_initial, self.retries.backoff_max),
                 reraise=True,
             ):
                 with attempt:
@@ -759,73 +805,66 @@ class OutboundLedger:
         calls are written together, once every call has ended.
         """
         todo = deque(effects)
-        outstanding = 0  # intents committed whose outcome is not (yet)
-        arrived: list[_Outcome] = []  # outcomes of calls, not yet written
+        back = _Returns(workers.done)
         local: list[_Outcome] = []  # effects not called (lock lost, remote down): pending
-        lost = 0  # calls that ended in an unexpected error: no outcome, the key stays unknown
-        failure: BaseException | None = None  # the first such error, raised at the end
-
-        def take(item: _Outcome | BaseException) -> None:
-            nonlocal lost, failure
-            if isinstance(item, _Outcome):
-                arrived.append(item)
-            else:
-                lost += 1
-                failure = failure or item
-
-        def drain() -> None:
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    take(workers.done.get_nowait())
-
+        outstanding = 0  # intents committed whose outcome is not (yet)
         while True:
-            if not todo or failure is not None or self._lock_lost or self._reach.down:
-                if todo and failure is None:  # not called: pending, saying why
+            if not todo or back.failure is not None or self._lock_lost or self._reach.down:
+                if todo and back.failure is None:  # not called: pending, saying why
                     reason = _NOT_SENT if self._lock_lost else _UNREACHABLE
                     local.extend(
                         _Outcome(e.idempotency_key, "pending", None, reason, 0) for e in todo
                     )
                 todo.clear()
-                if outstanding == len(arrived) + lost:  # every call granted has ended
+                if outstanding == back.ended:  # every call granted has ended
                     break
-                take(workers.done.get())
+                back.wait()
                 continue
-            if outstanding - len(arrived) >= workers.window:  # wait for a call to end
-                take(workers.done.get())
-            drain()
+            if outstanding - len(back.outcomes) >= workers.window:  # wait for a call to end
+                back.wait()
+            else:
+                back.poll()
             # While the workers have granted calls to begin, wait for more outcomes (no worker
             # idles meanwhile): fewer, larger commits.
-            while (
-                len(arrived) < INTENTS_AHEAD
-                and outstanding > len(arrived) + lost
-                and workers.waiting()
-                and failure is None
-            ):
-                take(workers.done.get())
-                drain()
-            if failure is not None or self._reach.down:
+            while len(back.outcomes) < INTENTS_AHEAD and outstanding > back.ended:
+                if back.failure is not None or not workers.waiting():
+                    break
+                back.wait()
+            if back.failure is not None or self._reach.down:
                 continue
-            room = workers.window - outstanding + len(arrived)
+            room = workers.window - outstanding + len(back.outcomes)
             calls = [todo.popleft() for _ in range(min(room, len(todo)))]
-            written = arrived + local
-            granted = self._write_intents(conn, written, [e.idempotency_key for e in calls])
-            self._tally(written, summary)
-            outstanding -= len(arrived)
-            arrived, local = [], []
-            for effect in calls:
-                if effect.idempotency_key in granted:
-                    workers.hand(effect)
-                    outstanding += 1
-                elif self._lock_lost:
-                    local.append(_Outcome(effect.idempotency_key, "pending", None, _NOT_SENT, 0))
-                else:  # another attempt or an operator moved it meanwhile
-                    summary.skipped_existing += 1
+            outstanding -= len(back.outcomes)
+            granted, local = self._grant(conn, workers, back.take() + local, calls, summary)
+            outstanding += granted
         crash_point("ledger.before_record_outcomes")
-        if arrived or local:
-            self._write_intents(conn, arrived + local, [])
-            self._tally(arrived + local, summary)
-        if failure is not None:
-            raise failure
+        if back.outcomes or local:
+            self._grant(conn, workers, back.take() + local, [], summary)
+        if back.failure is not None:
+            raise back.failure
+
+    def _grant(
+        self,
+        conn: psycopg.Connection,
+        workers: _Workers,
+        outcomes: list[_Outcome],
+        calls: list[Effect],
+        summary: LedgerSummary,
+    ) -> tuple[int, list[_Outcome]]:
+        """Write ``outcomes`` and the intents of ``calls`` in one transaction, and hand the
+        calls granted to the workers; return how many, and the outcomes of the calls refused
+        because the lock was lost."""
+        granted = self._write_intents(conn, outcomes, [e.idempotency_key for e in calls])
+        self._tally(outcomes, summary)
+        refused = []
+        for effect in calls:
+            if effect.idempotency_key in granted:
+                workers.hand(effect)
+            elif self._lock_lost:
+                refused.append(_Outcome(effect.idempotency_key, "pending", None, _NOT_SENT, 0))
+            else:  # another attempt or an operator moved it meanwhile
+                summary.skipped_existing += 1
+        return len(granted), refused
 
     def _write_intents(
         self,
@@ -953,6 +992,44 @@ class OutboundLedger:
 def _of(summary: LedgerSummary, marker: str, limit: int = 3) -> list[str]:
     """The first ``limit`` errors of ``summary`` that mention ``marker``."""
     return [e for e in summary.errors if marker in e][:limit]
+
+
+class _Returns:
+    """What the workers handed back that the committing thread has not written yet."""
+
+    def __init__(self, done: queue.SimpleQueue[_Outcome | BaseException]) -> None:
+        self._done = done
+        self.outcomes: list[_Outcome] = []
+        self.lost = 0  # calls that ended in an unexpected error: no outcome, the key unknown
+        self.failure: BaseException | None = None  # the first such error, raised at the end
+
+    @property
+    def ended(self) -> int:
+        """The calls handed back: with an outcome, or without (an unexpected error)."""
+        return len(self.outcomes) + self.lost
+
+    def wait(self) -> None:
+        """Wait for the next call to end; then take whatever else ended meanwhile."""
+        self._take(self._done.get())
+        self.poll()
+
+    def poll(self) -> None:
+        """Take whatever ended, without waiting."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._take(self._done.get_nowait())
+
+    def take(self) -> list[_Outcome]:
+        """The outcomes to write now (the lost calls stay counted)."""
+        outcomes, self.outcomes = self.outcomes, []
+        return outcomes
+
+    def _take(self, item: _Outcome | BaseException) -> None:
+        if isinstance(item, _Outcome):
+            self.outcomes.append(item)
+        else:
+            self.lost += 1
+            self.failure = self.failure or item
 
 
 class _Workers:

@@ -34,9 +34,10 @@ import re
 import smtplib
 import ssl
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from email.message import EmailMessage
 from email.utils import formatdate, getaddresses
-from typing import Any
+from typing import Any, Literal
 
 from airflow_idempotency.effects import BlockingEffectSender, Confirmation, Effect
 from airflow_idempotency.exceptions import (
@@ -63,29 +64,65 @@ _PLAIN_ADDRESS = re.compile(
 )
 
 
+@dataclass(frozen=True)
+class Recipients:
+    """Who gets a message: ``to``, ``cc`` and ``bcc``, each an address, a comma-separated
+    string, or a list (at least one address in all).
+
+    ``email_effect(key, to=Recipients("ops@example.com", cc="cfo@example.com"), ...)``; a
+    plain ``to="ops@example.com"`` is ``Recipients(to="ops@example.com")``.
+    """
+
+    to: str | Iterable[str] = ()
+    cc: str | Iterable[str] = ()
+    bcc: str | Iterable[str] = ()
+
+
+@dataclass(frozen=True)
+class SmtpSecurity:
+    """How :class:`SmtpSender` secures and authenticates its connections.
+
+    :param tls: ``"ssl"``: TLS from the first byte (SMTPS, port 465); ``"starttls"``: a plain
+        connection upgraded with STARTTLS (port 587, the server must offer it); ``None``: no
+        TLS (a local relay).
+    :param verify: check the server's certificate and host name (TLS only).
+    :param login: the user name to log in with (with ``password``); ``None``: no login.
+    """
+
+    tls: Literal["ssl", "starttls"] | None = None
+    verify: bool = True
+    login: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a log line
+
+    def __post_init__(self) -> None:
+        if self.tls not in (None, "ssl", "starttls"):
+            raise InvalidInputError(
+                f"SmtpSecurity: tls must be 'ssl', 'starttls' or None, not {self.tls!r}"
+            )
+
+
 def email_effect(
     idempotency_key: str,
     *,
-    to: str | Iterable[str],
+    to: str | Iterable[str] | Recipients,
     subject: str,
     text: str,
     html: str | None = None,
-    cc: str | Iterable[str] = (),
-    bcc: str | Iterable[str] = (),
     from_email: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> Effect:
     """One email as a ledger effect: the same key must always name the same message.
 
-    ``to``, ``cc``, ``bcc``: an address, a comma-separated string, or a list; ``text`` the
-    plain body, ``html`` an optional HTML alternative; ``from_email`` defaults to the
-    sender's. The request (what is fingerprinted) holds all of it, so a changed message
-    under an existing key is refused, like a changed request.
+    ``to``: an address, a comma-separated string, a list, or :class:`Recipients` (with
+    ``cc`` and ``bcc``); ``text`` the plain body, ``html`` an optional HTML alternative;
+    ``from_email`` defaults to the sender's. The request (what is fingerprinted) holds all
+    of it, so a changed message under an existing key is refused, like a changed request.
     """
+    recipients = to if isinstance(to, Recipients) else Recipients(to)
     request: dict[str, Any] = {
-        "to": _addresses(to),
-        "cc": _addresses(cc),
-        "bcc": _addresses(bcc),
+        "to": _addresses(recipients.to),
+        "cc": _addresses(recipients.cc),
+        "bcc": _addresses(recipients.bcc),
         "subject": subject,
         "text": text,
     }
@@ -128,6 +165,10 @@ class SmtpSender(BlockingEffectSender[smtplib.SMTP]):
     worker of the ledger (a thread each): the ledger commits the intents of the next
     messages while these are sent.
 
+    :param host: the SMTP server; ``port`` its port.
+    :param from_email: the sender address of effects that name none.
+    :param security: TLS and login (:class:`SmtpSecurity`; default: neither).
+    :param timeout: seconds for the connection and each SMTP command.
     :param concurrency: SMTP connections used at once (one message in flight on each).
     :param message_id_domain: the right-hand side of the Message-IDs (default: the domain
         of the sender address).
@@ -142,34 +183,32 @@ class SmtpSender(BlockingEffectSender[smtplib.SMTP]):
         host: str,
         port: int = 25,
         from_email: str | None = None,
-        use_ssl: bool = False,
-        starttls: bool = False,
-        login: str | None = None,
-        password: str | None = None,
+        security: SmtpSecurity = SmtpSecurity(),
         timeout: float = 30.0,
         concurrency: int = 4,
-        verify_tls: bool = True,
         message_id_domain: str | None = None,
     ) -> None:
         if concurrency < 1:
             raise InvalidInputError("SmtpSender: concurrency must be >= 1")
+        if not isinstance(security, SmtpSecurity):
+            raise InvalidInputError(
+                f"SmtpSender: security must be an SmtpSecurity(...), not {security!r}"
+            )
         self.host = host
         self.port = port
         self.from_email = from_email
-        self.use_ssl = use_ssl
-        self.starttls = starttls
-        self.login = login
-        self.password = password
+        self.security = security
         self.timeout = timeout
         self.concurrency = concurrency
-        self.verify_tls = verify_tls
         self.message_id_domain = message_id_domain
-        self.target = f"smtp{'s' if use_ssl else ''}://{host}:{port}"
+        self.target = f"smtp{'s' if security.tls == 'ssl' else ''}://{host}:{port}"
 
     @classmethod
     def from_connection(cls, conn_id: str = "smtp_default", **overrides: Any) -> SmtpSender:
         """A sender for the Airflow connection ``conn_id`` (type smtp), as ``SmtpHook`` reads
-        it: SSL unless the extra ``disable_ssl``, STARTTLS unless ``disable_tls``.
+        it: SSL unless the extra ``disable_ssl``, STARTTLS unless ``disable_tls``; the
+        ``overrides`` replace what it read, e.g. ``concurrency=8`` or
+        ``security=SmtpSecurity(tls="starttls", verify=False)``.
 
         Unlike ``SmtpHook.send_email_smtp``, a message is never sent again after an error
         that may hide a delivery (the hook retries any error ``retry_limit`` times).
@@ -183,16 +222,18 @@ class SmtpSender(BlockingEffectSender[smtplib.SMTP]):
                 f"SMTP connection {conn_id!r}: auth_type {hook.auth_type!r} is not supported by "
                 "SmtpSender (basic login only)"
             )
+        security = SmtpSecurity(
+            tls="ssl" if hook.use_ssl else "starttls" if hook.smtp_starttls else None,
+            verify=hook.ssl_context != "none",
+            login=hook.smtp_user or None,
+            password=hook.smtp_password or None,
+        )
         settings: dict[str, Any] = {
             "host": hook.host,
             "port": hook.port or (465 if hook.use_ssl else 25),
             "from_email": hook.from_email,
-            "use_ssl": hook.use_ssl,
-            "starttls": hook.smtp_starttls and not hook.use_ssl,
-            "login": hook.smtp_user or None,
-            "password": hook.smtp_password or None,
+            "security": security,
             "timeout": float(hook.timeout),
-            "verify_tls": hook.ssl_context != "none",
         }
         settings.update(overrides)
         return cls(**settings)
@@ -206,7 +247,7 @@ class SmtpSender(BlockingEffectSender[smtplib.SMTP]):
         request = effect.request
         recipients = [*request.get("to", ()), *request.get("cc", ()), *request.get("bcc", ())]
         if not recipients:
-            raise InvalidInputError(f"{where}: no recipient (give to=, cc= or bcc=)")
+            raise InvalidInputError(f"{where}: no recipient (give to=, or Recipients(cc=, bcc=))")
         for address in recipients:
             _check_address(address, where)
         sender = request.get("from") or self.from_email
@@ -249,27 +290,28 @@ class SmtpSender(BlockingEffectSender[smtplib.SMTP]):
 
     def _tls_context(self) -> ssl.SSLContext:
         context = ssl.create_default_context()
-        if not self.verify_tls:
+        if not self.security.verify:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         return context
 
     def connect(self) -> smtplib.SMTP:
-        context = self._tls_context() if (self.use_ssl or self.starttls) else None
+        tls, login, password = self.security.tls, self.security.login, self.security.password
+        context = self._tls_context() if tls else None
         client: smtplib.SMTP | None = None
         try:
-            if self.use_ssl:
+            if tls == "ssl":
                 client = smtplib.SMTP_SSL(
                     self.host, self.port, timeout=self.timeout, context=context
                 )
             else:
                 client = smtplib.SMTP(self.host, self.port, timeout=self.timeout)
             client.ehlo_or_helo_if_needed()
-            if self.starttls:
+            if tls == "starttls":
                 client.starttls(context=context)
                 client.ehlo()
-            if self.login and self.password:
-                client.login(self.login, self.password)
+            if login and password:
+                client.login(login, password)
         except smtplib.SMTPAuthenticationError as exc:
             _close(client)
             raise PermanentRemoteError(f"SMTP login refused at {self.target}: {exc}") from exc

@@ -45,7 +45,7 @@ from airflow_idempotency.exceptions import (
     PermanentRemoteError,
     RemoteError,
 )
-from airflow_idempotency.ledger import OutboundLedger
+from airflow_idempotency.ledger import OutboundLedger, Retries
 from airflow_idempotency.mail import message_id
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.run_context import ConnectionFactory, autocommit_connection
@@ -248,7 +248,7 @@ class NotifyOnce:
         remote = f"notify:{self.name or _notifier_name(notifier)}"
         key = f"{scope.job_name}:{scope.run_key}:{self.event}"
         effect = Effect(key, {"event": self.event, "notifier": remote})
-        ledger = OutboundLedger(scope, remote, max_attempts=1, concurrency=1)
+        ledger = OutboundLedger(scope, remote, retries=Retries(max_attempts=1), concurrency=1)
         try:
             summary = ledger.send_all(
                 [effect], _NotifierSender(notifier, context, self.on_error), raise_on_failure=False
