@@ -24,7 +24,13 @@ from airflow_idempotency.exceptions import (
     RemoteCallError,
 )
 from airflow_idempotency.ledger import INTENTS_AHEAD, Retries
-from airflow_idempotency.mail import SmtpSecurity, SmtpSender, email_effect, message_id
+from airflow_idempotency.mail import (
+    Recipients,
+    SmtpSecurity,
+    SmtpSender,
+    email_effect,
+    message_id,
+)
 from airflow_idempotency.resolutions import resolutions, resolve_unknown
 from devtools.smtp_server import SmtpServer, smtp_connection_env
 from effects_support import ledger, run_once, statuses
@@ -353,3 +359,28 @@ def test_sender_from_an_airflow_smtp_connection(
     assert {d["message_id"] for d in smtp.deliveries()} == {
         message_id(f"{KEYS}{i}", "example.org") for i in range(2)
     }
+
+
+def test_recipients_build_the_request_a_plain_to_builds() -> None:
+    """Recipients(to, cc, bcc) and a plain to= make the same request shape (so an existing key keeps its fingerprint); SmtpSecurity keeps the password out of its repr and refuses an unknown tls."""
+    plain = email_effect("k", to="a@example.com, b@example.com", subject="s", text="t")
+    grouped = email_effect(
+        "k", to=Recipients(["a@example.com", "b@example.com"]), subject="s", text="t"
+    )
+    assert grouped == plain
+    assert plain.request == {
+        "to": ["a@example.com", "b@example.com"], "cc": [], "bcc": [], "subject": "s", "text": "t",
+    }  # fmt: skip
+    full = email_effect(
+        "k", to=Recipients("a@example.com", cc="c@example.com; d@example.com", bcc=["e@x.org"]),
+        subject="s", text="t",
+    )  # fmt: skip
+    assert (full.request["cc"], full.request["bcc"]) == (
+        ["c@example.com", "d@example.com"], ["e@x.org"],
+    )  # fmt: skip
+    security = SmtpSecurity(tls="starttls", login="jobs", password="s3cret")
+    assert "s3cret" not in repr(security) and "jobs" in repr(security)
+    with pytest.raises(ValueError, match="tls must be 'ssl', 'starttls' or None"):
+        SmtpSecurity(tls="tls")  # type: ignore[arg-type]
+    sender = SmtpSender(host="mail.example.com", port=465, security=SmtpSecurity(tls="ssl"))
+    assert sender.target == "smtps://mail.example.com:465"
