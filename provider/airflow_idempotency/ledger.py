@@ -108,8 +108,8 @@ log = logging.getLogger(__name__)
 
 # A remote that does not deduplicate: the intents committed beyond one per connection, at
 # most, and so the unknown keys a crash leaves beyond concurrency. Fewer starve the calls
-# while a commit (an fsync) is under way: 8 keeps email within 0.9x of a plain smtplib loop
-# (BENCHMARKS.md, emails; 2 x concurrency there was ~0.85x).
+# while a commit (an fsync) is under way: with 8, email through the ledger keeps up with a
+# plain smtplib loop (bench/emails.py: ~1.0x; 2 x concurrency there was ~0.85x).
 INTENTS_AHEAD = 8
 
 # Pipeline mode needs libpq >= 14 (the psycopg[binary] wheels bundle a newer one).
