@@ -14,11 +14,12 @@ the outbound ledger must keep for it (``deduplicating``):
   until an operator resolves it (mark it sent, or resend it): *at most once*.
 
 A sender is an :class:`EffectSender` (coroutines: ``async def connect/send``, e.g. the
-HTTP senders on httpx) or a :class:`BlockingEffectSender` (plain functions, e.g. SMTP on
-smtplib, an Airflow notifier). A sender that does not deduplicate is called from the ledger's
-worker threads, one per connection (``concurrency``), each with an event loop of its own, while
-the ledger commits the intents of the next calls; a deduplicating one on the ledger's event loop
-(a blocking one in threads of asyncio's default executor).
+HTTP senders on httpx) or a :class:`BlockingEffectSender` (plain methods, e.g. SMTP on
+smtplib, an Airflow notifier). A sender that does not deduplicate is called by the ledger's
+workers, one per connection (``concurrency``), while the ledger commits the intents of the
+next calls: a thread per worker for a blocking sender, one event loop of their own (in a
+thread) for an async one. A deduplicating sender is called on the ledger's event loop (a
+blocking one in ``concurrency`` threads).
 
 A sender classifies each call by what it raises: nothing (a :class:`Confirmation`),
 :class:`~airflow_idempotency.exceptions.TransientRemoteError` (not delivered; try again),
@@ -133,8 +134,8 @@ class BlockingEffectSender(_SenderContract[ConnectionT]):
     ``disconnect`` and ``discard`` are ordinary methods.
 
     Each connection is used by one thread at a time: the ledger's worker thread that opened
-    it (a sender that does not deduplicate), or, for a deduplicating one, whichever thread of
-    asyncio's default executor runs the call.
+    it (a sender that does not deduplicate), or, for a deduplicating one, whichever of the
+    ledger's ``concurrency`` executor threads runs the call.
     """
 
     @abstractmethod
@@ -156,7 +157,7 @@ class BlockingEffectSender(_SenderContract[ConnectionT]):
 
 class _Awaited(EffectSender[ConnectionT]):
     """A :class:`BlockingEffectSender` as an :class:`EffectSender`: each method runs in a
-    thread of asyncio's default executor (``in_threads``: on the ledger's event loop), or
+    thread of the event loop's default executor (``in_threads``: on the ledger's loop), or
     right away, blocking the event loop it is called on (a worker thread's own)."""
 
     def __init__(self, sender: BlockingEffectSender[ConnectionT], *, in_threads: bool) -> None:
