@@ -1,7 +1,7 @@
 """A worker process for the effect crash tests: one idempotent run that sends emails or writes
 a file, killed by a crash point (AIRFLOW_IDEMPOTENCY_CRASH_AT) where the test says.
 
-    python tests/effects_worker.py mail DSN SMTP_PORT COUNT
+    python tests/effects_worker.py mail DSN SMTP_PORT COUNT [BATCH_SIZE CONCURRENCY]
     python tests/effects_worker.py file DSN ROOT NAME CONTENT
 """
 
@@ -34,13 +34,16 @@ def main(argv: list[str]) -> None:
     kind, dsn = argv[0], argv[1]
 
     def mail(run: RunContext) -> dict[str, int]:
-        from airflow_idempotency import OutboundLedger
+        from airflow_idempotency import OutboundLedger, Retries
         from airflow_idempotency.mail import SmtpSender
 
+        batch_size, concurrency = (int(argv[4]), int(argv[5])) if len(argv) > 4 else (10, 2)
         sender = SmtpSender(
-            host="127.0.0.1", port=int(argv[2]), from_email="jobs@example.com", concurrency=2
-        )
-        ledger = OutboundLedger(run, "smtp", batch_size=10, backoff_initial=0.01, backoff_max=0.05)
+            host="127.0.0.1", port=int(argv[2]), from_email="jobs@example.com",
+            concurrency=concurrency,
+        )  # fmt: skip
+        retries = Retries(backoff_initial=0.01, backoff_max=0.05)
+        ledger = OutboundLedger(run, "smtp", batch_size=batch_size, retries=retries)
         return ledger.send_all(emails(int(argv[3])), sender).as_counts("mail")
 
     def file(run: RunContext) -> dict[str, str]:

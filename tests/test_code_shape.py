@@ -31,10 +31,6 @@ WIDE_ALLOWED = {
     # An Airflow operator takes its settings as keyword arguments of its constructor (like
     # every operator of Airflow's own providers): they are what a DAG author writes.
     "operator.IdempotentRunOperator.__init__",
-    # Narrowed on the branch that owns ledger.py and mail.py; remove them when it merges.
-    "ledger.OutboundLedger.__init__",
-    "mail.SmtpSender.__init__",
-    "mail.email_effect",
 }
 LONG_ALLOWED: set[str] = set()
 

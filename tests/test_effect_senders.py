@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,8 +15,14 @@ from typing import Any
 
 import pytest
 
-from airflow_idempotency import OutboundLedger, RunContext
-from airflow_idempotency.effects import Confirmation, Effect, EffectSender, webhook
+from airflow_idempotency import OutboundLedger, Retries, RunContext
+from airflow_idempotency.effects import (
+    BlockingEffectSender,
+    Confirmation,
+    Effect,
+    EffectSender,
+    webhook,
+)
 from airflow_idempotency.exceptions import (
     EffectsUnknownError,
     InvalidInputError,
@@ -70,9 +77,8 @@ def deliver(dsn: str, items: list[Effect], sender: Any, metrics: Any = None) -> 
     out: dict[str, Any] = {}
 
     def work(run: RunContext) -> None:
-        ledger_ = OutboundLedger(
-            run, "chat", backoff_initial=0.01, backoff_max=0.02, max_attempts=2
-        )
+        retries = Retries(max_attempts=2, backoff_initial=0.01, backoff_max=0.02)
+        ledger_ = OutboundLedger(run, "chat", retries=retries)
         try:
             out["result"] = ledger_.send_all(items, sender)
         except Exception as exc:
@@ -179,3 +185,59 @@ def test_a_sender_of_your_own(pg_dsn: str, tmp_path: Path) -> None:
     }  # fmt: skip
     deliver(pg_dsn, items, AppendToJournal(journal))
     assert journal.read_text().splitlines() == ["j:0 one", "j:1 lost", "j:3 two"]
+
+
+class FilePerKey(BlockingEffectSender[Path]):
+    """A blocking sender that deduplicates: one file per key, written with an atomic replace
+    (a resend replaces it by the same content). Records the threads its calls ran on."""
+
+    kind = "file"
+    deduplicating = True
+    concurrency = 4
+
+    def __init__(self, folder: Path, busy: set[int]) -> None:
+        self.folder = folder
+        self.busy = busy  # these effects fail with a transient error
+        self.calls: list[str] = []
+        self.threads: set[str] = set()
+        self.at_once = self.most_at_once = 0
+        self.lock = threading.Lock()
+
+    def connect(self) -> Path:
+        return self.folder
+
+    def send(self, connection: Path, effect: Effect) -> Confirmation:
+        with self.lock:
+            self.calls.append(effect.idempotency_key)
+            self.threads.add(threading.current_thread().name)
+            self.at_once += 1
+            self.most_at_once = max(self.most_at_once, self.at_once)
+        try:
+            time.sleep(0.01)  # a blocking call: the others go on meanwhile
+            if effect.request["n"] in self.busy:
+                raise TransientRemoteError("busy: nothing written")
+            staged = connection / f".{effect.idempotency_key}.partial"
+            staged.write_text(str(effect.request["n"]))
+            staged.replace(connection / effect.idempotency_key)
+        finally:
+            with self.lock:
+                self.at_once -= 1
+        return Confirmation(effect.idempotency_key)
+
+
+def test_a_blocking_sender_that_deduplicates(pg_dsn: str, tmp_path: Path) -> None:
+    """A deduplicating BlockingEffectSender's calls run in threads of their own, concurrency of them at once; a transient error is retried there, then stays pending, and the rerun sends only it."""
+    items = [Effect(f"f{i}", {"n": i}) for i in range(20)]
+    first = FilePerKey(tmp_path, busy={3})
+    error = deliver(pg_dsn, items, first)
+    assert isinstance(error, RemoteCallError) and "stayed pending" in str(error)
+    assert {k for k, s in statuses(pg_dsn).items() if s != "succeeded"} == {"f3"}
+    assert first.calls.count("f3") == 2  # max_attempts=2 in deliver()
+    assert 1 < first.most_at_once <= 4
+    assert all(name.startswith("ledger-chat") for name in first.threads), first.threads
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"f{i}" for i in range(20) if i != 3
+    )
+    again = FilePerKey(tmp_path, busy=set())
+    assert deliver(pg_dsn, items, again).ok
+    assert again.calls == ["f3"] and set(statuses(pg_dsn).values()) == {"succeeded"}

@@ -28,7 +28,7 @@ from airflow.providers.common.compat.sdk import DAG
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from airflow_idempotency import Effect, OutboundLedger, post_json
+from airflow_idempotency import Effect, OutboundLedger, Retries, post_json
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS, AirflowFailException
 from airflow_idempotency.exceptions import (
     IdempotencyKeyConflictError,
@@ -444,7 +444,8 @@ def send(dsn: str, url: str, effects: list[Effect], calls: list[str]) -> Any:
         return await post(client, effect)
 
     def work(run: RunContext) -> None:
-        ledger = OutboundLedger(run, "accounting", backoff_initial=0.01, backoff_max=0.05)
+        retries = Retries(backoff_initial=0.01, backoff_max=0.05)
+        ledger = OutboundLedger(run, "accounting", retries=retries)
         box["summary"] = ledger.send_all(effects, counting, base_url=url)
 
     run_idempotently(

@@ -239,7 +239,7 @@ def test_a_lost_attempt_does_not_rewrite_rows_its_successor_confirmed(
 
     import psycopg
 
-    from airflow_idempotency import Effect, OutboundLedger, post_json
+    from airflow_idempotency import Effect, OutboundLedger, Retries, post_json
     from airflow_idempotency.exceptions import LockLostError
     from airflow_idempotency.ledger import TransientRemoteError
     from airflow_idempotency.runner import run_idempotently
@@ -270,7 +270,11 @@ def test_a_lost_attempt_does_not_rewrite_rows_its_successor_confirmed(
     def work(run: Any) -> None:
         attempt_ids["A"] = run.attempt_id
         ledger = OutboundLedger(
-            run, "accounting", concurrency=1, lock_check_interval=0, backoff_initial=0.01
+            run,
+            "accounting",
+            concurrency=1,
+            lock_check_interval=0,
+            retries=Retries(backoff_initial=0.01),
         )
         ledger.send_all(effects, first_call_loses_the_lock, base_url=accounting.url)
 

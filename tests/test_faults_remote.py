@@ -165,8 +165,10 @@ def _export_until(dsn: str, url: str, items: Any, **options: Any) -> tuple[Any, 
     out: dict[str, Any] = {}
 
     def work(run: RunContext) -> None:
-        ledger = OutboundLedger(run, "accounting", timeout=2, **options)
-        out["summary"] = ledger.send_all(items, post_json("/api/invoices"), base_url=url, total=400)
+        ledger = OutboundLedger(run, "accounting", **options)
+        out["summary"] = ledger.send_all(
+            items, post_json("/api/invoices"), base_url=url, timeout=2, total=400
+        )
 
     started = time.monotonic()
     try:
@@ -192,7 +194,7 @@ def test_a_remote_that_is_down_fails_the_try_early_and_loses_nothing(
     and what is left pending; the rerun after the service is back sends each effect once."""
     import time
 
-    from airflow_idempotency import Effect
+    from airflow_idempotency import Effect, Retries
     from airflow_idempotency.exceptions import RemoteUnreachableError
     from devtools.accounting import run_accounting_service
 
@@ -207,8 +209,9 @@ def test_a_remote_that_is_down_fails_the_try_early_and_loses_nothing(
     with run_accounting_service(pg_dsn) as service:
         url = service.url
         error, took = _export_until(
-            pg_dsn, url, effects(service), unreachable_after=3, batch_size=50, max_attempts=8
-        )
+            pg_dsn, url, effects(service), unreachable_after=3, batch_size=50,
+            retries=Retries(max_attempts=8),
+        )  # fmt: skip
     after_kill = time.monotonic() - killed["at"]  # the export had just returned
     assert isinstance(error, RemoteUnreachableError), error
     message = str(error)

@@ -17,6 +17,7 @@ from airflow_idempotency import (
     LockLostError,
     OutboundLedger,
     RemoteCallError,
+    Retries,
     RunContext,
     post_json,
     run_idempotently,
@@ -39,9 +40,8 @@ def send(
     out: dict[str, Any] = {}
 
     def work(run: RunContext) -> dict[str, int]:
-        ledger = OutboundLedger(
-            run, "accounting", backoff_initial=0.01, backoff_max=0.05, **options
-        )
+        retries = Retries(options.pop("max_attempts", 5), backoff_initial=0.01, backoff_max=0.05)
+        ledger = OutboundLedger(run, "accounting", retries=retries, **options)
         out["summary"] = ledger.send_all(items, post_json(path), base_url=url)
         return out["summary"].as_counts("exports")
 
@@ -358,3 +358,14 @@ def test_the_fingerprint_is_the_sha256_of_the_canonical_json(request: dict[str, 
     canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), default=str)
     expected = hashlib.sha256(canonical.encode()).hexdigest()
     assert Effect("k", request).fingerprint == expected
+
+
+def test_retries_refuse_what_cannot_be_a_retry_policy() -> None:
+    """Retries(...) says what is wrong with it at once: no try at all, negative waits, and a ledger given something else."""
+    with pytest.raises(InvalidInputError, match="max_attempts must be an integer >= 1"):
+        Retries(max_attempts=0)
+    with pytest.raises(InvalidInputError, match="are seconds, >= 0"):
+        Retries(backoff_initial=-1)
+    with pytest.raises(InvalidInputError, match=r"retries must be a Retries\(...\)"):
+        OutboundLedger(None, "accounting", retries=3)  # type: ignore[arg-type]
+    assert Retries() == Retries(max_attempts=5, backoff_initial=0.2, backoff_max=5.0)

@@ -14,6 +14,7 @@ from airflow_idempotency import (
     Effect,
     OutboundLedger,
     OutputFile,
+    Retries,
     RunContext,
     SmtpSender,
     email_effect,
@@ -42,26 +43,29 @@ def region_and_date(run: RunContext) -> tuple[str, dt.date]:
 
 
 def accounting_endpoint(conn_id: str = "accounting_api") -> tuple[str, dict[str, Any]]:
-    """Base URL of the accounting service and the ledger options in the connection's extra.
+    """Base URL of the accounting service and the export's options in the connection's extra.
 
     The connection is of type http, e.g. ``AIRFLOW_CONN_ACCOUNTING_API='http://host:8099'``;
-    its extra may tune the export: ``{"timeout": 5, "concurrency": 16, "max_attempts": 5}``.
+    its extra may tune the export: ``{"timeout": 5, "concurrency": 16, "max_attempts": 5}``
+    (``max_attempts``, ``backoff_initial`` and ``backoff_max`` make the ledger's
+    ``Retries``; ``timeout`` is per request, for ``send_all``).
     """
     from airflow.providers.common.compat.sdk import BaseHook
 
     conn = BaseHook.get_connection(conn_id)
     scheme = conn.schema or "http"
     port = f":{conn.port}" if conn.port else ""
-    tuning = (
-        "timeout",
-        "concurrency",
-        "batch_size",
-        "max_attempts",
-        "backoff_initial",
-        "backoff_max",
-        "unreachable_after",
-    )
-    options = {k: v for k, v in (conn.extra_dejson or {}).items() if k in tuning}
+    extra = conn.extra_dejson or {}
+    options = {
+        k: extra[k]
+        for k in ("timeout", "concurrency", "batch_size", "unreachable_after")
+        if k in extra
+    }
+    retries = {
+        k: extra[k] for k in ("max_attempts", "backoff_initial", "backoff_max") if k in extra
+    }
+    if retries:
+        options["retries"] = Retries(**retries)
     return f"{scheme}://{conn.host}{port}", options
 
 
@@ -145,13 +149,16 @@ def count_invoices(run: RunContext) -> int:
     return int(row[0]) if row else 0
 
 
-def export_invoices(run: RunContext, base_url: str, **ledger_options: Any) -> dict[str, int]:
+def export_invoices(
+    run: RunContext, base_url: str, timeout: float = 10.0, **ledger_options: Any
+) -> dict[str, int]:
     """Send the date's invoices to the accounting service through the outbound ledger."""
     ledger = OutboundLedger(run, REMOTE_SYSTEM, **ledger_options)
     total = count_invoices(run)
     summary = ledger.send_all(
-        invoice_effects(run), post_json(EXPORT_PATH), base_url=base_url, total=total
-    )
+        invoice_effects(run), post_json(EXPORT_PATH), base_url=base_url, timeout=timeout,
+        total=total,
+    )  # fmt: skip
     return {"exports_total": total, **summary.as_counts("exports")}
 
 
@@ -232,7 +239,11 @@ def email_finance_summary(run: RunContext, conn_id: str = FINANCE_MAIL_CONN) -> 
 
 
 def reconcile_export(
-    run: RunContext, base_url: str, export_job_name: str, **ledger_options: Any
+    run: RunContext,
+    base_url: str,
+    export_job_name: str,
+    timeout: float = 10.0,
+    **ledger_options: Any,
 ) -> dict[str, Any]:
     """Compare invoices, the ledger and the accounting service for the date; mend what is safe.
 
@@ -283,6 +294,7 @@ def reconcile_export(
             (expected[k] for k in not_confirmed),
             post_json(EXPORT_PATH),
             base_url=base_url,
+            timeout=timeout,
             total=len(not_confirmed),
             raise_on_failure=False,
         )

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
         RunLockedError,
         WorkConflictError,
     )
-    from airflow_idempotency.ledger import OutboundLedger
-    from airflow_idempotency.mail import SmtpSender, email_effect
+    from airflow_idempotency.ledger import OutboundLedger, Retries
+    from airflow_idempotency.mail import Recipients, SmtpSecurity, SmtpSender, email_effect
     from airflow_idempotency.notifications import notify_once
     from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
     from airflow_idempotency.outputs import OutputFile
@@ -52,10 +52,13 @@ _EXPORTS = {
     "RunOutcome": "runner",
     # The outbound ledger and its senders.
     "OutboundLedger": "ledger",
+    "Retries": "ledger",
     "Effect": "effects",
     "post_json": "effects",
     "webhook": "effects",
     "SmtpSender": "mail",
+    "SmtpSecurity": "mail",
+    "Recipients": "mail",
     "email_effect": "mail",
     "notify_once": "notifications",
     "OutputFile": "outputs",
@@ -83,12 +86,15 @@ __all__ = [
     "LockLostError",
     "OutboundLedger",
     "OutputFile",
+    "Recipients",
     "RemoteCallError",
+    "Retries",
     "RunContext",
     "RunKeyRule",
     "RunLockedError",
     "RunOptions",
     "RunOutcome",
+    "SmtpSecurity",
     "SmtpSender",
     "WorkConflictError",
     "__version__",

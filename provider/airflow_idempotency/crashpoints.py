@@ -18,7 +18,8 @@ For tests and demos of crash recovery; no code is edited to inject a fault.
   say, end that run's lock session. A stall and a crash armed at one point both happen.
 
 Several points may be given, comma-separated. With none of these set (the normal case)
-a fault point costs four dictionary lookups.
+a fault point costs four dictionary lookups. The ledger reaches some points from its worker
+threads: ``@N`` counts every thread's hits (the N-th of the process kills it).
 
 Points: runner.after_lock, runner.after_started, runner.before_completion,
 ledger.after_claim, ledger.after_intent (a remote that does not deduplicate: the intent is
@@ -33,6 +34,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -41,6 +43,7 @@ SLEEP_ENV = "AIRFLOW_IDEMPOTENCY_SLEEP_AT"
 WAIT_ENV = "AIRFLOW_IDEMPOTENCY_WAIT_AT"
 FAULT_DIR_ENV = "AIRFLOW_IDEMPOTENCY_FAULT_DIR"
 _hits: Counter[str] = Counter()
+_hits_lock = threading.Lock()  # the ledger's worker threads reach points too
 _slept: dict[str, bool] = {}
 
 
@@ -73,8 +76,10 @@ def crash_point(name: str) -> None:
     nth = _parse(os.environ.get(CRASH_ENV, ""), "@").get(name)
     if nth is None:
         return
-    _hits[name] += 1
-    if _hits[name] == int(nth or 1):
+    with _hits_lock:
+        _hits[name] += 1
+        hit = _hits[name]
+    if hit == int(nth or 1):
         print(f"fault point {name}@{nth or 1}: SIGKILL", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -13,6 +13,14 @@ the outbound ledger must keep for it (``deduplicating``):
   lost answer in between leaves the effect ``unknown``, which is never sent again on its own
   until an operator resolves it (mark it sent, or resend it): *at most once*.
 
+A sender is an :class:`EffectSender` (coroutines: ``async def connect/send``, e.g. the
+HTTP senders on httpx) or a :class:`BlockingEffectSender` (plain methods, e.g. SMTP on
+smtplib, an Airflow notifier). A sender that does not deduplicate is called by the ledger's
+workers, one per connection (``concurrency``), while the ledger commits the intents of the
+next calls: a thread per worker for a blocking sender, one event loop of their own (in a
+thread) for an async one. A deduplicating sender is called on the ledger's event loop (a
+blocking one in ``concurrency`` threads).
+
 A sender classifies each call by what it raises: nothing (a :class:`Confirmation`),
 :class:`~airflow_idempotency.exceptions.TransientRemoteError` (not delivered; try again),
 :class:`~airflow_idempotency.exceptions.OutcomeUnknownError` (it may have been delivered),
@@ -73,19 +81,9 @@ class Confirmation:
 ConnectionT = TypeVar("ConnectionT")
 
 
-class EffectSender(ABC, Generic[ConnectionT]):
-    """Delivers effects of one kind to one remote, over connections the ledger pools.
-
-    Subclasses set :attr:`kind` and :attr:`deduplicating` (the contract, see the module
-    doc), and implement :meth:`connect` and :meth:`send`.
-
-    :ivar kind: what the effects are, as the ledger, the CLI and the Run keys view show it
-        (``http``, ``email``, ``notification``, ``webhook``, ``file``, or your own word).
-    :ivar deduplicating: the remote honours the idempotency key, so a resend on doubt is
-        safe. ``False`` is the safe default: at most once.
-    :ivar concurrency: calls in flight at once (one connection each); ``None``: the ledger's.
-    :ivar target: where the effects go, for messages (a URL, ``smtp://host:port``).
-    """
+class _SenderContract(ABC, Generic[ConnectionT]):
+    """What the ledger reads of any sender: its kind, its contract, its connections' count,
+    where it sends, and the check of an effect."""
 
     kind: str = "custom"
     deduplicating: bool = False
@@ -96,6 +94,22 @@ class EffectSender(ABC, Generic[ConnectionT]):
         """Refuse a malformed effect with :class:`InvalidInputError` naming it (no recipient,
         an invalid address, ...). A refused effect is neither recorded nor sent; the others
         are; the ledger raises at the end, naming each."""
+
+
+class EffectSender(_SenderContract[ConnectionT]):
+    """Delivers effects of one kind to one remote, over connections the ledger pools.
+
+    Subclasses set :attr:`kind` and :attr:`deduplicating` (the contract, see the module
+    doc), and implement :meth:`connect` and :meth:`send` (coroutines; for plain blocking
+    functions, subclass :class:`BlockingEffectSender`).
+
+    :ivar kind: what the effects are, as the ledger, the CLI and the Run keys view show it
+        (``http``, ``email``, ``notification``, ``webhook``, ``file``, or your own word).
+    :ivar deduplicating: the remote honours the idempotency key, so a resend on doubt is
+        safe. ``False`` is the safe default: at most once.
+    :ivar concurrency: calls in flight at once (one connection each); ``None``: the ledger's.
+    :ivar target: where the effects go, for messages (a URL, ``smtp://host:port``).
+    """
 
     @abstractmethod
     async def connect(self) -> ConnectionT:
@@ -114,6 +128,76 @@ class EffectSender(ABC, Generic[ConnectionT]):
             await self.disconnect(connection)
 
 
+class BlockingEffectSender(_SenderContract[ConnectionT]):
+    """An :class:`EffectSender` of plain blocking functions (smtplib, a notifier, a client
+    library without asyncio): the same attributes and contract; ``connect``, ``send``,
+    ``disconnect`` and ``discard`` are ordinary methods.
+
+    Each connection is used by one thread at a time: the ledger's worker thread that opened
+    it (a sender that does not deduplicate), or, for a deduplicating one, whichever of the
+    ledger's ``concurrency`` executor threads runs the call.
+    """
+
+    @abstractmethod
+    def connect(self) -> ConnectionT:
+        """Open one connection to the remote (lent to one call at a time)."""
+
+    def disconnect(self, connection: ConnectionT) -> None:
+        """Close a connection :meth:`connect` opened (nothing by default)."""
+
+    @abstractmethod
+    def send(self, connection: ConnectionT, effect: Effect) -> Confirmation:
+        """Deliver one effect, or raise the error that classifies what happened."""
+
+    def discard(self, connection: ConnectionT) -> None:
+        """Drop a connection after an error that may have left it unusable (closes it)."""
+        with contextlib.suppress(Exception):
+            self.disconnect(connection)
+
+
+class _Awaited(EffectSender[ConnectionT]):
+    """A :class:`BlockingEffectSender` as an :class:`EffectSender`: each method runs in a
+    thread of the event loop's default executor (``in_threads``: on the ledger's loop), or
+    right away, blocking the event loop it is called on (a worker thread's own)."""
+
+    def __init__(self, sender: BlockingEffectSender[ConnectionT], *, in_threads: bool) -> None:
+        self.sender = sender
+        self.kind = sender.kind
+        self.deduplicating = sender.deduplicating
+        self.concurrency = sender.concurrency
+        self.target = sender.target
+        self.in_threads = in_threads
+
+    def check(self, effect: Effect) -> None:
+        self.sender.check(effect)
+
+    async def _run(self, call: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(call, *args) if self.in_threads else call(*args)
+
+    async def connect(self) -> ConnectionT:
+        connection: ConnectionT = await self._run(self.sender.connect)
+        return connection
+
+    async def disconnect(self, connection: ConnectionT) -> None:
+        await self._run(self.sender.disconnect, connection)
+
+    async def send(self, connection: ConnectionT, effect: Effect) -> Confirmation:
+        confirmation: Confirmation = await self._run(self.sender.send, connection, effect)
+        return confirmation
+
+    async def discard(self, connection: ConnectionT) -> None:
+        await self._run(self.sender.discard, connection)
+
+
+def awaited(
+    sender: EffectSender[ConnectionT] | BlockingEffectSender[ConnectionT], *, in_threads: bool
+) -> EffectSender[ConnectionT]:
+    """``sender`` as an :class:`EffectSender` (a blocking one wrapped, see :class:`_Awaited`)."""
+    if isinstance(sender, BlockingEffectSender):
+        return _Awaited(sender, in_threads=in_threads)
+    return sender
+
+
 class ConnectionPool(Generic[ConnectionT]):
     """Up to ``size`` connections of one sender, each lent to one call at a time.
 
@@ -127,6 +211,10 @@ class ConnectionPool(Generic[ConnectionT]):
         self._sender = sender
         self._slots = asyncio.Semaphore(size)
         self._idle: list[ConnectionT] = []
+
+    @property
+    def sender(self) -> EffectSender[ConnectionT]:
+        return self._sender
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[ConnectionT]:

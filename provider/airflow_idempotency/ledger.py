@@ -19,24 +19,33 @@ The claim of each batch is fenced: it commits only while this run still holds it
 A crash anywhere leaves ``pending`` rows, which the rerun sends again under the same key,
 so the remote (which deduplicates by key) acts once.
 
-A remote that does not deduplicate (``EffectSender.deduplicating`` false: SMTP, a chat
-webhook, a notifier) gets step 2 as intent, call, outcome: before each call one fenced
-statement marks its key ``unknown`` (the intents of the calls about to start are
-group-committed, together with the outcomes that arrived meanwhile), and the outcome
-replaces it after the call. A crash in between leaves the key ``unknown``: the claim
-returns it, and it is counted and reported, never sent, until an operator resolves it
-(:mod:`airflow_idempotency.resolutions`). A crash leaves at most twice ``concurrency``
-keys unknown: the calls in flight and the outcomes not yet written.
+A remote that does not deduplicate (``deduplicating`` false: SMTP, a chat webhook, a
+notifier) gets step 2 as intent, call, outcome: a call begins only once a fenced
+transaction has committed its key as ``unknown``, and the outcome replaces that after the
+call. The calls are made by workers (one per connection, ``concurrency`` of them: threads
+for a blocking sender) while this thread commits, one transaction at a time, the outcomes
+that arrived together with the intents of the next calls, never more than
+``concurrency + INTENTS_AHEAD`` (8) intents ahead of the outcomes committed. A crash in
+between leaves the key ``unknown``: the claim returns it, and it is counted and reported,
+never sent, until an operator resolves it (:mod:`airflow_idempotency.resolutions`).
+So a crash leaves at most ``concurrency + 8`` keys of an export unknown (12 for
+:class:`~airflow_idempotency.mail.SmtpSender`'s 4 connections): the calls in flight, the
+calls granted and not begun, and the outcomes not yet written. Once the lock is lost no
+intent commits and no further call begins; the outcomes received are still written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime as dt
 import logging
+import queue
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -56,12 +65,15 @@ from airflow_idempotency._sql import query, query_rows
 from airflow_idempotency._transactions import rollback_quietly
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.effects import (
+    BlockingEffectSender,
     Confirmation,
     ConnectionPool,
     Effect,
     EffectSender,
     HttpSender,
     Sender,
+    _SenderContract,
+    awaited,
     post_json,
 )
 from airflow_idempotency.exceptions import (
@@ -86,12 +98,19 @@ __all__ = [
     "LedgerScope",
     "LedgerSummary",
     "OutboundLedger",
+    "Retries",
     "Sender",
     "check_idempotency_key",
     "post_json",
 ]
 
 log = logging.getLogger(__name__)
+
+# A remote that does not deduplicate: the intents committed beyond one per connection, at
+# most, and so the unknown keys a crash leaves beyond concurrency. Fewer starve the calls
+# while a commit (an fsync) is under way: with 8, email through the ledger keeps up with a
+# plain smtplib loop (bench/emails.py: ~1.0x; 2 x concurrency there was ~0.85x).
+INTENTS_AHEAD = 8
 
 # Pipeline mode needs libpq >= 14 (the psycopg[binary] wheels bundle a newer one).
 _PIPELINE = psycopg.Pipeline.is_supported()
@@ -164,6 +183,33 @@ class LedgerSummary:
             f"{prefix}_unknown": self.unknown,
             f"{prefix}_invalid": self.invalid,
         }
+
+
+@dataclass(frozen=True)
+class Retries:
+    """How the ledger tries a call again after a transient error (a timeout, a reset, 429,
+    5xx, a 4xx SMTP reply): at most ``max_attempts`` tries in all per effect and call of
+    :meth:`OutboundLedger.send_all`; between them it waits ``backoff_initial`` seconds
+    doubling each time, plus up to 1 s of jitter, and never more than ``backoff_max``.
+
+    ``OutboundLedger(run, "accounting", retries=Retries(max_attempts=3, backoff_max=2))``;
+    ``Retries(max_attempts=1)`` never tries again (the next run does).
+    """
+
+    max_attempts: int = 5
+    backoff_initial: float = 0.2
+    backoff_max: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
+            raise InvalidInputError(
+                f"Retries: max_attempts must be an integer >= 1, not {self.max_attempts!r}"
+            )
+        if not (self.backoff_initial >= 0 and self.backoff_max >= 0):
+            raise InvalidInputError(
+                "Retries: backoff_initial and backoff_max are seconds, >= 0, not "
+                f"{self.backoff_initial!r} and {self.backoff_max!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -263,25 +309,29 @@ class _Reachability:
         self.last_error = ""
         self.down = False
         self.answers = 0
+        self._lock = threading.Lock()  # the workers of a remote that does not deduplicate
 
     def answered(self) -> None:
-        self.answers += 1
-        if not self.down:
-            self.silent_since = self.silent_since_wall = None
+        with self._lock:
+            self.answers += 1
+            if not self.down:
+                self.silent_since = self.silent_since_wall = None
 
     def no_answer(self, error: str) -> None:
         now = time.monotonic()
-        self.last_error = error
-        if self.silent_since is None:
-            self.silent_since = now
-            self.silent_since_wall = dt.datetime.now(dt.timezone.utc)
-        elif now - self.silent_since >= self.window:
-            self.down = True
+        with self._lock:
+            self.last_error = error
+            if self.silent_since is None:
+                self.silent_since = now
+                self.silent_since_wall = dt.datetime.now(dt.timezone.utc)
+            elif now - self.silent_since >= self.window:
+                self.down = True
 
     def batch_ended(self, answers_before: int) -> None:
         """A batch's calls are over: down if none had an answer and some had none."""
-        if self.answers == answers_before and self.silent_since is not None:
-            self.down = True
+        with self._lock:
+            if self.answers == answers_before and self.silent_since is not None:
+                self.down = True
 
 
 class OutboundLedger:
@@ -292,8 +342,8 @@ class OutboundLedger:
     :param concurrency: calls in flight at once (each on its own connection), unless the
         sender names its own.
     :param batch_size: effects claimed and recorded per statement.
-    :param max_attempts: tries per effect and call of :meth:`send_all` (transient errors).
-    :param timeout: seconds per HTTP request (the ``post_json`` form of :meth:`send_all`).
+    :param retries: how a call that failed with a transient error is tried again
+        (:class:`Retries`: 5 tries, 0.2 s doubling up to 5 s between them).
     :param lock_check_interval: before a call, re-check (at most this often) that the run
         still holds its lock; once it is lost no further call is made.
     :param unreachable_after: stop the export early when no call has had any answer for
@@ -310,24 +360,20 @@ class OutboundLedger:
         *,
         concurrency: int = 16,
         batch_size: int = 500,
-        max_attempts: int = 5,
-        backoff_initial: float = 0.2,
-        backoff_max: float = 5.0,
-        timeout: float = 10.0,
+        retries: Retries = Retries(),
         lock_check_interval: float = 0.5,
         unreachable_after: float = 10.0,
     ) -> None:
         check_text(remote_system, "remote system name")
-        if concurrency < 1 or batch_size < 1 or max_attempts < 1:
-            raise InvalidInputError("concurrency, batch_size and max_attempts must be >= 1")
+        if concurrency < 1 or batch_size < 1:
+            raise InvalidInputError("concurrency and batch_size must be >= 1")
+        if not isinstance(retries, Retries):
+            raise InvalidInputError(f"retries must be a Retries(...), not {retries!r}")
         self.run = run
         self.remote_system = remote_system
         self.concurrency = concurrency
         self.batch_size = batch_size
-        self.max_attempts = max_attempts
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        self.timeout = timeout
+        self.retries = retries
         self.lock_check_interval = lock_check_interval
         self.unreachable_after = unreachable_after
         self._reach = _Reachability(unreachable_after)
@@ -340,17 +386,20 @@ class OutboundLedger:
     def send_all(
         self,
         effects: Iterable[Effect],
-        sender: EffectSender[Any] | Sender,
+        sender: EffectSender[Any] | BlockingEffectSender[Any] | Sender,
         *,
         base_url: str | None = None,
+        timeout: float = 10.0,
         total: int | None = None,
         raise_on_failure: bool = True,
     ) -> LedgerSummary:
         """Send every effect not yet confirmed; return the counts.
 
-        ``sender`` is an :class:`~airflow_idempotency.effects.EffectSender` (SMTP, a webhook,
-        a notifier, ...), or an HTTP call such as :func:`post_json`, sent to ``base_url``
-        (a deduplicating remote).
+        ``sender`` is an :class:`~airflow_idempotency.effects.EffectSender` or a
+        :class:`~airflow_idempotency.effects.BlockingEffectSender` (SMTP, a webhook, a
+        notifier, ...), or an HTTP call such as :func:`post_json`, sent to ``base_url``
+        (a deduplicating remote) with ``timeout`` seconds per request. ``total``: how many
+        effects the stream holds, for the progress messages.
 
         ``effects`` is consumed lazily, ``batch_size`` at a time. In a dry run nothing is
         sent and nothing written: the summary says what would be sent or skipped.
@@ -361,12 +410,12 @@ class OutboundLedger:
         deduplicate are unknown (never resent on their own), and :class:`RemoteCallError`
         when an effect failed or stayed pending.
         """
-        if not isinstance(sender, EffectSender):
+        if not isinstance(sender, (EffectSender, BlockingEffectSender)):
             if base_url is None:
                 raise InvalidInputError(
                     f"{self.remote_system}: an HTTP sender such as post_json(...) needs base_url="
                 )
-            sender = HttpSender(base_url, sender, timeout=self.timeout)
+            sender = HttpSender(base_url, sender, timeout=timeout)
         summary = LedgerSummary()
         self._reach = _Reachability(self.unreachable_after)
         try:
@@ -439,11 +488,11 @@ class OutboundLedger:
         self,
         conn: psycopg.Connection,
         effects: Iterable[Effect],
-        sender: EffectSender[Any],
+        sender: EffectSender[Any] | BlockingEffectSender[Any],
         total: int | None,
         summary: LedgerSummary,
     ) -> LedgerSummary:
-        pool = ConnectionPool(sender, sender.concurrency or self.concurrency)
+        pool, workers = self._callers(sender)
         batches = (self._prepare(batch, sender) for batch in _batches(effects, self.batch_size))
         try:
             batch = next(batches, None)
@@ -453,36 +502,76 @@ class OutboundLedger:
                 rows, upcoming = self._claim(conn, batch, sender, lambda: next(batches, None))
                 to_send = self._classify(batch, rows, summary)
                 if to_send and not self.run.dry_run:
-                    answers_before = self._reach.answers
-                    if sender.deduplicating:
-                        outcomes = await asyncio.gather(
-                            *(self._call(pool, sender, effect) for effect in to_send)
-                        )
-                        crash_point("ledger.before_record_outcomes")
-                        self._record(conn, outcomes, summary)
-                    else:
-                        await self._deliver(conn, pool, sender, to_send, summary)
-                    self._reach.batch_ended(answers_before)
-                    if self._lock_lost:
-                        raise LockLostError(
-                            f"job {self.run.job_name!r} run_key {self.run.run_key!r} lost its lock "
-                            f"during the export to {self.remote_system!r}: stopped sending; "
-                            "confirmations received so far are recorded."
-                        )
-                    if self._reach.down:
-                        self._log_progress(summary, total)
-                        raise self._unreachable(sender.target, summary, total)
+                    await self._send_batch(conn, pool, workers, to_send, summary)
+                    self._stop_if_cut_off(sender.target, summary, total)
                 elif to_send:
                     summary.sent += len(to_send)  # would be sent
                 self._log_progress(summary, total)
                 if isinstance(upcoming, Exception):
                     raise upcoming
                 batch = upcoming
+        except BaseException:
+            if workers is not None:  # no call begins any more; the calls in progress end
+                workers.close(abandon=True)
+                workers = None
+            raise
         finally:
             await pool.aclose()
+            if workers is not None:
+                workers.close(abandon=False)
         return summary
 
-    def _prepare(self, effects: list[Effect], sender: EffectSender[Any]) -> _Batch:
+    def _callers(
+        self, sender: EffectSender[Any] | BlockingEffectSender[Any]
+    ) -> tuple[ConnectionPool[Any], _Workers | None]:
+        """Who makes the calls: the event loop over a pool of connections (deduplicating;
+        a blocking sender's calls in as many executor threads), or the workers."""
+        size = sender.concurrency or self.concurrency
+        if sender.deduplicating and isinstance(sender, BlockingEffectSender):
+            executor = concurrent.futures.ThreadPoolExecutor(
+                size, thread_name_prefix=f"ledger-{self.remote_system}"
+            )
+            asyncio.get_running_loop().set_default_executor(executor)
+        pool = ConnectionPool(awaited(sender, in_threads=True), size)
+        return pool, None if sender.deduplicating else _Workers(self, sender, size)
+
+    async def _send_batch(
+        self,
+        conn: psycopg.Connection,
+        pool: ConnectionPool[Any],
+        workers: _Workers | None,
+        to_send: list[Effect],
+        summary: LedgerSummary,
+    ) -> None:
+        """Make the calls of a claimed batch and record their outcomes."""
+        answers_before = self._reach.answers
+        if workers is None:
+            outcomes = await asyncio.gather(
+                *(self._call(pool, pool.sender, effect) for effect in to_send)
+            )
+            crash_point("ledger.before_record_outcomes")
+            self._record(conn, outcomes, summary)
+        else:
+            workers.start(len(to_send))
+            self._deliver(conn, workers, to_send, summary)
+        self._reach.batch_ended(answers_before)
+
+    def _stop_if_cut_off(self, target: str, summary: LedgerSummary, total: int | None) -> None:
+        """After a batch's outcomes were written: stop once the lock is lost or the remote
+        is down."""
+        if self._lock_lost:
+            raise LockLostError(
+                f"job {self.run.job_name!r} run_key {self.run.run_key!r} lost its lock "
+                f"during the export to {self.remote_system!r}: stopped sending; "
+                "confirmations received so far are recorded."
+            )
+        if self._reach.down:
+            self._log_progress(summary, total)
+            raise self._unreachable(target, summary, total)
+
+    def _prepare(
+        self, effects: list[Effect], sender: EffectSender[Any] | BlockingEffectSender[Any]
+    ) -> _Batch:
         """Check a batch's keys and effects; compute each request's fingerprint, once.
 
         A malformed key refuses the batch (as ever); an effect the sender refuses (no
@@ -495,7 +584,7 @@ class OutboundLedger:
                 f"duplicate idempotency keys in one batch of {self.remote_system!r}"
             )
         invalid = []
-        if type(sender).check is not EffectSender.check:
+        if type(sender).check is not _SenderContract.check:
             kept = []
             for effect in effects:
                 try:
@@ -514,7 +603,7 @@ class OutboundLedger:
         self,
         conn: psycopg.Connection,
         batch: _Batch,
-        sender: EffectSender[Any],
+        sender: EffectSender[Any] | BlockingEffectSender[Any],
         meanwhile: Callable[[], _Batch | None],
     ) -> tuple[list[tuple[Any, ...]], _Batch | Exception | None]:
         """Claim a batch (fenced); call ``meanwhile`` while the database runs the statement.
@@ -670,8 +759,8 @@ class OutboundLedger:
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(retryable),
-                stop=stop_after_attempt(self.max_attempts),
-                wait=_backoff(self.backoff_initial, self.backoff_max),
+                stop=stop_after_attempt(self.retries.max_attempts),
+                wait=_backoff(self.retries.backoff_initial, self.retries.backoff_max),
                 reraise=True,
             ):
                 with attempt:
@@ -699,45 +788,83 @@ class OutboundLedger:
 
     # -- a remote that does not deduplicate: intent, call, outcome --------------------------
 
-    async def _deliver(
+    def _deliver(
         self,
         conn: psycopg.Connection,
-        pool: ConnectionPool[Any],
-        sender: EffectSender[Any],
+        workers: _Workers,
         effects: list[Effect],
         summary: LedgerSummary,
     ) -> None:
-        """Send a claimed batch, each call after its intent is committed.
+        """Send a claimed batch through the workers, each call only after its intent committed.
 
-        ``concurrency`` calls run at once; the intents of the calls about to start and the
-        outcomes that arrived meanwhile are written by one statement pair (a thread runs it
-        while the calls in flight go on), so a call waits for one commit, not one each.
+        This thread commits, in one transaction each time, the outcomes that arrived and the
+        intents of the next calls, never more than ``workers.window`` intents ahead of the
+        outcomes committed: at any moment at most that many keys of the export are
+        ``unknown`` without their outcome (the crash bound of the module doc). The workers go
+        on with the calls already granted while it commits. The outcomes of the batch's last
+        calls are written together, once every call has ended.
         """
-        intents = _IntentWriter(
-            lambda outcomes, keys: self._write_intents(conn, outcomes, keys),
-            lambda outcomes: self._tally(outcomes, summary),
-        )
-        queue = iter(effects)
-
-        async def slot() -> None:
-            for effect in queue:
-                key = effect.idempotency_key
-                if self._reach.down:
-                    intents.outcome(_Outcome(key, "pending", None, _UNREACHABLE, 0))
-                    continue
-                if not await intents.intent(key):
-                    if self._lock_lost:
-                        intents.outcome(_Outcome(key, "pending", None, _NOT_SENT, 0))
-                    else:  # another attempt or an operator moved it meanwhile
-                        summary.skipped_existing += 1
-                    continue
-                crash_point("ledger.after_intent")
-                intents.outcome(await self._call(pool, sender, effect))
-
-        size = sender.concurrency or self.concurrency
-        await asyncio.gather(*(slot() for _ in range(min(size, len(effects)))))
+        todo = deque(effects)
+        back = _Returns(workers.done)
+        local: list[_Outcome] = []  # effects not called (lock lost, remote down): pending
+        outstanding = 0  # intents committed whose outcome is not (yet)
+        while True:
+            if not todo or back.failure is not None or self._lock_lost or self._reach.down:
+                if todo and back.failure is None:  # not called: pending, saying why
+                    reason = _NOT_SENT if self._lock_lost else _UNREACHABLE
+                    local.extend(
+                        _Outcome(e.idempotency_key, "pending", None, reason, 0) for e in todo
+                    )
+                todo.clear()
+                if outstanding == back.ended:  # every call granted has ended
+                    break
+                back.wait()
+                continue
+            if outstanding - len(back.outcomes) >= workers.window:  # wait for a call to end
+                back.wait()
+            else:
+                back.poll()
+            # While the workers have granted calls to begin, wait for more outcomes (no worker
+            # idles meanwhile): fewer, larger commits.
+            while len(back.outcomes) < INTENTS_AHEAD and outstanding > back.ended:
+                if back.failure is not None or not workers.waiting():
+                    break
+                back.wait()
+            if back.failure is not None or self._reach.down:
+                continue
+            room = workers.window - outstanding + len(back.outcomes)
+            calls = [todo.popleft() for _ in range(min(room, len(todo)))]
+            outstanding -= len(back.outcomes)
+            granted, local = self._grant(conn, workers, back.take() + local, calls, summary)
+            outstanding += granted
         crash_point("ledger.before_record_outcomes")
-        intents.flush()
+        if back.outcomes or local:
+            self._grant(conn, workers, back.take() + local, [], summary)
+        if back.failure is not None:
+            raise back.failure
+
+    def _grant(
+        self,
+        conn: psycopg.Connection,
+        workers: _Workers,
+        outcomes: list[_Outcome],
+        calls: list[Effect],
+        summary: LedgerSummary,
+    ) -> tuple[int, list[_Outcome]]:
+        """Write ``outcomes`` and the intents of ``calls`` in one transaction, and hand the
+        calls granted to the workers; return how many, and the outcomes of the calls refused
+        because the lock was lost."""
+        granted = self._write_intents(conn, outcomes, [e.idempotency_key for e in calls])
+        self._tally(outcomes, summary)
+        refused = []
+        for effect in calls:
+            if effect.idempotency_key in granted:
+                workers.hand(effect)
+            elif self._lock_lost:
+                refused.append(_Outcome(effect.idempotency_key, "pending", None, _NOT_SENT, 0))
+            else:  # another attempt or an operator moved it meanwhile
+                summary.skipped_existing += 1
+        return len(granted), refused
 
     def _write_intents(
         self,
@@ -867,56 +994,147 @@ def _of(summary: LedgerSummary, marker: str, limit: int = 3) -> list[str]:
     return [e for e in summary.errors if marker in e][:limit]
 
 
-class _IntentWriter:
-    """Group commit of intents, with the outcomes that arrived meanwhile.
+class _Returns:
+    """What the workers handed back that the committing thread has not written yet."""
 
-    A call asks for its intent and waits; the first ask starts a flush, which writes every
-    intent asked for by then (and every outcome handed in) in one transaction, in a thread,
-    so that calls in flight go on meanwhile; asks that arrive during a write go in the next.
+    def __init__(self, done: queue.SimpleQueue[_Outcome | BaseException]) -> None:
+        self._done = done
+        self.outcomes: list[_Outcome] = []
+        self.lost = 0  # calls that ended in an unexpected error: no outcome, the key unknown
+        self.failure: BaseException | None = None  # the first such error, raised at the end
+
+    @property
+    def ended(self) -> int:
+        """The calls handed back: with an outcome, or without (an unexpected error)."""
+        return len(self.outcomes) + self.lost
+
+    def wait(self) -> None:
+        """Wait for the next call to end; then take whatever else ended meanwhile."""
+        self._take(self._done.get())
+        self.poll()
+
+    def poll(self) -> None:
+        """Take whatever ended, without waiting."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._take(self._done.get_nowait())
+
+    def take(self) -> list[_Outcome]:
+        """The outcomes to write now (the lost calls stay counted)."""
+        outcomes, self.outcomes = self.outcomes, []
+        return outcomes
+
+    def _take(self, item: _Outcome | BaseException) -> None:
+        if isinstance(item, _Outcome):
+            self.outcomes.append(item)
+        else:
+            self.lost += 1
+            self.failure = self.failure or item
+
+
+class _Workers:
+    """The calls to a remote that does not deduplicate, each worker calling the effects
+    handed to it (their intents committed) one at a time on a connection of its own, and
+    handing back each outcome.
+
+    A blocking sender gets a thread per worker, each with an event loop of its own (its calls
+    block only that worker; psycopg and sockets release the GIL while they wait, so the
+    thread that commits goes on meanwhile). An async sender gets one event loop in a thread of
+    its own, a coroutine per worker: its coroutines all run on one loop, as they would on the
+    ledger's, and begin in the order the effects were handed out.
     """
 
     def __init__(
         self,
-        write: Callable[[list[_Outcome], list[str]], set[str]],
-        tally: Callable[[list[_Outcome]], None],
+        ledger: OutboundLedger,
+        sender: EffectSender[Any] | BlockingEffectSender[Any],
+        size: int,
     ) -> None:
-        self._write = write
-        self._tally = tally  # on the event loop's thread: the summary is counted there only
-        self._asked: dict[str, asyncio.Future[bool]] = {}
-        self._outcomes: list[_Outcome] = []
-        self._flushing: asyncio.Task[None] | None = None
+        self._ledger = ledger
+        self._blocking = isinstance(sender, BlockingEffectSender)
+        self._sender = awaited(sender, in_threads=False)
+        self.size = size
+        self.window = size + INTENTS_AHEAD  # intents committed and not yet their outcomes, at most
+        self.done: queue.SimpleQueue[_Outcome | BaseException] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[Effect | None] = queue.SimpleQueue()  # blocking
+        self._loop: asyncio.AbstractEventLoop | None = None  # async: the workers' loop
+        self._loop_ready: asyncio.Queue[Effect | None] = asyncio.Queue()
+        self._threads: list[threading.Thread] = []
+        self._tasks: list[concurrent.futures.Future[None]] = []
+        self._abandoned = False
 
-    def outcome(self, outcome: _Outcome) -> None:
-        self._outcomes.append(outcome)
+    def start(self, count: int) -> None:
+        """Have ``min(count, size)`` workers at least (each opens its connection on first need)."""
+        if not self._blocking:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._spawn(self._host)
+                self._tasks = [
+                    asyncio.run_coroutine_threadsafe(self._serve(self._loop_ready.get), self._loop)
+                    for _ in range(self.size)  # coroutines: idle ones open no connection
+                ]
+            return
+        while len(self._threads) < min(count, self.size):
+            self._spawn(lambda: asyncio.run(self._serve(self._next)))
 
-    async def intent(self, key: str) -> bool:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._asked[key] = future
-        if self._flushing is None:
-            self._flushing = asyncio.ensure_future(self._flush())
-        return await future
+    def hand(self, effect: Effect | None) -> None:
+        """Give ``effect`` (its intent committed) to the next free worker; None ends one."""
+        if self._loop is None:
+            self._ready.put(effect)
+        else:
+            self._loop.call_soon_threadsafe(self._loop_ready.put_nowait, effect)
 
-    async def _flush(self) -> None:
+    def waiting(self) -> bool:
+        """Whether effects handed out wait for a worker (so none idles)."""
+        return not self._ready.empty() or self._loop_ready.qsize() > 0
+
+    def close(self, *, abandon: bool) -> None:
+        """End the workers once their calls in progress end, and close their connections;
+        ``abandon``: the calls handed out and not begun are not made."""
+        self._abandoned = abandon
+        for _ in self._tasks or self._threads:
+            self.hand(None)
+        for task in self._tasks:
+            task.result()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        for thread in self._threads:
+            thread.join()
+        self._threads, self._tasks, self._loop = [], [], None
+
+    def _host(self) -> None:
+        """The thread of an async sender's workers: their loop, closed as asyncio.run does."""
+        loop = self._loop
+        assert loop is not None
         try:
-            await asyncio.sleep(0)  # the calls ready at this moment ask too: one commit for all
-            while self._asked:
-                asked, self._asked = self._asked, {}
-                outcomes, self._outcomes = self._outcomes, []
-                try:
-                    granted = await asyncio.to_thread(self._write, outcomes, list(asked))
-                except Exception as exc:  # each waiting call raises it (no orphan task error)
-                    for future in asked.values():
-                        future.set_exception(exc)
-                    return
-                self._tally(outcomes)
-                for key, future in asked.items():
-                    future.set_result(key in granted)
+            loop.run_forever()
         finally:
-            self._flushing = None
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
 
-    def flush(self) -> None:
-        """Write the outcomes not written yet (after the last call)."""
-        outcomes, self._outcomes = self._outcomes, []
-        if outcomes:
-            self._write(outcomes, [])
-            self._tally(outcomes)
+    def _spawn(self, target: Callable[[], Any]) -> None:
+        name = f"ledger-{self._ledger.remote_system}-{len(self._threads)}"
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    async def _next(self) -> Effect | None:
+        return self._ready.get()  # blocks this worker's own loop: it has nothing else to do
+
+    async def _serve(self, take: Callable[[], Awaitable[Effect | None]]) -> None:
+        pool = ConnectionPool(self._sender, 1)
+        try:
+            while (effect := await take()) is not None:
+                self.done.put(await self._one(pool, effect))
+        finally:
+            await pool.aclose()
+
+    async def _one(self, pool: ConnectionPool[Any], effect: Effect) -> _Outcome | BaseException:
+        if self._abandoned or self._ledger._lock_lost:  # granted, but no call once it is lost
+            return _Outcome(effect.idempotency_key, "pending", None, _NOT_SENT, 0)
+        try:
+            crash_point("ledger.after_intent")
+            return await self._ledger._call(pool, self._sender, effect)
+        except BaseException as exc:  # raised by the committing thread, after the others end
+            return exc

@@ -30,7 +30,6 @@ finds it taken and sends nothing).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
@@ -39,14 +38,14 @@ from typing import Any, Literal
 
 import psycopg
 
-from airflow_idempotency.effects import Confirmation, Effect, EffectSender
+from airflow_idempotency.effects import BlockingEffectSender, Confirmation, Effect
 from airflow_idempotency.exceptions import (
     IdempotencyError,
     OutcomeUnknownError,
     PermanentRemoteError,
     RemoteError,
 )
-from airflow_idempotency.ledger import OutboundLedger
+from airflow_idempotency.ledger import OutboundLedger, Retries
 from airflow_idempotency.mail import message_id
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.run_context import ConnectionFactory, autocommit_connection
@@ -118,8 +117,8 @@ def _call(notifier: Notifier, context: Any) -> None:
         notifier(context)
 
 
-class _NotifierSender(EffectSender[None]):
-    """One notifier as the ledger's sender: calls it (in a thread: notifiers block)."""
+class _NotifierSender(BlockingEffectSender[None]):
+    """One notifier as the ledger's sender: calls it (in the ledger's worker thread)."""
 
     kind = "notification"
     deduplicating = False
@@ -131,10 +130,10 @@ class _NotifierSender(EffectSender[None]):
         self.on_error = on_error
         self.target = _notifier_name(notifier)
 
-    async def connect(self) -> None:
+    def connect(self) -> None:
         return None
 
-    async def send(self, connection: None, effect: Effect) -> Confirmation:
+    def send(self, connection: None, effect: Effect) -> Confirmation:
         headers: Any = getattr(self.notifier, "custom_headers", False)
         if headers is not False and hasattr(self.notifier, "smtp_conn_id"):
             # SmtpNotifier: the stable Message-ID the email sender would give this key
@@ -144,7 +143,7 @@ class _NotifierSender(EffectSender[None]):
                 "X-Idempotency-Key": effect.idempotency_key,
             }
         try:
-            await asyncio.to_thread(_call, self.notifier, self.context)
+            _call(self.notifier, self.context)
         except RemoteError:
             raise  # a notifier of our own kind classified its failure itself
         except Exception as exc:
@@ -245,7 +244,7 @@ class NotifyOnce:
         remote = f"notify:{self.name or _notifier_name(notifier)}"
         key = f"{scope.job_name}:{scope.run_key}:{self.event}"
         effect = Effect(key, {"event": self.event, "notifier": remote})
-        ledger = OutboundLedger(scope, remote, max_attempts=1, concurrency=1)
+        ledger = OutboundLedger(scope, remote, retries=Retries(max_attempts=1), concurrency=1)
         try:
             summary = ledger.send_all(
                 [effect], _NotifierSender(notifier, context, self.on_error), raise_on_failure=False

@@ -45,7 +45,7 @@ from airflow_idempotency.exceptions import (
     InvalidInputError,
     PermanentRemoteError,
 )
-from airflow_idempotency.ledger import LedgerScope, OutboundLedger
+from airflow_idempotency.ledger import LedgerScope, OutboundLedger, Retries
 
 
 class OutputConflictError(IdempotencyKeyConflictError):
@@ -257,7 +257,7 @@ class OutputFile:
         return "unchanged"
 
     def _send(self, effect: Effect) -> Any:
-        ledger = OutboundLedger(self.run, self.remote_system, max_attempts=1)
+        ledger = OutboundLedger(self.run, self.remote_system, retries=Retries(max_attempts=1))
         try:
             return ledger.send_all([effect], _FileSender(self.location, self.staged))
         except IdempotencyKeyConflictError as exc:

@@ -99,9 +99,12 @@ def export_work(run: RunContext) -> dict[str, int]:
                 _hold(os.environ.get("IDEM_TEST_HOLD_FILE"))
             yield Effect(f"core_export:{run.run_key}:{i}", {"n": i, "run_key": run.run_key})
 
-    ledger = OutboundLedger(run, "accounting", batch_size=20, concurrency=4, timeout=5)
+    ledger = OutboundLedger(run, "accounting", batch_size=20, concurrency=4)
     summary = ledger.send_all(
-        effects(), post_json("/api/invoices"), base_url=os.environ["IDEM_TEST_REMOTE_URL"]
+        effects(),
+        post_json("/api/invoices"),
+        base_url=os.environ["IDEM_TEST_REMOTE_URL"],
+        timeout=5,
     )
     return summary.as_counts("exports")
 
