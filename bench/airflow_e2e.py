@@ -624,14 +624,14 @@ def _report(
         gap = (med(LINE3, IDEMPOTENT, "task") - med(LINE3, FAIR, "task")) * 1000
         parse_gap = med(LINE3, IDEMPOTENT, "parse_ms") - med(LINE3, FAIR, "parse_ms")
         result.notes.append(
-            f"**Where the 3.3 gap to the fair task goes** ({gap:.0f} ms a task): "
-            f"{parse_gap:.0f} ms of it is the DAG-file parse in the task process (the "
-            "task runner's `dag_file_parse_ms`: importing the provider's decorator, operator, "
-            "runner and their modules, on top of the hook both import), and the no-op "
-            f"decision takes {med(LINE3, IDEMPOTENT, 'decision_ms'):.0f} ms from the "
-            "operator's first log line (connection lookup, connect, schema check, lock, read, "
-            "noop attempt row, commit) where the fair task's connect and query are not "
-            "logged; the rest is the operator's own start-up and the result pushed as XCom."
+            f"**The 3.3 idempotent task against the fair one** ({gap:+.0f} ms a task): the "
+            f"DAG-file parse in the task process differs by {parse_gap:+.0f} ms (the task "
+            "runner's `dag_file_parse_ms`: the provider's decorator, operator, runner and "
+            "psycopg against the Postgres hook's imports), and the no-op decision takes "
+            f"{med(LINE3, IDEMPOTENT, 'decision_ms'):.0f} ms from the operator's first log "
+            "line (connection lookup, connect, schema check, lock, read, noop attempt row, "
+            "commit) where the fair task's connect and query are not logged. A no-op pushes "
+            "no XCom when its work returned no counts (the bench's steps return none)."
         )
     verdicts = []
     for line in names:

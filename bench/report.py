@@ -122,6 +122,16 @@ def render_markdown(
         "6. Migration 5 and the `ui_*` statements: an index behind every page of the Run keys "
         "view, and per-row lookups where a join was planned as a hash join over all of "
         "`job_runs` (see the Run keys view section).",
+        "7. operator.py / runner.py: a task's return value is the work's counts (replayed from "
+        "the completing attempt on a no-op), nothing for an empty result: a no-op task no "
+        "longer writes a `return_value` XCom through the api-server (12-15 ms of a 3.3 task); "
+        "the Airflow processes of the end-to-end benchmarks load the provider from bytecode, "
+        "as an installed wheel does (bench.common.bytecode_env), and the 3.3 stacks run with "
+        "`[workers] min_heartbeat_interval` 1 s (bench.common.SUPERVISOR_ENV: Airflow's "
+        "supervisor could miss a task's exit for 5 s, the span figures' noise).",
+        "8. ledger.py / mail.py: a remote that does not deduplicate is called by worker threads "
+        "(smtplib) while the run's thread group-commits outcomes and the next intents (see "
+        "the email section).",
         "",
         "## Tools",
         "",
