@@ -292,27 +292,42 @@ def _check_noops(dsn: str, since: dt.datetime, dates: int) -> None:
         raise RuntimeError(f"the pass recorded {noops} noops and {seen}")
 
 
-def _warm_up(line: _Line, dag_id: str, first: dt.date, dates: int) -> dict[str, float]:
-    """The untimed warm-up pass, redone on fresh dates (up to ``PASS_RETRIES`` times) when
-    Airflow aborts it, as the timed passes are: 2.11's backfill job now and then loses its
-    metadata connection or dies on DetachedInstanceError under load (seen 2026-12-03)."""
+def _redone_on_fresh_dates(
+    line: _Line,
+    dag_id: str,
+    first: dt.date,
+    dates: int,
+    attempt: Callable[[dt.date], dict[str, float]],
+    what: str,
+) -> dict[str, float]:
+    """``attempt(first)``, redone on fresh dates (up to ``PASS_RETRIES`` times, each noted)
+    when Airflow aborts it: 2.11's backfill job now and then dies on SQLAlchemy's
+    DetachedInstanceError or loses its metadata connection under load (seen 2026-12-03, in
+    a warm-up). ``what`` names the pass in the notes."""
     window = first
-    for attempt in range(PASS_RETRIES + 1):
+    for tried in range(PASS_RETRIES + 1):
         try:
-            return line.run_pass(dag_id, window, dates)
+            return attempt(window)
         except RuntimeError as exc:
-            if attempt == PASS_RETRIES:
+            if tried == PASS_RETRIES:
                 raise
             last_line = str(exc).strip().splitlines()[-1][:200]
-            say(f"airflow {line.name}: warm-up of {dag_id} failed ({last_line}); retrying")
+            say(f"airflow {line.name}: {what} of {dag_id} failed ({last_line}); retrying")
             line.notes.append(
-                f"The {line.name} warm-up of {dag_id} was aborted by Airflow and redone on "
+                f"One {line.name} {what} of {dag_id} was aborted by Airflow and redone on "
                 f"fresh dates: {last_line}"
             )
             if isinstance(line, _Line3):
                 _abandon_backfill(line.stack, dag_id)
             window = line.windows.take(dates)
     raise AssertionError("unreachable")
+
+
+def _warm_up(line: _Line, dag_id: str, first: dt.date, dates: int) -> dict[str, float]:
+    """The untimed warm-up pass, redone on fresh dates as the timed passes are."""
+    return _redone_on_fresh_dates(
+        line, dag_id, first, dates, lambda window: line.run_pass(dag_id, window, dates), "warm-up"
+    )
 
 
 def _rotate(items: tuple[str, ...], by: int) -> tuple[str, ...]:
@@ -380,23 +395,13 @@ class _Line2(_Line):
         can die on SQLAlchemy's DetachedInstanceError under load) is redone on fresh dates,
         up to ``PASS_RETRIES`` times, and noted."""
         since = _now(self.dsn)
-        window = first
-        for attempt in range(PASS_RETRIES + 1):
+
+        def attempt(window: dt.date) -> dict[str, float]:
             if dag_id == IDEMPOTENT:
                 _complete_keys_in_process(self.dsn, window, dates, self.offset)
-            try:
-                figures = self.run_pass(dag_id, window, dates)
-                break
-            except RuntimeError as exc:
-                if attempt == PASS_RETRIES:
-                    raise
-                last_line = str(exc).strip().splitlines()[-1][:200]
-                say(f"airflow 2.11: {dag_id} backfill failed ({last_line}); retrying")
-                self.notes.append(
-                    f"One 2.11 backfill of {dag_id} was aborted by Airflow and redone on "
-                    f"fresh dates: {last_line}"
-                )
-                window = self.windows.take(dates)
+            return self.run_pass(dag_id, window, dates)
+
+        figures = _redone_on_fresh_dates(self, dag_id, first, dates, attempt, "backfill")
         if dag_id == IDEMPOTENT:
             _check_noops(self.dsn, since, dates)
         return figures
