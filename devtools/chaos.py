@@ -73,8 +73,8 @@ from urllib.parse import quote, urlsplit
 
 import psycopg
 
-from devtools import airflow_env, invariants
-from devtools.airflow_env import DAGS_FOLDER, ROOT
+from devtools import invariants
+from devtools.airflow_env import DAGS_FOLDER, ROOT, connection_env
 from devtools.chaos_builds import BROKEN, BUILDS, CORRECT, Build, patched_copy
 from devtools.chaos_report import render_markdown, write_faults_md
 from devtools.invariants import FINALIZE, RECONCILE_JOB, fire_time
@@ -398,19 +398,8 @@ class Chaos:
     def start_stack(self, build: Build, metadata_dsn: str | None) -> None:
         from devtools.airflow_stack import AirflowStack
 
-        url = urlsplit(self.service.url)
-        options = {
-            "timeout": 2,
-            "backoff_initial": 0.05,
-            "backoff_max": 0.5,
-            "batch_size": 10,
-            "unreachable_after": 10,
-        }
         env = {
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(self.dsn),
-            "AIRFLOW_CONN_ACCOUNTING_API": json.dumps(
-                {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": options}
-            ),
+            **connection_env(self.dsn, self.service.url, batch_size=10, unreachable_after=10),
             "AIRFLOW_IDEMPOTENCY_FAULT_DIR": str(self.fault_dir),
             "AIRFLOW__CORE__PARALLELISM": str(self.args.parallelism),
             **self.phase_env(build),
