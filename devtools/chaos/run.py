@@ -8,7 +8,7 @@ dag-processor, api-server) with the example DAGs of ``dags/``: ``finalize_invoic
 the pasted-twice pair ``daily_reconciliation`` / ``daily_reconciliation_pasted_twice``.
 
 Builds and phases: ``--builds`` names the provider builds to run, one phase each, in turn
-on ONE stack (devtools/chaos_builds.py): ``correct`` (this checkout's provider) and the
+on ONE stack (devtools/chaos/builds.py): ``correct`` (this checkout's provider) and the
 deliberately broken copies ``lock-off``, ``completed-check-off``, ``fence-off``,
 ``skip-confirmed``. Each phase gets a fresh job database (same name, so the same DSN), its
 own business dates, a fresh accounting service on the same port, and a scheduler restarted
@@ -75,8 +75,8 @@ import psycopg
 
 from devtools import invariants
 from devtools.airflow_env import DAGS_FOLDER, ROOT, connection_env
-from devtools.chaos_builds import BROKEN, BUILDS, CORRECT, Build, patched_copy
-from devtools.chaos_report import render_markdown, write_faults_md
+from devtools.chaos.builds import BROKEN, BUILDS, CORRECT, Build, patched_copy
+from devtools.chaos.report import render_markdown, write_faults_md
 from devtools.invariants import FINALIZE, RECONCILE_JOB, fire_time
 
 RECONCILE_DAGS = ("daily_reconciliation", "daily_reconciliation_pasted_twice")
@@ -1200,7 +1200,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="the seed of every broken build's phase (default: each build's own, "
-        "devtools/chaos_builds.py)",
+        "devtools/chaos/builds.py)",
     )
     parser.add_argument(
         "--require-fired",
