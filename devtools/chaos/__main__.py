@@ -2,6 +2,6 @@
 
 import sys
 
-from devtools.chaos.run import main
+from devtools.chaos.command import main
 
 sys.exit(main())
