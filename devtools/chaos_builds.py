@@ -153,7 +153,7 @@ SKIP_CONFIRMED = Build(
             "WHERE true;",
         ),
         Patch(
-            "ledger.py",
+            "ledger/outbound.py",
             'elif status == "succeeded":\n                summary.skipped_existing += 1',
             "elif False:\n                summary.skipped_existing += 1",
         ),

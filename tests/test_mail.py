@@ -23,7 +23,8 @@ from airflow_idempotency.exceptions import (
     LockLostError,
     RemoteCallError,
 )
-from airflow_idempotency.ledger import INTENTS_AHEAD, Retries
+from airflow_idempotency.ledger import Retries
+from airflow_idempotency.ledger.outbound import INTENTS_AHEAD
 from airflow_idempotency.mail import (
     Recipients,
     SmtpSecurity,

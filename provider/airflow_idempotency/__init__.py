@@ -18,7 +18,6 @@ from airflow_idempotency.provider_info import __version__
 
 if TYPE_CHECKING:
     from airflow_idempotency.decorator import idempotent_run_task
-    from airflow_idempotency.effects import Effect, post_json, webhook
     from airflow_idempotency.exceptions import (
         ConfigurationError,
         EffectsUnknownError,
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
         RunLockedError,
         WorkConflictError,
     )
-    from airflow_idempotency.ledger import OutboundLedger, Retries
+    from airflow_idempotency.ledger import Effect, OutboundLedger, Retries, post_json, webhook
     from airflow_idempotency.mail import Recipients, SmtpSecurity, SmtpSender, email_effect
     from airflow_idempotency.notifications import notify_once
     from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
@@ -53,9 +52,9 @@ _EXPORTS = {
     # The outbound ledger and its senders.
     "OutboundLedger": "ledger",
     "Retries": "ledger",
-    "Effect": "effects",
-    "post_json": "effects",
-    "webhook": "effects",
+    "Effect": "ledger",
+    "post_json": "ledger",
+    "webhook": "ledger",
     "SmtpSender": "mail",
     "SmtpSecurity": "mail",
     "Recipients": "mail",

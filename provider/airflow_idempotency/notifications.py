@@ -38,7 +38,6 @@ from typing import Any, Literal
 
 import psycopg
 
-from airflow_idempotency.effects import BlockingEffectSender, Confirmation, Effect
 from airflow_idempotency.exceptions import (
     IdempotencyError,
     OutcomeUnknownError,
@@ -46,6 +45,7 @@ from airflow_idempotency.exceptions import (
     RemoteError,
 )
 from airflow_idempotency.ledger import OutboundLedger, Retries
+from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
 from airflow_idempotency.mail import message_id
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.run_context import ConnectionFactory, autocommit_connection

@@ -39,13 +39,13 @@ import psycopg
 
 from airflow_idempotency._sql import query
 from airflow_idempotency.crashpoints import crash_point
-from airflow_idempotency.effects import Confirmation, Effect, EffectSender
 from airflow_idempotency.exceptions import (
     IdempotencyKeyConflictError,
     InvalidInputError,
     PermanentRemoteError,
 )
 from airflow_idempotency.ledger import LedgerScope, OutboundLedger, Retries
+from airflow_idempotency.ledger.senders import Confirmation, Effect, EffectSender
 
 
 class OutputConflictError(IdempotencyKeyConflictError):

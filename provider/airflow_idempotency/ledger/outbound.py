@@ -64,18 +64,6 @@ from airflow_idempotency import metrics
 from airflow_idempotency._sql import query, query_rows
 from airflow_idempotency._transactions import rollback_quietly
 from airflow_idempotency.crashpoints import crash_point
-from airflow_idempotency.effects import (
-    BlockingEffectSender,
-    Confirmation,
-    ConnectionPool,
-    Effect,
-    EffectSender,
-    HttpSender,
-    Sender,
-    _SenderContract,
-    awaited,
-    post_json,
-)
 from airflow_idempotency.exceptions import (
     EffectsUnknownError,
     IdempotencyKeyConflictError,
@@ -88,21 +76,19 @@ from airflow_idempotency.exceptions import (
     RemoteUnreachableError,
     TransientRemoteError,
 )
+from airflow_idempotency.ledger.senders import (
+    BlockingEffectSender,
+    Confirmation,
+    ConnectionPool,
+    Effect,
+    EffectSender,
+    HttpSender,
+    Sender,
+    _SenderContract,
+    awaited,
+)
 from airflow_idempotency.metrics import Metrics
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
-
-__all__ = [
-    "Confirmation",
-    "Effect",
-    "EffectSender",
-    "LedgerScope",
-    "LedgerSummary",
-    "OutboundLedger",
-    "Retries",
-    "Sender",
-    "check_idempotency_key",
-    "post_json",
-]
 
 log = logging.getLogger(__name__)
 
@@ -395,8 +381,8 @@ class OutboundLedger:
     ) -> LedgerSummary:
         """Send every effect not yet confirmed; return the counts.
 
-        ``sender`` is an :class:`~airflow_idempotency.effects.EffectSender` or a
-        :class:`~airflow_idempotency.effects.BlockingEffectSender` (SMTP, a webhook, a
+        ``sender`` is an :class:`~airflow_idempotency.ledger.senders.EffectSender` or a
+        :class:`~airflow_idempotency.ledger.senders.BlockingEffectSender` (SMTP, a webhook, a
         notifier, ...), or an HTTP call such as :func:`post_json`, sent to ``base_url``
         (a deduplicating remote) with ``timeout`` seconds per request. ``total``: how many
         effects the stream holds, for the progress messages.
