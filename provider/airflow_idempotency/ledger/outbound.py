@@ -27,9 +27,9 @@ for a blocking sender) while this thread commits, one transaction at a time, the
 that arrived together with the intents of the next calls, never more than
 ``concurrency + INTENTS_AHEAD`` (8) intents ahead of the outcomes committed. A crash in
 between leaves the key ``unknown``: the claim returns it, and it is counted and reported,
-never sent, until an operator resolves it (:mod:`airflow_idempotency.resolutions`).
+never sent, until an operator resolves it (:mod:`airflow_idempotency.effects.resolutions`).
 So a crash leaves at most ``concurrency + 8`` keys of an export unknown (12 for
-:class:`~airflow_idempotency.mail.SmtpSender`'s 4 connections): the calls in flight, the
+:class:`~airflow_idempotency.effects.mail.SmtpSender`'s 4 connections): the calls in flight, the
 calls granted and not begun, and the outcomes not yet written. Once the lock is lost no
 intent commits and no further call begins; the outcomes received are still written.
 """
@@ -105,7 +105,7 @@ _PIPELINE = psycopg.Pipeline.is_supported()
 class LedgerScope(Protocol):
     """What the ledger needs from the run it records effects for: a
     :class:`~airflow_idempotency.run_context.RunContext`, or a notification's scope outside
-    a run (:mod:`airflow_idempotency.notifications`)."""
+    a run (:mod:`airflow_idempotency.effects.notifications`)."""
 
     @property
     def job_name(self) -> str: ...

@@ -29,7 +29,8 @@ malformed effect before anything is written for it.
 
 The senders of this module speak HTTP: :func:`post_json` (the deduplicating JSON POST the
 example uses) and :func:`webhook` (a JSON POST to a hook, deduplicating or not). Email is in
-:mod:`airflow_idempotency.mail`, notifiers in :mod:`airflow_idempotency.notifications`.
+:mod:`airflow_idempotency.effects.mail`, notifiers in
+:mod:`airflow_idempotency.effects.notifications`.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import psycopg
 
+from airflow_idempotency.effects.mail import message_id
 from airflow_idempotency.exceptions import (
     IdempotencyError,
     OutcomeUnknownError,
@@ -46,7 +47,6 @@ from airflow_idempotency.exceptions import (
 )
 from airflow_idempotency.ledger import OutboundLedger, Retries
 from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
-from airflow_idempotency.mail import message_id
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.run_context import ConnectionFactory, autocommit_connection
 from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA, ensure_schema
