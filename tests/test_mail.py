@@ -32,7 +32,7 @@ from airflow_idempotency.exceptions import (
     RemoteCallError,
 )
 from airflow_idempotency.ledger import Retries
-from airflow_idempotency.ledger.outbound import INTENTS_AHEAD
+from airflow_idempotency.ledger.pipeline import INTENTS_AHEAD
 from devtools.smtp_server import SmtpServer, smtp_connection_env
 from effects_support import ledger, run_once, statuses
 from lock_sessions import terminate_lock_session
