@@ -337,6 +337,7 @@ _TASK_MODULES = {
     "airflow_idempotency.crashpoints",
     "airflow_idempotency.decorator",
     "airflow_idempotency.exceptions",
+    "airflow_idempotency.fence",
     "airflow_idempotency.links",
     "airflow_idempotency.locks",
     "airflow_idempotency.metrics",
