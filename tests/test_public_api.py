@@ -342,6 +342,7 @@ _TASK_MODULES = {
     "airflow_idempotency.locks",
     "airflow_idempotency.metrics",
     "airflow_idempotency.operator",
+    "airflow_idempotency.partitions",
     "airflow_idempotency.provider_info",
     "airflow_idempotency.records",
     "airflow_idempotency.run_context",
