@@ -41,6 +41,7 @@ import psycopg
 from airflow_idempotency.effects.mail import message_id
 from airflow_idempotency.exceptions import (
     IdempotencyError,
+    NotificationError,
     OutcomeUnknownError,
     PermanentRemoteError,
     RemoteError,
@@ -55,10 +56,6 @@ log = logging.getLogger(__name__)
 
 OnError = Literal["unknown", "failed"]
 Notifier = Callable[[Any], Any]
-
-
-class NotificationError(IdempotencyError):
-    """Some notifications of a callback failed or are unknown (each named); the others went."""
 
 
 class _CallbackScope:

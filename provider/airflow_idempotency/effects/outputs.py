@@ -42,14 +42,11 @@ from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
     IdempotencyKeyConflictError,
     InvalidInputError,
+    OutputConflictError,
     PermanentRemoteError,
 )
 from airflow_idempotency.ledger import LedgerScope, OutboundLedger, Retries
 from airflow_idempotency.ledger.senders import Confirmation, Effect, EffectSender
-
-
-class OutputConflictError(IdempotencyKeyConflictError):
-    """An output file was committed before with other content; only a forced run replaces it."""
 
 
 def _is_object_storage(path: Any) -> bool:
