@@ -1,4 +1,4 @@
-"""The outbound ledger: external side effects that a rerun never repeats.
+"""``OutboundLedger``: a stream of effects sent batch by batch, none confirmed sent again.
 
 Each effect has a stable idempotency key (``finalize_invoices:2026-10-01:order_12345``)
 and a request. :meth:`OutboundLedger.send_all` processes a stream of effects in batches:
