@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from airflow_helpers import FAILED, SUCCESS, run_dag, task_states
-from airflow_idempotency.mail import message_id
+from airflow_idempotency.effects.mail import message_id
 from devtools.smtp_server import SmtpServer, smtp_connection_env
 from effects_support import ledger
 
