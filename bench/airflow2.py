@@ -54,7 +54,7 @@ class Airflow2Home:
                 "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
                 "AIRFLOW__CORE__PARALLELISM": str(PARALLELISM),
                 "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
-                "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(job_dsn),
+                **airflow_env.connection_env(job_dsn),
                 **bytecode_env(home),
             }
         )

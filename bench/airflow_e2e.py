@@ -424,7 +424,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
             if LINE3 in wanted:
                 dsn3 = es.enter_context(database(server, "bench_airflow"))
                 env = {
-                    "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(dsn3),
+                    **airflow_env.connection_env(dsn3),
                     **bytecode_env(home),
                     **SUPERVISOR_ENV,
                 }

@@ -146,7 +146,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         with contextlib.ExitStack() as es:
             dsn = es.enter_context(database(server, "bench_partitions"))
             env = {
-                "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(dsn),
+                **airflow_env.connection_env(dsn),
                 **bytecode_env(home),
                 **SUPERVISOR_ENV,
             }

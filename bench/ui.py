@@ -237,7 +237,7 @@ def child_pages(dsn: str, jobs: int, dags: int, requests: int, keys: int) -> dic
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,restricted:viewer",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(dsn),
+            **airflow_env.connection_env(dsn),
             "BENCH_UI_DAGS": str(dags),
         }
     )
@@ -374,7 +374,7 @@ def child_pages_airflow2(
         {
             "AIRFLOW__WEBSERVER__SECRET_KEY": "bench-ui",
             "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(dsn),
+            **airflow_env.connection_env(dsn),
         }
     )
     try:

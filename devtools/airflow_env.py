@@ -2,6 +2,8 @@
 
 Everything here is environment variables: call :func:`configure` before anything imports
 ``airflow``, because Airflow reads its configuration once, at import time.
+:func:`connection_env` is the one place where tests, bench, the demo and chaos build the
+``AIRFLOW_CONN_*`` variables of the job database and the accounting service.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 from psycopg.conninfo import conninfo_to_dict
 
@@ -19,6 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DAGS_FOLDER = ROOT / "dags"
 AIRFLOW_VERSION = importlib.metadata.version("apache-airflow")
 AIRFLOW_2 = AIRFLOW_VERSION.startswith("2.")
+# The accounting connection's options where a caller names none: a short timeout and fast
+# retries, so that a test of a failing service fails in seconds.
+ACCOUNTING_OPTIONS: dict[str, Any] = {"timeout": 2, "backoff_initial": 0.05, "backoff_max": 0.5}
 
 
 def airflow_connection_json(dsn: str) -> str:
@@ -35,6 +42,21 @@ def airflow_connection_json(dsn: str) -> str:
     if params.get("password"):
         conn["password"] = params["password"]
     return json.dumps(conn)
+
+
+def connection_env(
+    job_dsn: str, accounting_url: str | None = None, **options: Any
+) -> dict[str, str]:
+    """``AIRFLOW_CONN_*`` of the job database (``idempotency_default``) and, given its URL, of
+    the accounting service (``accounting_api``, an http connection whose extra holds
+    :data:`ACCOUNTING_OPTIONS` updated with ``options``)."""
+    env = {"AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_connection_json(job_dsn)}
+    if accounting_url is not None:
+        url = urlsplit(accounting_url)
+        extra = {**ACCOUNTING_OPTIONS, **options}
+        accounting = {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": extra}
+        env["AIRFLOW_CONN_ACCOUNTING_API"] = json.dumps(accounting)
+    return env
 
 
 def configure(

@@ -33,8 +33,8 @@ from rich.table import Table
 from rich.text import Text
 
 from devtools import airflow_env, invariants
-from devtools.airflow_env import DAGS_FOLDER, ROOT
-from devtools.workers import connection_env, dags_test, kill_group, private_airflow_env
+from devtools.airflow_env import DAGS_FOLDER, ROOT, connection_env
+from devtools.workers import dags_test, kill_group, private_airflow_env
 
 DAG_ID = "finalize_invoices"
 DB_PREFIX = "idem_demo_"

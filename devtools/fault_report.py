@@ -243,9 +243,9 @@ def render(
 
 
 def keep_chaos_section(path: Path, report: str) -> str:
-    """``report`` with the chaos section of the existing ``path`` (devtools/chaos.py writes
+    """``report`` with the chaos section of the existing ``path`` (devtools/chaos/ writes
     it from a long run, which this command does not repeat) appended."""
-    from devtools.chaos_report import CHAOS_BEGIN, CHAOS_END
+    from devtools.chaos.report import CHAOS_BEGIN, CHAOS_END
 
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     if CHAOS_BEGIN not in old or CHAOS_END not in old:

@@ -18,30 +18,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import urlsplit
 
 from airflow_idempotency.crashpoints import CRASH_ENV, SLEEP_ENV, WAIT_ENV
 from devtools import airflow_env
 from devtools.airflow_env import AIRFLOW_2, DAGS_FOLDER
-
-# The accounting connection's options where a caller names none: a short timeout and fast
-# retries, so that a test of a failing service fails in seconds.
-ACCOUNTING_OPTIONS: dict[str, Any] = {"timeout": 2, "backoff_initial": 0.05, "backoff_max": 0.5}
-
-
-def connection_env(
-    job_dsn: str, accounting_url: str | None = None, **options: Any
-) -> dict[str, str]:
-    """``AIRFLOW_CONN_*`` of the job database (``idempotency_default``) and, given its URL, of
-    the accounting service (``accounting_api``, an http connection whose extra holds
-    :data:`ACCOUNTING_OPTIONS` updated with ``options``)."""
-    env = {"AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(job_dsn)}
-    if accounting_url is not None:
-        url = urlsplit(accounting_url)
-        extra = {**ACCOUNTING_OPTIONS, **options}
-        accounting = {"conn_type": "http", "host": url.hostname, "port": url.port, "extra": extra}
-        env["AIRFLOW_CONN_ACCOUNTING_API"] = json.dumps(accounting)
-    return env
 
 
 def private_airflow_env(

@@ -26,7 +26,8 @@ import psycopg
 import airflow_idempotency
 from airflow_idempotency.runner import RunOptions, run_idempotently
 from devtools import invariants
-from devtools.chaos import Chaos, Event, parser
+from devtools.chaos.faults import terminate_lock
+from devtools.chaos.phases import Event
 from invoicing import tasks
 from invoicing.seed import seed_orders
 
@@ -74,10 +75,8 @@ def fence(dsn: str) -> list[str]:
     outcomes: list[str] = []
     thread = slow_create(dsn, outcomes)
     time.sleep(1)
-    chaos = Chaos(parser().parse_args(["--seed", "1"]))
-    chaos.dsn = dsn
     event = Event(1, "terminate_lock", "", 0)
-    outcomes.append(chaos.terminate_lock(event, {"pick": 0, "work": True}))
+    outcomes.append(terminate_lock(dsn, event, {"pick": 0, "work": True}))
     thread.join()
     return outcomes
 

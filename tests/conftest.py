@@ -48,9 +48,8 @@ def pg_dsn(pg_server: PostgresServer) -> Iterator[str]:
 @pytest.fixture
 def airflow_pg_conn(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """Expose the test database to Airflow as connection ``idempotency_default``."""
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT", airflow_env.airflow_connection_json(pg_dsn)
-    )
+    for name, value in airflow_env.connection_env(pg_dsn).items():
+        monkeypatch.setenv(name, value)
     return pg_dsn
 
 
@@ -117,7 +116,7 @@ class InvoicingEnv:
 
     def connection_env(self, **extra: Any) -> dict[str, str]:
         """AIRFLOW_CONN_* variables for the job DB and the accounting service."""
-        from devtools.workers import connection_env
+        from devtools.airflow_env import connection_env
 
         return connection_env(self.dsn, self.service.url, **extra)
 

@@ -18,9 +18,9 @@ from typing import Any
 import psycopg
 
 from devtools import invariants
-from devtools.airflow_env import AIRFLOW_2, DAGS_FOLDER
+from devtools.airflow_env import AIRFLOW_2, DAGS_FOLDER, connection_env
 from devtools.invariants import fire_time
-from devtools.workers import connection_env, dags_test, kill_group
+from devtools.workers import dags_test, kill_group
 from workers import private_airflow_env
 
 __all__ = ["connection_env", "kill_group"]  # the scenarios import them from here too

@@ -1,4 +1,4 @@
-"""The real-Airflow tooling of devtools/airflow_stack.py: scheduler, api-server, dag-processor."""
+"""The real-Airflow tooling of devtools/airflow_stack/: scheduler, api-server, dag-processor."""
 
 from __future__ import annotations
 

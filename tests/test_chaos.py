@@ -1,9 +1,9 @@
-"""Chaos (devtools/chaos.py) in CI: a short run that proves its faults fired, and the broken
+"""Chaos (devtools/chaos/) in CI: a short run that proves its faults fired, and the broken
 builds it must catch, all on one Airflow stack (one chaos command, one phase per build).
 
 The short run's seed changes every time and is printed; ``CHAOS_SEED=N`` replays it (the same
 actions and faults; their interleaving depends on the machine's timing). The broken builds
-(devtools/chaos_builds.py) run with their own fixed seeds and the exposure that shows their
+(devtools/chaos/builds.py) run with their own fixed seeds and the exposure that shows their
 bug at once, so that each is caught every time.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from devtools.chaos_builds import BUILDS, CORRECT
+from devtools.chaos.builds import BUILDS, CORRECT
 
 pytestmark = pytest.mark.airflow_processes
 
@@ -149,7 +149,7 @@ def test_chaos_exits_0_only_when_every_phase_went_as_it_must(chaos: ChaosRun) ->
 def test_faults_md_section_is_replaced_and_kept_by_the_fault_report(tmp_path: Path) -> None:
     """The chaos section of FAULTS.md is replaced by the next chaos run and survives
     `python3 dev.py faults` rewriting the rest of the file."""
-    from devtools.chaos_report import render_markdown, write_faults_md
+    from devtools.chaos.report import render_markdown, write_faults_md
     from devtools.fault_report import keep_chaos_section
 
     path = tmp_path / "FAULTS.md"

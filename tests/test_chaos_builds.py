@@ -1,4 +1,4 @@
-"""The broken builds of chaos (devtools/chaos_builds.py), each without Airflow: its patches
+"""The broken builds of chaos (devtools/chaos/builds.py), each without Airflow: its patches
 apply to today's provider, they really remove the guarantee, and the invariant meant to
 catch it does, while this checkout's provider, in the very same scenario, breaks nothing.
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from devtools.chaos_builds import BROKEN, BUILDS, patched_copy
+from devtools.chaos.builds import BROKEN, BUILDS, patched_copy
 
 pytestmark = pytest.mark.airflow_processes
 

@@ -105,7 +105,7 @@ def test_the_operator_connects_without_the_postgres_providers_hook(pg_dsn: str) 
     psycopg, not the provider hook's imports (SQLAlchemy, psycopg2, sqlparse: ~60 ms)."""
     env = {
         **os.environ,
-        "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(pg_dsn),
+        **airflow_env.connection_env(pg_dsn),
     }
     done = subprocess.run(
         [sys.executable, "-c", _OPERATOR_CONNECTS],

@@ -30,7 +30,7 @@ from airflow_idempotency import ConfigurationError, RunContext, RunLockedError, 
 from airflow_idempotency.exceptions import SharedSessionError
 from airflow_idempotency.locks import run_lock_key
 from devtools import pgbouncer
-from devtools.airflow_env import DAGS_FOLDER, airflow_connection_json
+from devtools.airflow_env import DAGS_FOLDER, connection_env
 from devtools.postgres import PostgresServer
 from fault_support import figures, refusal
 from workers import kill_group, start_worker, wait_until
@@ -202,10 +202,8 @@ def test_transaction_pooling_example_dag_completes_with_its_invoices(
     pooling: 200 invoices, 200 exported and confirmed, once (before, all three jobs said
     completed with 0 invoices: the lock session's search_path had leaked to the work)."""
     invoicing.seed(D, orders=200)
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT",
-        airflow_connection_json(tx_bouncer.dsn(dbname(invoicing.dsn))),
-    )
+    for name, value in connection_env(tx_bouncer.dsn(dbname(invoicing.dsn))).items():
+        monkeypatch.setenv(name, value)
     dag = load_dag_bag(DAGS_FOLDER).dags["finalize_invoices"]
     fire = pendulum.parse(scheduled_logical_date(D))
     assert run_dag(dag, logical_date=fire).state == SUCCESS
@@ -307,9 +305,8 @@ def test_statement_pooling_fails_the_task_without_retrying(
     from airflow_idempotency import IdempotentRunOperator
 
     with pgbouncer.run_pgbouncer(pg_server, "statement", pool_size=2) as bouncer:
-        monkeypatch.setenv(
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT", airflow_connection_json(bouncer.dsn(dbname(pg_dsn)))
-        )
+        for name, value in connection_env(bouncer.dsn(dbname(pg_dsn))).items():
+            monkeypatch.setenv(name, value)
         with DAG(
             "pgb_statement", schedule=daily_trigger(), start_date=utc(2026, 1, 1), catchup=False
         ) as dag:

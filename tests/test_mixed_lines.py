@@ -17,7 +17,8 @@ import pytest
 
 from airflow_idempotency.schema import latest_version
 from devtools import airflow_env
-from devtools.workers import connection_env, dags_test, private_airflow_env
+from devtools.airflow_env import connection_env
+from devtools.workers import dags_test, private_airflow_env
 from workers import TEST_DAGS, kill_group, wait_until
 
 pytestmark = pytest.mark.airflow_processes

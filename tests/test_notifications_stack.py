@@ -35,7 +35,7 @@ def world(
     hook = Webhook()
     with temporary_database(pg_server, "idem_notify") as dsn:
         env = {
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(dsn),
+            **airflow_env.connection_env(dsn),
             "NOTIFY_WEBHOOK_URL": hook.url,
             **smtp_connection_env(smtp, "smtp_notify"),
         }

@@ -172,7 +172,7 @@ def stack(
         temporary_database(pg_server, "idem_part_airflow") as metadata_dsn,
     ):
         extra_env = {
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(job_dsn),
+            **airflow_env.connection_env(job_dsn),
             # Scheduled runs and the partitioned asset runs are both made by the scheduler's
             # schedule loop; DAGs that must not run by themselves have an end_date.
             "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "True",

@@ -79,7 +79,7 @@ class Webserver2:
         self.env.update(
             {
                 "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-                "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(job_dsn),
+                **airflow_env.connection_env(job_dsn),
                 "AIRFLOW__WEBSERVER__WEB_SERVER_PORT": str(self.port),
                 "AIRFLOW__WEBSERVER__WORKERS": "1",
                 "AIRFLOW__WEBSERVER__BASE_URL": self.base_url,

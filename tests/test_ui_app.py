@@ -382,9 +382,8 @@ def test_unreadable_database_is_explained_and_never_changed(
     name = pg_server.create_database("idem_ui_empty")
     try:
         dsn = pg_server.dsn(name)
-        monkeypatch.setenv(
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT", airflow_env.airflow_connection_json(dsn)
-        )
+        for name, value in airflow_env.connection_env(dsn).items():
+            monkeypatch.setenv(name, value)
         page = client.get("/")
         assert page.status_code == 503
         assert "has no bookkeeping tables" in page.text and "ui_conn_id" in page.text
@@ -429,10 +428,9 @@ def test_a_role_that_may_only_select_is_enough(
     try:
         params = psycopg.conninfo.conninfo_to_dict(seeded)
         params["user"] = role
-        monkeypatch.setenv(
-            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT",
-            airflow_env.airflow_connection_json(psycopg.conninfo.make_conninfo(**params)),
-        )
+        as_role = psycopg.conninfo.make_conninfo(**params)
+        for name, value in airflow_env.connection_env(as_role).items():
+            monkeypatch.setenv(name, value)
         client = Client(auth_manager, "admin", "admin")
         for path, params_ in (
             ("/", {}),

@@ -129,7 +129,7 @@ def stack(job_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Si
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
         "AIRFLOW__CORE__AUTH_MANAGER": "ui_auth_manager.RestrictedAuthManager",
         DENIED_ENV: json.dumps({"restricted": ["ui_secret"]}),
-        "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(job_dsn),
+        **airflow_env.connection_env(job_dsn),
         "PYTHONPATH": os.pathsep.join(
             [str(airflow_env.ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]
         ),

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from devtools import workers
-from devtools.workers import connection_env, dags_test, kill_group
+from devtools.airflow_env import connection_env
+from devtools.workers import dags_test, kill_group
 
 __all__ = [
     "TEST_DAGS",

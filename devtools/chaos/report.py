@@ -1,4 +1,4 @@
-"""The chaos section of FAULTS.md, from the summary JSON of a chaos run (devtools/chaos.py)."""
+"""The chaos section of FAULTS.md, from the summary JSON of a chaos run (devtools/chaos/)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from devtools.chaos_builds import BUILDS, CORRECT
+from devtools.chaos.builds import BUILDS, CORRECT
 
 CHAOS_BEGIN = "<!-- chaos:begin -->"
 CHAOS_END = "<!-- chaos:end -->"
@@ -54,7 +54,7 @@ def render_markdown(summary: dict[str, Any], command: str) -> str:
     broken = [p for p in phases if p.get("broken")]
     lines = [
         CHAOS_BEGIN,
-        "## Chaos (devtools/chaos.py)",
+        "## Chaos (devtools/chaos/)",
         "",
         "Seeded, overlapping actions and independent faults against the real Airflow 3 stack, "
         "a private PostgreSQL and the accounting service. The history invariants (executions "
@@ -72,7 +72,7 @@ def render_markdown(summary: dict[str, Any], command: str) -> str:
         lines += render_phase(phase)
     if broken:
         lines += [
-            "Broken builds (devtools/chaos_builds.py), each a patched copy of the provider run "
+            "Broken builds (devtools/chaos/builds.py), each a patched copy of the provider run "
             "on the same stack, each to be caught:",
             "",
             "| build | what is broken | seed | caught at step | seconds to catch | phase "

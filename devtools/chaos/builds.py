@@ -184,7 +184,7 @@ def patched_copy(build: Build, folder: Path) -> Path:
         if patch.old not in text:
             raise SystemExit(
                 f"broken build {build.name}: {patch.file} has no {patch.old!r} to patch; "
-                "retarget its patches in devtools/chaos_builds.py"
+                "retarget its patches in devtools/chaos/builds.py"
             )
         path.write_text(text.replace(patch.old, patch.new, 1), encoding="utf-8")
     return folder
