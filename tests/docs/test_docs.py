@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+
 DOCS = ROOT / "docs"
 # The build CI runs (README.md tells developers the same command): warnings are errors.
 SPHINX_BUILD = ("-m", "sphinx", "-W", "--keep-going", "-b", "html")

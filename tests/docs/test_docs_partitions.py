@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+
 PAGE = (ROOT / "docs" / "partitioned-runs.md").read_text(encoding="utf-8")
 
 
@@ -27,8 +27,8 @@ def region(text: str, name: str) -> str:
         ("invoice_regions", "dags/partitioned_invoices.py"),
         ("regional_reconciliation", "dags/partitioned_invoices.py"),
         ("region_tasks", "dags/invoicing/tasks.py"),
-        ("migration_cron", "tests/test_partitions_stack.py"),
-        ("migration_partitioned", "tests/test_partitions_stack.py"),
+        ("migration_cron", "tests/stack/test_partitions_stack.py"),
+        ("migration_partitioned", "tests/stack/test_partitions_stack.py"),
     ],
 )
 def test_quoted_code_matches_the_tested_files(name: str, source: str) -> None:

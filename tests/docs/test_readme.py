@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
@@ -55,7 +55,7 @@ def test_readme_links_every_docs_page() -> None:
 
 
 def test_readme_builds_the_docs_as_the_docs_test_does() -> None:
-    """The docs command written in README.md is the build tests/test_docs.py runs."""
+    """The docs command written in README.md is the build tests/docs/test_docs.py runs."""
     from test_docs import SPHINX_BUILD
 
     command = f".venv/bin/python {' '.join(SPHINX_BUILD)} docs docs/_build/html"

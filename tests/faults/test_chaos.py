@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from devtools.chaos_builds import BUILDS, CORRECT
+from support import ROOT
 
 pytestmark = pytest.mark.airflow_processes
 
-ROOT = Path(__file__).resolve().parent.parent
 SHORT_STEPS = 30
 CI_BROKEN = ("lock-off", "completed-check-off", "fence-off", "skip-confirmed")
 REQUIRED_FAULTS = ("crash", "terminate_lock", "restart")

@@ -3,7 +3,7 @@ apply to today's provider, they really remove the guarantee, and the invariant m
 catch it does, while this checkout's provider, in the very same scenario, breaks nothing.
 
 Seconds per build: the proof that the checker has teeth even where the full chaos run of
-tests/test_chaos.py is not run.
+tests/faults/test_chaos.py is not run.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from devtools.chaos_builds import BROKEN, BUILDS, patched_copy
+from support import ROOT, TESTS
 
 pytestmark = pytest.mark.airflow_processes
 
-ROOT = Path(__file__).resolve().parent.parent
-SCENARIO = Path(__file__).with_name("broken_build_scenario.py")
+SCENARIO = TESTS / "support" / "broken_build_scenario.py"
 EXPOSED_BY = {
     "lock-off": "lock",
     "completed-check-off": "completed",

@@ -28,7 +28,7 @@ import pytest
 from devtools.airflow_env import DAGS_FOLDER
 from devtools.airflow_stack import REDIS_URL, AirflowStack, airflow_stack
 from devtools.postgres import PostgresServer
-from fault_support import figures
+from support.faults import figures
 
 pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
 

@@ -2,7 +2,7 @@
 
 Each scenario gets its own job database (150 orders of 2026-10-01, seed 7) and its own
 accounting service. A real ``airflow dags test`` worker runs the scheduled run of
-2026-10-02 01:00 (2026-10-01 01:00 on Airflow 2.11: fault_support.FIRE) with
+2026-10-02 01:00 (2026-10-01 01:00 on Airflow 2.11: support.faults.FIRE) with
 ``AIRFLOW_IDEMPOTENCY_CRASH_AT`` set and dies at the point; a second
 worker reruns the same date with no faults. The rerun must leave exactly the state of an
 uninterrupted run of the same seed in another database (the reference), row for row,
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from fault_support import (
+from support.faults import (
     NO_PROBLEMS,
     advisory_locks,
     check_consistency,

@@ -23,7 +23,7 @@ import pytest
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from devtools.postgres import PostgresServer, private_embedded
-from fault_support import (
+from support.faults import (
     FIRE,
     NO_PROBLEMS,
     D,

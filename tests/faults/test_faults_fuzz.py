@@ -47,7 +47,7 @@ from airflow_idempotency.run_key import (
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from devtools.postgres import temporary_database
-from fault_support import advisory_locks, figures, refusal
+from support.faults import advisory_locks, figures, refusal
 
 FUZZ = settings(
     max_examples=80,  # each test sets its own count
@@ -588,7 +588,7 @@ def test_a_percent_sign_in_a_job_name_or_run_key_is_logged_verbatim(
 @pytest.mark.usefixtures("airflow_home")
 def test_an_operator_whose_job_name_has_a_percent_sign_completes(airflow_pg_conn: str) -> None:
     """An IdempotentRunOperator with job_name 'fees 100%' runs its work and completes under Airflow's own task logger."""
-    from airflow_helpers import SUCCESS, run_dag, task_states
+    from support.dag_runs import SUCCESS, run_dag, task_states
 
     calls: list[str] = []
     with DAG(

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from fault_support import (
+from support.faults import (
     NO_PROBLEMS,
     D,
     Watched,
@@ -37,7 +37,7 @@ from fault_support import (
     service_counts,
     spawn_worker,
 )
-from lock_sessions import terminate_lock_session
+from support.locks import terminate_lock_session
 
 ORDERS = 60
 BATCH = 10

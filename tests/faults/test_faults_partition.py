@@ -21,8 +21,8 @@ import psycopg
 import pytest
 
 from devtools import netns
-from fault_support import advisory_locks, figures
-from workers import (
+from support.faults import advisory_locks, figures
+from support.workers import (
     TEST_DAGS,
     dags_test,
     kill_group,

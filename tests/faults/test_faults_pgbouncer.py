@@ -25,15 +25,15 @@ import pendulum
 import psycopg
 import pytest
 
-from airflow_helpers import FAILED, SUCCESS, load_dag_bag, run_dag, scheduled_logical_date
 from airflow_idempotency import ConfigurationError, RunContext, RunLockedError, run_idempotently
 from airflow_idempotency.exceptions import SharedSessionError
 from airflow_idempotency.locks import run_lock_key
 from devtools import pgbouncer
 from devtools.airflow_env import DAGS_FOLDER, airflow_connection_json
 from devtools.postgres import PostgresServer
-from fault_support import figures, refusal
-from workers import kill_group, start_worker, wait_until
+from support.dag_runs import FAILED, SUCCESS, load_dag_bag, run_dag, scheduled_logical_date
+from support.faults import figures, refusal
+from support.workers import kill_group, start_worker, wait_until
 
 D = "2026-10-01"
 
@@ -303,8 +303,8 @@ def test_statement_pooling_fails_the_task_without_retrying(
     retries are not used) with the reason in the log, nothing recorded."""
     from airflow.providers.common.compat.sdk import DAG
 
-    from airflow_helpers import daily_trigger, utc
     from airflow_idempotency import IdempotentRunOperator
+    from support.dag_runs import daily_trigger, utc
 
     with pgbouncer.run_pgbouncer(pg_server, "statement", pool_size=2) as bouncer:
         monkeypatch.setenv(

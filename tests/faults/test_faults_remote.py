@@ -17,9 +17,9 @@ import pendulum
 import pytest
 from airflow.dag_processing.dagbag import BundleDagBag
 
-from airflow_helpers import SUCCESS, task_states
 from devtools.airflow_env import DAGS_FOLDER
-from fault_support import (
+from support.dag_runs import SUCCESS, task_states
+from support.faults import (
     FIRE,
     NO_PROBLEMS,
     D,

@@ -25,7 +25,7 @@ import pytest
 from airflow_idempotency.exceptions import RunLockedError
 from airflow_idempotency.runner import RunContext, run_idempotently
 from airflow_idempotency.schema import ensure_schema
-from fault_support import figures
+from support.faults import figures
 
 pytestmark = pytest.mark.slow
 

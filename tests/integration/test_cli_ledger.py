@@ -12,7 +12,7 @@ import pytest
 from airflow_idempotency.cli import main
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.schema import ensure_schema
-from effects_support import statuses
+from support.effects import statuses
 
 pytestmark = pytest.mark.both_airflow_lines
 

@@ -31,7 +31,7 @@ from airflow_idempotency.exceptions import (
     RemoteCallError,
     TransientRemoteError,
 )
-from effects_support import RecordedMetrics, ledger, run_once, statuses
+from support.effects import RecordedMetrics, ledger, run_once, statuses
 
 
 class Hook:

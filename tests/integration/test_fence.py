@@ -17,7 +17,7 @@ from airflow_idempotency import crashpoints
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
-from lock_sessions import terminate_lock_session
+from support.locks import terminate_lock_session
 
 JOB, KEY = "fenced_job", "2026-10-01"
 

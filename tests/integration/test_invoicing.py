@@ -8,9 +8,9 @@ import pendulum
 import psycopg
 import pytest
 
-from airflow_helpers import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date, task_states
 from devtools.airflow_env import DAGS_FOLDER
-from workers import kill_group, start_worker, wait_until
+from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date, task_states
+from support.workers import kill_group, start_worker, wait_until
 
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
 

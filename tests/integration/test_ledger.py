@@ -26,7 +26,7 @@ from airflow_idempotency.exceptions import IdempotencyKeyConflictError
 from airflow_idempotency.ledger import check_idempotency_key
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
 from airflow_idempotency.runner import RunOptions
-from lock_sessions import terminate_lock_session
+from support.locks import terminate_lock_session
 
 
 def effects(n: int, prefix: str = "job:2026-10-01:order_", amount: int = 100) -> list[Effect]:

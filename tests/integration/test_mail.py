@@ -33,10 +33,10 @@ from airflow_idempotency.mail import (
 )
 from airflow_idempotency.resolutions import resolutions, resolve_unknown
 from devtools.smtp_server import SmtpServer, smtp_connection_env
-from effects_support import ledger, run_once, statuses
-from lock_sessions import terminate_lock_session
+from support import ROOT
+from support.effects import ledger, run_once, statuses
+from support.locks import terminate_lock_session
 
-ROOT = Path(__file__).resolve().parent.parent
 KEYS = "job:2026-10-01:mail_"
 
 
@@ -183,7 +183,7 @@ def test_worker_killed_between_intent_and_outcome_leaves_it_unknown(
     """A worker SIGKILLed right after the server accepted a message, before the outcome was written: the message is unknown, the rerun does not send it again, and every other message is delivered once."""
     env = {**os.environ, "AIRFLOW_IDEMPOTENCY_CRASH_AT": "ledger.after_remote_commit@7"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "effects_worker.py"), "mail", pg_dsn,
+        [sys.executable, str(ROOT / "tests" / "support" / "effects_worker.py"), "mail", pg_dsn,
          str(smtp.port), "30"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -217,7 +217,7 @@ def test_a_crash_mid_pipeline_leaves_at_most_the_bound_unknown(
     n, concurrency = 200, 4
     env = {**os.environ, "AIRFLOW_IDEMPOTENCY_CRASH_AT": point}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "effects_worker.py"), "mail", pg_dsn,
+        [sys.executable, str(ROOT / "tests" / "support" / "effects_worker.py"), "mail", pg_dsn,
          str(smtp.port), str(n), "500", str(concurrency)],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

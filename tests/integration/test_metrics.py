@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from airflow_helpers import scheduled_logical_date
 from devtools.airflow_env import DAGS_FOLDER
-from workers import start_worker
+from support.dag_runs import scheduled_logical_date
+from support.workers import start_worker
 
 pytestmark = pytest.mark.both_airflow_lines
 

@@ -5,52 +5,22 @@ notification per (job, run key, event), whatever the retries, reruns and no-ops.
 from __future__ import annotations
 
 import importlib.util
-import json
-import threading
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from airflow_helpers import FAILED, SUCCESS, run_dag, task_states
 from airflow_idempotency.mail import message_id
 from devtools.smtp_server import SmtpServer, smtp_connection_env
-from effects_support import ledger
+from support import TESTS
+from support.dag_runs import FAILED, SUCCESS, run_dag, task_states
+from support.effects import Webhook, ledger
 
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
 
-DAG_FILE = Path(__file__).parent / "dags_effects" / "notify_effects.py"
-
-
-class Webhook:
-    """A local HTTP endpoint that records every POST body (a chat webhook)."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                hook.bodies.append(json.loads(self.rfile.read(length)))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                return None
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def events(self, run_id_part: str = "") -> Counter[tuple[str, str]]:
-        return Counter(
-            (b["task_id"], b["event"]) for b in self.bodies if run_id_part in b["run_id"]
-        )
+DAG_FILE = TESTS / "dags_effects" / "notify_effects.py"
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,16 @@ import pytest
 from airflow.providers.common.compat.sdk import DAG, task
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from airflow_helpers import FAILED, SUCCESS, airflow3_only, daily_trigger, run_dag, task_states, utc
 from airflow_idempotency import IdempotentRunOperator, RunContext, RunKeyRule, idempotency_params
+from support.dag_runs import (
+    FAILED,
+    SUCCESS,
+    airflow3_only,
+    daily_trigger,
+    run_dag,
+    task_states,
+    utc,
+)
 
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from test_cli_operating import airflow_cli, cli, record
-from workers import private_airflow_env
+from support import TESTS
+from support.cli import airflow_cli, cli, record
+from support.workers import private_airflow_env
 
-DAGS = Path(__file__).resolve().parent / "dags_partitions"
+DAGS = TESTS / "dags_partitions"
 
 
 def test_plan_over_partitions_is_what_backfill_create_would_run(

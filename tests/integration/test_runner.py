@@ -14,7 +14,7 @@ from airflow_idempotency.exceptions import LockLostError, RunLockedError, Schema
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.run_context import RunEnvironment
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
-from lock_sessions import terminate_lock_session
+from support.locks import terminate_lock_session
 
 
 def connect_to(dsn: str):  # type: ignore[no-untyped-def]
@@ -493,7 +493,7 @@ def test_recorded_times_follow_the_run(pg_dsn: str) -> None:
 
 
 class RecordingMetrics:
-    """Airflow's Stats stand-in for the core (the real path: tests/test_metrics.py)."""
+    """Airflow's Stats stand-in for the core (the real path: tests/integration/test_metrics.py)."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}

@@ -2,7 +2,7 @@
 authorization, what each page shows from records the real runner wrote, and its refusals.
 
 The app is the plugin's own FastAPI app, unmounted (TestClient), with Airflow's auth manager
-initialised as the api-server does; tests/test_ui_stack.py serves it from a real api-server.
+initialised as the api-server does; tests/stack/test_ui_stack.py serves it from a real api-server.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_helpers import register
 from airflow_idempotency._sql import latest_migration
 from airflow_idempotency.records import Trigger
 from airflow_idempotency.runner import RunContext, run_idempotently
 from airflow_idempotency.ui.database import POOLS
 from devtools import airflow_env
-from ui_auth_manager import DENIED_ENV
+from support.auth_manager import DENIED_ENV
+from support.dag_runs import register
 
 pytestmark = pytest.mark.usefixtures("airflow_home")
 
@@ -43,7 +43,7 @@ def auth_manager(airflow_home: Path, tmp_path_factory: pytest.TempPathFactory) -
     passwords = tmp_path_factory.mktemp("auth") / "passwords.json"
     passwords.write_text(json.dumps({u: u for u in ("admin", "viewer", "restricted", "user")}))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AIRFLOW__CORE__AUTH_MANAGER", "ui_auth_manager.RestrictedAuthManager")
+        mp.setenv("AIRFLOW__CORE__AUTH_MANAGER", "support.auth_manager.RestrictedAuthManager")
         mp.setenv(
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS",
             "admin:admin,viewer:viewer,restricted:viewer,user:user",

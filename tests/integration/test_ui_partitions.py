@@ -1,6 +1,6 @@
 """The Run keys view on partitioned runs (Airflow 3): a segmented job's calendar, one
 segment at a time, and each attempt's partition key linked to Airflow's list of that
-partition's runs. In-process, as tests/test_ui_app.py (records written by the real runner)."""
+partition's runs. In-process, as tests/integration/test_ui_app.py (records written by the real runner)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from urllib.parse import quote
 
 import psycopg
 import pytest
+from test_ui_app import Client, auth_manager
 
 from airflow_idempotency.records import Trigger
 from airflow_idempotency.runner import run_idempotently
-from test_ui_app import Client, auth_manager
 
 pytestmark = pytest.mark.usefixtures("airflow_home")
 __all__ = ["auth_manager"]  # the module's fixture, shared

@@ -14,9 +14,9 @@ import pendulum
 import pytest
 from airflow.providers.common.compat.sdk import DAG
 
-from airflow_helpers import SUCCESS, airflow3_only, daily_trigger, run_dag, utc
 from airflow_idempotency import IdempotentRunOperator
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
+from support.dag_runs import SUCCESS, airflow3_only, daily_trigger, run_dag, utc
 
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
 

@@ -20,13 +20,12 @@ import pytest
 
 from devtools.airflow_env import DAGS_FOLDER
 from devtools.workers import start_airflow
-from fault_support import advisory_locks
-from workers import kill_group, private_airflow_env, wait_until
+from support.faults import advisory_locks
+from support.workers import kill_group, private_airflow_env, wait_until
 
 pytestmark = [
     pytest.mark.airflow2_only,
     pytest.mark.usefixtures("airflow_home"),
-    pytest.mark.airflow_processes,
 ]
 
 RECONCILE = "daily_reconciliation"

@@ -13,10 +13,9 @@ import psutil
 import pytest
 
 from devtools.airflow_stack import airflow_stack, run_id_from_trigger_output
+from support import TESTS
 
-pytestmark = pytest.mark.airflow_processes
-
-DAGS = Path(__file__).resolve().parent / "dags_stack"
+DAGS = TESTS / "dags_stack"
 
 
 def test_trigger_output_parsing() -> None:

@@ -12,7 +12,7 @@ import pytest
 from devtools.airflow_env import DAGS_FOLDER
 from devtools.airflow_stack import airflow_stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
+pytestmark = pytest.mark.slow
 
 BUSINESS_DATES = [f"2026-10-0{d}" for d in range(1, 8)]
 FROM, TO = "2026-10-02T01:00:00+00:00", "2026-10-08T01:00:00+00:00"

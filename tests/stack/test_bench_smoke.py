@@ -7,11 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from support import ROOT
 
-pytestmark = pytest.mark.airflow_processes
-
-ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
     "overhead",
     "decision",

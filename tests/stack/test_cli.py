@@ -15,9 +15,9 @@ import pytest
 
 from airflow_idempotency import RunContext, run_idempotently
 from airflow_idempotency.cli import main
-from workers import kill_group, private_airflow_env, start_worker, wait_until
+from support.workers import kill_group, private_airflow_env, start_worker, wait_until
 
-pytestmark = [pytest.mark.both_airflow_lines, pytest.mark.airflow_processes]
+pytestmark = pytest.mark.both_airflow_lines
 
 
 def complete(dsn: str, job: str, key: str, fail: bool = False) -> None:

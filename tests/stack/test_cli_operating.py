@@ -4,7 +4,6 @@ the example watch DAG that turns gaps into a failed task."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
@@ -16,28 +15,19 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_helpers import FAILED, SUCCESS, load_dag_bag, run_dag, utc
 from airflow_idempotency import RunContext, run_idempotently
-from airflow_idempotency.cli import main
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
 from devtools.airflow_env import DAGS_FOLDER
-from workers import TEST_DAGS, private_airflow_env
+from support.cli import airflow_cli, cli, record
+from support.dag_runs import FAILED, SUCCESS, load_dag_bag, run_dag, utc
+from support.workers import TEST_DAGS, private_airflow_env
 
-pytestmark = [pytest.mark.both_airflow_lines, pytest.mark.airflow_processes]
+pytestmark = pytest.mark.both_airflow_lines
 
 
 def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
     with psycopg.connect(dsn) as conn:
         return conn.execute(sql, params).fetchall()
-
-
-def record(dsn: str, job: str, key: str, fail: bool = False) -> None:
-    def work(run: RunContext) -> None:
-        if fail:
-            raise RuntimeError(f"{key} broke")
-
-    with contextlib.suppress(RuntimeError):
-        run_idempotently(connect=lambda: psycopg.connect(dsn), job_name=job, run_key=key, work=work)
 
 
 def abandon(dsn: str, job: str, key: str) -> None:
@@ -51,13 +41,6 @@ def abandon(dsn: str, job: str, key: str) -> None:
     assert (
         subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == -9
     )
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
-    capsys.readouterr()  # what the test logged before (Airflow 2 logs to stdout)
-    code = main([*argv, "--json"])
-    out = capsys.readouterr()
-    return code, json.loads(out.out) if out.out.strip() else None, out.err
 
 
 def test_gaps_lists_periods_without_a_completed_run(
@@ -165,19 +148,6 @@ def test_prune_deletes_old_attempts_of_completed_keys_only(
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_runs") == [(2,)]
     code, _, err = cli(capsys, "prune", "--attempts-older-than", "1y", "--dsn", pg_dsn)
     assert code == 2 and "400d" in err
-
-
-def airflow_cli(
-    airflow_home: Path, dsn: str, dags: Path, *argv: str
-) -> subprocess.CompletedProcess[str]:
-    env = private_airflow_env(airflow_home, dsn, dags)
-    return subprocess.run(
-        [sys.executable, "-m", "airflow_idempotency.cli", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_explain_names_the_key_and_why_or_the_refusal(airflow_home: Path, pg_dsn: str) -> None:

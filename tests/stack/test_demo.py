@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.airflow_processes
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 1500  # seconds; ~5 min alone on 2 cores, much more when the machine is busy
 
 

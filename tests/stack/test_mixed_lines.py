@@ -18,9 +18,7 @@ import pytest
 from airflow_idempotency.schema import latest_version
 from devtools import airflow_env
 from devtools.workers import connection_env, dags_test, private_airflow_env
-from workers import TEST_DAGS, kill_group, wait_until
-
-pytestmark = pytest.mark.airflow_processes
+from support.workers import TEST_DAGS, kill_group, wait_until
 
 AIRFLOW2_PYTHON = os.environ.get("IDEMPOTENCY_AIRFLOW2_PYTHON", "")
 

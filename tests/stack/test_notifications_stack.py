@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,12 +14,13 @@ import pytest
 from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack, airflow_stack
 from devtools.smtp_server import SmtpServer, smtp_connection_env
-from test_notifications import Webhook
+from support import TESTS
+from support.effects import Webhook
 
-DAGS = Path(__file__).parent / "dags_effects"
+DAGS = TESTS / "dags_effects"
 DAG_ID = "notify_effects"
 
-pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,10 @@ import pytest
 from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack, RunResult, StackError
 from devtools.postgres import PostgresServer, temporary_database
+from support import ROOT, TESTS
 
-pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
+pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -33,10 +33,10 @@ from devtools import airflow_env
 from devtools.airflow_stack import free_port
 from devtools.postgres import temporary_database
 from devtools.workers import kill_group, start_airflow
+from support import TESTS
 
-pytestmark = [pytest.mark.airflow2_only, pytest.mark.slow, pytest.mark.airflow_processes]
+pytestmark = [pytest.mark.airflow2_only, pytest.mark.slow]
 
-TESTS = Path(__file__).resolve().parent
 DAGS = TESTS / "dags_ui"
 USERS = {"admin": "Admin", "viewer": "Viewer", "operator": "User", "limited": "Limited"}
 CHROMIUM = "/usr/bin/chromium"

@@ -23,11 +23,11 @@ import pytest
 from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack
 from devtools.postgres import temporary_database
-from ui_auth_manager import DENIED_ENV
+from support import TESTS
+from support.auth_manager import DENIED_ENV
 
-pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
+pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parent
 DAGS = TESTS / "dags_ui"
 USERS = {"admin": "admin", "viewer": "viewer", "restricted": "viewer", "operator": "user"}
 CHROMIUM = "/usr/bin/chromium"
@@ -127,7 +127,7 @@ def stack(job_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Si
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{u}:{r}" for u, r in USERS.items()),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
-        "AIRFLOW__CORE__AUTH_MANAGER": "ui_auth_manager.RestrictedAuthManager",
+        "AIRFLOW__CORE__AUTH_MANAGER": "support.auth_manager.RestrictedAuthManager",
         DENIED_ENV: json.dumps({"restricted": ["ui_secret"]}),
         "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_env.airflow_connection_json(job_dsn),
         "PYTHONPATH": os.pathsep.join(

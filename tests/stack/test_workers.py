@@ -13,9 +13,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from workers import kill_group, start_worker, wait_until
+from support.workers import kill_group, start_worker, wait_until
 
-pytestmark = [pytest.mark.both_airflow_lines, pytest.mark.airflow_processes]
+pytestmark = pytest.mark.both_airflow_lines
 
 
 def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:

@@ -1,6 +1,6 @@
-"""One scenario that exposes a broken build, without Airflow (run by tests/test_chaos_builds.py).
+"""One scenario that exposes a broken build, without Airflow (run by tests/faults/test_chaos_builds.py).
 
-    python tests/broken_build_scenario.py DSN SCENARIO
+    python tests/support/broken_build_scenario.py DSN SCENARIO
 
 runs the example's work through ``run_idempotently`` of whatever ``airflow_idempotency`` is
 first on the PYTHONPATH (this checkout's provider, or a broken copy), then prints one JSON

@@ -1,9 +1,13 @@
 """What the tests of every kind of effect share: one idempotent run around some work, the
-ledger's rows, and an operator's resolution as the CLI would make it."""
+ledger's rows, a metrics sink that keeps what it is given, a local chat webhook."""
 
 from __future__ import annotations
 
+import json
+import threading
+from collections import Counter
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import psycopg
@@ -63,3 +67,30 @@ def ledger(dsn: str, remote_system: str | None = None) -> dict[str, tuple[Any, .
 def statuses(dsn: str, remote_system: str | None = None) -> dict[str, str]:
     """idempotency key -> status."""
     return {key: row[0] for key, row in ledger(dsn, remote_system).items()}
+
+
+class Webhook:
+    """A local HTTP endpoint that records every POST body (a chat webhook)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                hook.bodies.append(json.loads(self.rfile.read(length)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def events(self, run_id_part: str = "") -> Counter[tuple[str, str]]:
+        return Counter(
+            (b["task_id"], b["event"]) for b in self.bodies if run_id_part in b["run_id"]
+        )

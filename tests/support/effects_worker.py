@@ -1,8 +1,8 @@
 """A worker process for the effect crash tests: one idempotent run that sends emails or writes
 a file, killed by a crash point (AIRFLOW_IDEMPOTENCY_CRASH_AT) where the test says.
 
-    python tests/effects_worker.py mail DSN SMTP_PORT COUNT [BATCH_SIZE CONCURRENCY]
-    python tests/effects_worker.py file DSN ROOT NAME CONTENT
+    python tests/support/effects_worker.py mail DSN SMTP_PORT COUNT [BATCH_SIZE CONCURRENCY]
+    python tests/support/effects_worker.py file DSN ROOT NAME CONTENT
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Helpers shared by the fault scenarios (tests/test_faults_*.py); this module has no tests.
+"""Helpers shared by the fault scenarios (tests/faults/test_faults_*.py).
 
 Workers are ``airflow dags test`` processes started by devtools/workers.py, with their Airflow
 home under a folder the caller owns, so every home is removed with it.
@@ -21,7 +21,7 @@ from devtools import invariants
 from devtools.airflow_env import AIRFLOW_2, DAGS_FOLDER
 from devtools.invariants import fire_time
 from devtools.workers import connection_env, dags_test, kill_group
-from workers import private_airflow_env
+from support.workers import private_airflow_env
 
 __all__ = ["connection_env", "kill_group"]  # the scenarios import them from here too
 

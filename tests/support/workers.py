@@ -11,6 +11,7 @@ from pathlib import Path
 
 from devtools import workers
 from devtools.workers import connection_env, dags_test, kill_group
+from support import TESTS
 
 __all__ = [
     "TEST_DAGS",
@@ -21,7 +22,7 @@ __all__ = [
     "wait_until",
 ]
 
-TEST_DAGS = Path(__file__).parent / "dags"
+TEST_DAGS = TESTS / "dags"
 
 
 def private_airflow_env(

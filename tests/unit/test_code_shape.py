@@ -8,7 +8,7 @@
 A function that has to be wider or longer is allowed by name below, saying why; an allowed
 one that is back within the limits fails the test until its entry is removed.
 
-``python tests/test_code_shape.py devtools`` prints the widest and longest functions of any
+``python tests/unit/test_code_shape.py devtools`` prints the widest and longest functions of any
 folder (the figures this test enforces for ``provider/``).
 """
 
@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+
 PACKAGE = ROOT / "provider" / "airflow_idempotency"
 
 MAX_PARAMETERS = 7

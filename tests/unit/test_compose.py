@@ -20,7 +20,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
+
+REPO_ROOT = ROOT
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yaml"
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 LOCK_FILE = REPO_ROOT / "requirements" / "lock.txt"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
 
 
 def _build_wheel(project: Path, out_dir: Path) -> Path:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from airflow_helpers import load_dag_bag
 from airflow_idempotency.compat import AIRFLOW_V_3_2_PLUS, run_partition
 from airflow_idempotency.operator import IdempotentRunOperator
 from devtools.airflow_env import DAGS_FOLDER
+from support.dag_runs import load_dag_bag
 
 pytestmark = pytest.mark.both_airflow_lines
 

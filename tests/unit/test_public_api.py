@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 import airflow_idempotency
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "provider" / "airflow_idempotency"
 PUBLIC = set(airflow_idempotency.__all__)
 API_REFERENCE = ROOT / "docs" / "api.md"
