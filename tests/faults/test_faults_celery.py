@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import psycopg
 import pytest
 
 from devtools.airflow_env import DAGS_FOLDER
 from devtools.airflow_stack import REDIS_URL, AirflowStack, airflow_stack
 from devtools.postgres import PostgresServer
+from support.db import rows
 from support.faults import figures
+from support.locks import advisory_locks
 
 pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
 
@@ -58,11 +59,6 @@ def metadata_dsn(pg_server: PostgresServer) -> Iterator[str]:
         yield pg_server.dsn(name)
     finally:
         pg_server.drop_database(name)
-
-
-def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql, params).fetchall()
 
 
 def paused_export(dsn: str) -> tuple[str, str] | None:
@@ -223,9 +219,4 @@ def test_celery_workers_overlapping_runs_and_a_worker_killed_mid_export(  # type
         f"{dict(sorted(attempts))}; {invoicing.service.stats()['replays']} replay(s), "
         f"{ORDERS * len(DATES)} remote invoices for {ORDERS * len(DATES)} orders"
     )
-    # No lock left behind (in the job database: pg_locks covers the whole server).
-    assert rows(
-        dsn,
-        "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
-        " WHERE l.locktype = 'advisory' AND d.datname = current_database()",
-    ) == [(0,)]
+    assert advisory_locks(dsn) == 0  # no lock left behind in the job database

@@ -23,19 +23,19 @@ from typing import Any
 
 import pytest
 
+from support.db import rows
 from support.faults import (
     NO_PROBLEMS,
-    advisory_locks,
     check_consistency,
     connection_env,
     figures,
     final_state,
     finish,
     invoicing_world,
-    rows,
     service_counts,
     spawn_worker,
 )
+from support.locks import advisory_locks
 
 pytestmark = [
     pytest.mark.slow,

@@ -23,6 +23,7 @@ import pytest
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from devtools.postgres import PostgresServer, private_embedded
+from support.db import rows
 from support.faults import (
     FIRE,
     NO_PROBLEMS,
@@ -38,6 +39,7 @@ from support.faults import (
     service_counts,
     spawn_worker,
 )
+from support.locks import advisory_locks
 
 pytestmark = pytest.mark.slow
 
@@ -73,11 +75,6 @@ def private() -> Iterator[PrivateServer]:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE public.effects (step text PRIMARY KEY, written_by int)")
         yield server
-
-
-def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql).fetchall()
 
 
 def write_step(run: RunContext, step: str) -> None:
@@ -168,7 +165,7 @@ def test_restart_mid_run_fails_cleanly_and_the_rerun_converges(
         ("first", 1),
         ("second", 1),
     ]
-    assert rows(private.dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]
+    assert advisory_locks(private.dsn, whole_server=True) == 0
 
 
 def test_server_down_at_the_start_fails_fast(private: PrivateServer) -> None:

@@ -47,7 +47,8 @@ from airflow_idempotency.run_key import (
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from devtools.postgres import temporary_database
-from support.faults import advisory_locks, figures, refusal
+from support.faults import figures, refusal
+from support.locks import advisory_locks
 
 FUZZ = settings(
     max_examples=80,  # each test sets its own count

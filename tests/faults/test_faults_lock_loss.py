@@ -2,7 +2,7 @@
 
 Worker A (a real ``airflow dags test`` of finalize_invoices) pauses inside the export at a
 fault point. The test then terminates A's lock session (``pg_terminate_backend`` of the
-backend that pg_locks shows holding the export's advisory lock) and freezes A with
+backend that holds the export's run lock, read through held_run_locks()) and freezes A with
 SIGSTOP, like a long GC pause or a VM migration, so that worker B is sure to take the
 key over and run the date to completion while A is paused. Then A resumes.
 
@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
+from support.db import rows
 from support.faults import (
     NO_PROBLEMS,
     D,
     Watched,
-    advisory_locks,
     check_consistency,
     connection_env,
     figures,
@@ -33,11 +33,10 @@ from support.faults import (
     finish,
     kill_group,
     refusal,
-    rows,
     service_counts,
     spawn_worker,
 )
-from support.locks import terminate_lock_session
+from support.locks import advisory_locks, terminate_lock_session
 
 ORDERS = 60
 BATCH = 10

@@ -21,7 +21,9 @@ import psycopg
 import pytest
 
 from devtools import netns
-from support.faults import advisory_locks, figures
+from support.db import rows
+from support.faults import figures
+from support.locks import advisory_locks
 from support.workers import (
     TEST_DAGS,
     dags_test,
@@ -58,11 +60,6 @@ def server(link: netns.Link) -> Iterator[tuple[netns.TcpPostgres, str]]:
     with netns.tcp_postgres(link.host_ip) as pg:
         name = pg.server.create_database("partition")
         yield pg, name
-
-
-def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql).fetchall()
 
 
 def work_log(dsn: str) -> list[tuple[int, str]]:

@@ -32,8 +32,10 @@ from devtools import pgbouncer
 from devtools.airflow_env import DAGS_FOLDER, airflow_connection_json
 from devtools.postgres import PostgresServer
 from support.dag_runs import FAILED, SUCCESS, load_dag_bag, run_dag, scheduled_logical_date
+from support.db import rows
 from support.faults import figures, refusal
-from support.workers import kill_group, start_worker, wait_until
+from support.locks import advisory_locks
+from support.workers import Until, race, start_worker, work_log_count
 
 D = "2026-10-01"
 
@@ -53,11 +55,6 @@ def tx_bouncer(pg_server: PostgresServer) -> Iterator[pgbouncer.PgBouncer]:
     """pool_mode = transaction, two server connections per database: reuse is certain."""
     with pgbouncer.run_pgbouncer(pg_server, "transaction", pool_size=2) as bouncer:
         yield bouncer
-
-
-def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql, params).fetchall()
 
 
 def connect_through(dsn: str) -> Any:
@@ -143,11 +140,7 @@ def test_transaction_pooling_one_key_runs_once(
         "completed",
         "lock_held",
     ]
-    assert rows(
-        pg_dsn,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    ) == [(0,)]
+    assert advisory_locks(pg_dsn) == 0
     settings = pooled_settings(tx_bouncer, dbname(pg_dsn))
     assert settings == {('"$user", public', "")}, settings
     figures(
@@ -164,25 +157,18 @@ def test_transaction_pooling_airflow_workers_run_a_key_once(
     dsn = tx_bouncer.dsn(dbname(pg_dsn))
     release = tmp_path / "release"
     env = {"IDEM_TEST_HOLD_FILE": str(release), "IDEM_TEST_ON_LOCKED": "fail"}
-    first = start_worker(airflow_home, "core_slow_job", "2026-10-02", dsn, env)
-    second = None
-    try:
-        wait_until(
-            lambda: rows(pg_dsn, "SELECT to_regclass('public.work_log') IS NOT NULL")[0][0],
-            timeout=120,
-            what="the first worker to start working",
-        )
-        second = start_worker(airflow_home, "core_slow_job", "2026-10-02", dsn, env)
-        out2, _ = second.communicate(timeout=180)
-        release.touch()
-        out1, _ = first.communicate(timeout=180)
-    finally:
-        release.touch()
-        kill_group(first)
-        if second is not None:
-            kill_group(second)
-    assert first.returncode == 0, out1[-3000:]
-    assert second.returncode == 1 and "is locked by another execution" in out2, out2[-3000:]
+    first, second = race(
+        lambda: start_worker(airflow_home, "core_slow_job", "2026-10-02", dsn, env),
+        lambda: start_worker(airflow_home, "core_slow_job", "2026-10-02", dsn, env),
+        release,
+        first_holds=Until(lambda: work_log_count(pg_dsn), "the first worker to start working"),
+        second_refused=None,  # it fails at once (on_locked fail), while the first holds the key
+        wait=120,
+        finish=180,
+    )
+    assert first.returncode == 0, first.output[-3000:]
+    refused = "is locked by another execution" in second.output
+    assert second.returncode == 1 and refused, second.output[-3000:]
     assert rows(pg_dsn, "SELECT count(*) FROM public.work_log") == [(1,)]
     assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
     figures(
@@ -330,11 +316,7 @@ def test_session_pooling_one_key_runs_once(pg_server: PostgresServer, pg_dsn: st
         assert ran == ["first"] and [type(e) for e in errors] == [RunLockedError], (ran, errors)
         assert pooled_settings(bouncer, dbname(pg_dsn), clients=3) == {('"$user", public', "")}
     assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
-    assert rows(
-        pg_dsn,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    ) == [(0,)]
+    assert advisory_locks(pg_dsn) == 0
     figures(
         f"the work ran once; the second run {refusal(errors[0])}; 3 server connections back"
         " with their settings reset; 0 advisory locks left"

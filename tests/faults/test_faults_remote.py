@@ -19,6 +19,7 @@ from airflow.dag_processing.dagbag import BundleDagBag
 
 from devtools.airflow_env import DAGS_FOLDER
 from support.dag_runs import SUCCESS, task_states
+from support.db import rows
 from support.faults import (
     FIRE,
     NO_PROBLEMS,
@@ -27,7 +28,6 @@ from support.faults import (
     connection_env,
     figures,
     final_state,
-    rows,
     service_counts,
 )
 

@@ -25,7 +25,9 @@ import pytest
 from airflow_idempotency.exceptions import RunLockedError
 from airflow_idempotency.runner import RunContext, run_idempotently
 from airflow_idempotency.schema import ensure_schema
+from support.db import rows
 from support.faults import figures
+from support.locks import advisory_locks
 
 pytestmark = pytest.mark.slow
 
@@ -110,11 +112,6 @@ def storm(dsn: str, keys: list[str], *, wait_inside: bool) -> list[tuple[Any, ..
     return reported
 
 
-def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql, params).fetchall()
-
-
 @pytest.fixture(scope="module")
 def private_server() -> Iterator[Any]:
     """A private embedded PostgreSQL for the storms, stopped and removed afterwards."""
@@ -182,7 +179,7 @@ def test_32_processes_on_one_key_run_the_work_exactly_once(storm_dsn: str) -> No
     assert set(holders) <= {(str(winner_pid),), (None,)}, holders
     # A refusal is decided at once: nobody waits for the winner's 1 s of work.
     assert max(losers) < 30.0
-    assert rows(storm_dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]
+    assert advisory_locks(storm_dsn, whole_server=True) == 0
 
 
 def test_32_processes_on_32_keys_all_run_at_the_same_time(storm_dsn: str) -> None:
@@ -201,4 +198,4 @@ def test_32_processes_on_32_keys_all_run_at_the_same_time(storm_dsn: str) -> Non
     assert rows(storm_dsn, "SELECT status, count(*) FROM idempotency.job_runs GROUP BY status") == [
         ("completed", PROCESSES)
     ]
-    assert rows(storm_dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]
+    assert advisory_locks(storm_dsn, whole_server=True) == 0

@@ -17,6 +17,7 @@ from airflow_idempotency import crashpoints
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
+from support.db import rows
 from support.locks import terminate_lock_session
 
 JOB, KEY = "fenced_job", "2026-10-01"
@@ -24,11 +25,6 @@ JOB, KEY = "fenced_job", "2026-10-01"
 
 def connect_to(dsn: str) -> Callable[[], psycopg.Connection[Any]]:
     return lambda: psycopg.connect(dsn)
-
-
-def rows(dsn: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(query, params).fetchall()
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout: float = 15.0) -> None:

@@ -10,7 +10,9 @@ import pytest
 
 from devtools.airflow_env import DAGS_FOLDER
 from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date, task_states
-from support.workers import kill_group, start_worker, wait_until
+from support.db import rows
+from support.locks import lock_held_attempts, run_lock_holders
+from support.workers import Until, race, start_worker
 
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
 
@@ -231,59 +233,35 @@ def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home, t
         **invoicing.connection_env(),
         "AIRFLOW_IDEMPOTENCY_WAIT_AT": f"runner.after_started={release}",
     }
-    first = start_worker(
-        airflow_home, "daily_reconciliation", fire, invoicing.dsn, held, dags_folder=DAGS_FOLDER
-    )
-    second = None
-    try:
-        wait_until(
-            lambda: query(
-                invoicing.dsn,
-                "SELECT to_regclass('idempotency.job_runs') IS NOT NULL"
-                " AND EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
-            )[0][0],
-            timeout=180,
-            what="the first DAG to hold the job's lock",
-        )
-        second = start_worker(
+    first, second = race(
+        lambda: start_worker(
+            airflow_home, "daily_reconciliation", fire, invoicing.dsn, held, dags_folder=DAGS_FOLDER
+        ),
+        lambda: start_worker(
             airflow_home,
             "daily_reconciliation_pasted_twice",
             fire,
             invoicing.dsn,
             invoicing.connection_env(),
             dags_folder=DAGS_FOLDER,
-        )
-        wait_until(
-            lambda: query(
-                invoicing.dsn,
-                "SELECT count(*) FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'",
-            )[0][0],
-            timeout=180,
-            what="the second DAG to find the job locked",
-        )
-        release.touch()
-        out1, _ = first.communicate(timeout=240)
-        out2, _ = second.communicate(timeout=240)
-    finally:
-        release.touch()
-        kill_group(first)
-        if second is not None:
-            kill_group(second)
-    assert first.returncode == 0, out1[-3000:]
-    assert second.returncode == 0, out2[-3000:]
-    assert "is locked by another execution" in out2
-    rows = query(
+        ),
+        release,
+        first_holds=Until(
+            lambda: run_lock_holders(invoicing.dsn), "the first DAG to hold the job's lock"
+        ),
+        second_refused=Until(
+            lambda: lock_held_attempts(invoicing.dsn), "the second DAG to find the job locked"
+        ),
+        wait=180,
+    )
+    assert first.returncode == 0, first.output[-3000:]
+    assert second.returncode == 0, second.output[-3000:]
+    assert "is locked by another execution" in second.output
+    attempts = rows(
         invoicing.dsn,
         "SELECT dag_id, outcome FROM idempotency.job_run_attempts WHERE job_name = 'daily_reconciliation' ORDER BY attempt_id",
     )
-    assert rows[0] == ("daily_reconciliation", "completed")
-    assert ("daily_reconciliation_pasted_twice", "lock_held") in rows
-    assert rows[-1] == ("daily_reconciliation_pasted_twice", "noop")
-    assert query(invoicing.dsn, "SELECT count(*), max(runs) FROM reconciliation_summary") == [
-        (1, 1)
-    ]
-
-
-def query(dsn: str, sql: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql).fetchall()
+    assert attempts[0] == ("daily_reconciliation", "completed")
+    assert ("daily_reconciliation_pasted_twice", "lock_held") in attempts
+    assert attempts[-1] == ("daily_reconciliation_pasted_twice", "noop")
+    assert rows(invoicing.dsn, "SELECT count(*), max(runs) FROM reconciliation_summary") == [(1, 1)]

@@ -23,13 +23,9 @@ from support.dag_runs import (
     task_states,
     utc,
 )
+from support.db import rows
 
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
-
-
-def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql).fetchall()
 
 
 def make_dag(dag_id: str, work, *, form: bool = True, **op_kwargs: Any) -> DAG:  # type: ignore[no-untyped-def]

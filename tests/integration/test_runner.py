@@ -14,16 +14,12 @@ from airflow_idempotency.exceptions import LockLostError, RunLockedError, Schema
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.run_context import RunEnvironment
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
-from support.locks import terminate_lock_session
+from support.db import rows
+from support.locks import advisory_locks, run_lock_holder, terminate_lock_session
 
 
 def connect_to(dsn: str):  # type: ignore[no-untyped-def]
     return lambda: psycopg.connect(dsn)
-
-
-def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql, params).fetchall()
 
 
 def test_quotes_and_unicode_round_trip(pg_dsn: str) -> None:
@@ -245,10 +241,7 @@ def test_lock_is_released_after_the_run(pg_dsn: str) -> None:
         run_idempotently(
             connect=connect_to(pg_dsn), job_name="j", run_key="k2", work=lambda ctx: 1 / 0
         )
-    assert rows(
-        pg_dsn,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    ) == [(0,)]
+    assert advisory_locks(pg_dsn) == 0
 
 
 def test_pooled_connection_is_handed_back_as_it_came(pg_dsn: str) -> None:
@@ -430,11 +423,8 @@ def test_the_lock_transaction_holds_no_snapshot_and_no_table_lock(pg_dsn: str) -
     seen: dict[str, Any] = {}
 
     def work(ctx: RunContext) -> None:
+        pid = run_lock_holder(pg_dsn, "j", "k")
         with psycopg.connect(pg_dsn) as observer:
-            (pid,) = observer.execute(
-                "SELECT pid FROM idempotency.held_run_locks() WHERE lock_key = %s",
-                (run_lock_key("j", "k"),),
-            ).fetchone()  # type: ignore[misc]
             seen["activity"] = observer.execute(
                 "SELECT state, backend_xid, backend_xmin, application_name FROM pg_stat_activity"
                 " WHERE pid = %s",

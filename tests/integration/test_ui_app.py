@@ -25,6 +25,7 @@ from airflow_idempotency.ui.database import POOLS
 from devtools import airflow_env
 from support.auth_manager import DENIED_ENV
 from support.dag_runs import register
+from support.db import rows
 
 pytestmark = pytest.mark.usefixtures("airflow_home")
 
@@ -91,12 +92,6 @@ class Client:
         response = self.get(path, **params)
         assert response.status_code == 200, (response.status_code, response.text[:2000])
         return response.json()
-
-
-def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        cursor = conn.execute(sql, params)
-        return cursor.fetchall() if cursor.description else []
 
 
 def run(

@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
 from devtools.airflow_env import DAGS_FOLDER
 from devtools.workers import start_airflow
-from support.faults import advisory_locks
+from support.db import rows
+from support.locks import advisory_locks
 from support.workers import kill_group, private_airflow_env, wait_until
 
 pytestmark = [
@@ -30,11 +30,6 @@ pytestmark = [
 
 RECONCILE = "daily_reconciliation"
 PASTED = "daily_reconciliation_pasted_twice"
-
-
-def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql, params).fetchall()
 
 
 def home_env(

@@ -15,6 +15,7 @@ import pytest
 
 from airflow_idempotency import RunContext, run_idempotently
 from airflow_idempotency.cli import main
+from support.locks import run_lock_holders
 from support.workers import kill_group, private_airflow_env, start_worker, wait_until
 
 pytestmark = pytest.mark.both_airflow_lines
@@ -180,17 +181,7 @@ def test_run_exit_codes_through_airflow(airflow_home: Path, pg_dsn: str, tmp_pat
         airflow_home, "core_slow_job", "2026-10-03", pg_dsn, {"IDEM_TEST_HOLD_FILE": str(release)}
     )
     try:
-        wait_until(
-            lambda: (
-                psycopg.connect(pg_dsn)
-                .execute(
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-                )
-                .fetchone()[0]
-            ),  # type: ignore[index]
-            timeout=90,
-            what="the holder to take the lock",
-        )
+        wait_until(lambda: run_lock_holders(pg_dsn), timeout=90, what="the holder to take the lock")
         locked = cli_process(
             airflow_home, pg_dsn, "run", "core_slow_job", "--date", "2026-10-02", "--json"
         )

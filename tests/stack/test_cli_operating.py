@@ -20,14 +20,10 @@ from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
 from devtools.airflow_env import DAGS_FOLDER
 from support.cli import airflow_cli, cli, record
 from support.dag_runs import FAILED, SUCCESS, load_dag_bag, run_dag, utc
+from support.db import rows
 from support.workers import TEST_DAGS, private_airflow_env
 
 pytestmark = pytest.mark.both_airflow_lines
-
-
-def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql, params).fetchall()
 
 
 def abandon(dsn: str, job: str, key: str) -> None:

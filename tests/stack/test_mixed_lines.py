@@ -10,22 +10,17 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
 
-import psycopg
 import pytest
 
 from airflow_idempotency.schema import latest_version
 from devtools import airflow_env
 from devtools.workers import connection_env, dags_test, private_airflow_env
-from support.workers import TEST_DAGS, kill_group, wait_until
+from support.db import rows
+from support.locks import lock_held_attempts
+from support.workers import TEST_DAGS, Until, race, work_log_count
 
 AIRFLOW2_PYTHON = os.environ.get("IDEMPOTENCY_AIRFLOW2_PYTHON", "")
-
-
-def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql).fetchall()
 
 
 @pytest.fixture(scope="module")
@@ -60,35 +55,22 @@ def test_airflow2_and_airflow3_workers_share_one_key(
 
     release = tmp_path / "release"
     hold = {"IDEM_TEST_HOLD_FILE": str(release)}
-    old = worker(AIRFLOW2_PYTHON, airflow2_db, tmp_path / "a2", pg_dsn, True, **hold)
-    new = None
-    try:
-        wait_until(
-            lambda: rows(pg_dsn, "SELECT to_regclass('public.work_log') IS NOT NULL")[0][0],
-            timeout=120,
-            what="the Airflow 2.11 worker to start working",
-        )
-        new = worker(
+    old, new = race(
+        lambda: worker(AIRFLOW2_PYTHON, airflow2_db, tmp_path / "a2", pg_dsn, True, **hold),
+        lambda: worker(
             sys.executable, airflow_home / "airflow.db", tmp_path / "a3", pg_dsn, False, **hold
-        )
-        wait_until(
-            lambda: rows(
-                pg_dsn,
-                "SELECT count(*) FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'",
-            )[0][0],
-            timeout=120,
-            what="the Airflow 3 worker to find the key locked",
-        )
-        release.touch()
-        out_old, _ = old.communicate(timeout=240)
-        out_new, _ = new.communicate(timeout=240)
-    finally:
-        release.touch()
-        kill_group(old)
-        if new is not None:
-            kill_group(new)
-    assert old.returncode == 0, out_old[-3000:]
-    assert new.returncode == 0, out_new[-3000:]
+        ),
+        release,
+        first_holds=Until(
+            lambda: work_log_count(pg_dsn), "the Airflow 2.11 worker to start working"
+        ),
+        second_refused=Until(
+            lambda: lock_held_attempts(pg_dsn), "the Airflow 3 worker to find the key locked"
+        ),
+        wait=120,
+    )
+    assert old.returncode == 0, old.output[-3000:]
+    assert new.returncode == 0, new.output[-3000:]
     assert rows(pg_dsn, "SELECT count(*) FROM public.work_log") == [(1,)]
     by_pid = rows(
         pg_dsn,

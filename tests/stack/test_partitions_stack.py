@@ -26,14 +26,10 @@ from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack, RunResult, StackError
 from devtools.postgres import PostgresServer, temporary_database
 from support import ROOT, TESTS
+from support.browser import new_page
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
 
 # The migration test's DAG file, before and after: one line changes.
 MIGRATION_DAG = """
@@ -529,31 +525,13 @@ def test_a_cron_dag_moved_to_partitions_keeps_its_completed_keys(stack: Partitio
 # ---------------------------------------------------------------- the browser
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing (.ci/run installs Debian's chromium)")
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
 def test_in_the_browser_the_trigger_forms_partition_key(
     browser: Any, stack: PartitionStack, tmp_path: Path
 ) -> None:
     """Airflow's own trigger form has a Partition Key field for a partitioned DAG; the run
     triggered with 2026-10-09T01:00:00 typed there processes 2026-10-09."""
     stack.unpause("part_daily")
-    context = browser.new_context(viewport={"width": 1360, "height": 860})
-    page = context.new_page()
-    page.set_default_timeout(30_000)
+    page = new_page(browser)
     page.goto(f"{stack.base_url}/dags/part_daily")
     page.get_by_role("button", name="Trigger").first.click()
     dialog = page.get_by_role("dialog")
@@ -571,4 +549,4 @@ def test_in_the_browser_the_trigger_forms_partition_key(
     assert stack.jobs(
         "SELECT run_key, status FROM idempotency.job_runs WHERE run_id = %s", (run_id,)
     ) == [("2026-10-09", "completed")]
-    context.close()
+    page.context.close()

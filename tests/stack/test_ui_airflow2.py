@@ -34,16 +34,12 @@ from devtools.airflow_stack import free_port
 from devtools.postgres import temporary_database
 from devtools.workers import kill_group, start_airflow
 from support import TESTS
+from support.browser import new_page
 
 pytestmark = [pytest.mark.airflow2_only, pytest.mark.slow]
 
 DAGS = TESTS / "dags_ui"
 USERS = {"admin": "Admin", "viewer": "Viewer", "operator": "User", "limited": "Limited"}
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
 
 SET_UP = """
 import json, sys
@@ -375,30 +371,6 @@ def test_fab_extra_link_opens_the_key_of_the_task(
 # ---------------------------------------------------------------- the browser
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing (.ci/run installs Debian's chromium)")
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = os.environ.get("IDEMPOTENCY_UI_SCREENSHOTS")
-    path = Path(folder) if folder else tmp_path_factory.mktemp("screenshots")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def test_in_the_browser_on_airflow2_operator_reads_and_reruns_a_key(
     browser: Any, webserver: Webserver2, runs: dict[str, str], shots: Path, job_dsn: str
 ) -> None:
@@ -406,9 +378,7 @@ def test_in_the_browser_on_airflow2_operator_reads_and_reruns_a_key(
     page its attempts; a rerun of the completed key, confirmed, is a new DAG run whose
     attempts are no-ops, and one with Force ticked recomputes it; a link to the DAG run opens
     Airflow's grid in the top window."""
-    context = browser.new_context(viewport={"width": 1360, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(30_000)
+    page = new_page(browser, height=900)
     page.goto(f"{webserver.base_url}/login/")
     page.fill("input[name=username]", "operator")
     page.fill("input[name=password]", "operator")
@@ -465,4 +435,4 @@ def test_in_the_browser_on_airflow2_operator_reads_and_reruns_a_key(
     frame = page.frame_locator("#run-keys-frame")
     frame.locator("#record a[data-airflow]").first.click()
     page.wait_for_url("**/dags/ui_demo/grid?dag_run_id=**")
-    context.close()
+    page.context.close()

@@ -25,16 +25,12 @@ from devtools.airflow_stack import AirflowStack
 from devtools.postgres import temporary_database
 from support import TESTS
 from support.auth_manager import DENIED_ENV
+from support.browser import new_page
 
 pytestmark = pytest.mark.slow
 
 DAGS = TESTS / "dags_ui"
 USERS = {"admin": "admin", "viewer": "viewer", "restricted": "viewer", "operator": "user"}
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
 
 
 class SignedInStack(AirflowStack):
@@ -188,35 +184,9 @@ def test_extra_link_of_a_task_opens_its_key(stack: SignedInStack, runs: dict[str
 # ---------------------------------------------------------------- the browser
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing (.ci/run installs Debian's chromium)")
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = os.environ.get("IDEMPOTENCY_UI_SCREENSHOTS")
-    path = Path(folder) if folder else tmp_path_factory.mktemp("screenshots")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def signed_in(browser: Any, stack: SignedInStack, user: str) -> Any:
     """A page of a fresh browser context, signed in through Airflow's login form."""
-    context = browser.new_context(viewport={"width": 1360, "height": 860})
-    page = context.new_page()
-    page.set_default_timeout(30_000)
+    page = new_page(browser)
     page.goto(f"{stack.base_url}/")
     page.wait_for_url("**/auth/login**")
     page.fill("input[name=username]", user)

@@ -8,32 +8,14 @@ free at once and converges on the rerun.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import psycopg
 import pytest
 
-from support.workers import kill_group, start_worker, wait_until
+from support.db import rows
+from support.locks import advisory_locks, lock_held_attempts
+from support.workers import Until, kill_group, race, start_worker, wait_until, work_log_count
 
 pytestmark = pytest.mark.both_airflow_lines
-
-
-def rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql).fetchall()
-
-
-def work_log_count(dsn: str) -> int:
-    with psycopg.connect(dsn) as conn:
-        exists = conn.execute("SELECT to_regclass('public.work_log') IS NOT NULL").fetchone()[0]  # type: ignore[index]
-        return conn.execute("SELECT count(*) FROM public.work_log").fetchone()[0] if exists else 0  # type: ignore[index]
-
-
-def advisory_locks(dsn: str) -> int:
-    return rows(
-        dsn,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    )[0][0]
 
 
 def finish(proc) -> tuple[int, str]:  # type: ignore[no-untyped-def]
@@ -51,31 +33,20 @@ def test_same_key_in_two_processes_runs_once(
     """Two workers start one run key together: the work runs once; the other fails, skips, or waits and no-ops."""
     release = tmp_path / "release"
     env = {"IDEM_TEST_HOLD_FILE": str(release), "IDEM_TEST_ON_LOCKED": policy}
-    first = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, env)
-    try:
-        wait_until(
-            lambda: work_log_count(pg_dsn) == 1,
-            timeout=90,
-            what="the first worker to start working",
-        )
-        second = start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, env)
-        wait_until(
-            lambda: rows(
-                pg_dsn,
-                "SELECT count(*) FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'",
-            )[0][0],
-            timeout=90,
-            what="the second worker to find the key locked",
-        )
-        release.touch()
-        code1, out1 = finish(first)
-        code2, out2 = finish(second)
-    finally:
-        kill_group(first)
-    assert code1 == 0, out1[-3000:]
-    assert code2 == loser_exit, out2[-3000:]
+    first, second = race(
+        lambda: start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, env),
+        lambda: start_worker(airflow_home, "core_slow_job", "2026-10-02", pg_dsn, env),
+        release,
+        first_holds=Until(lambda: work_log_count(pg_dsn) == 1, "the first worker to start working"),
+        second_refused=Until(
+            lambda: lock_held_attempts(pg_dsn), "the second worker to find the key locked"
+        ),
+        wait=90,
+    )
+    assert first.returncode == 0, first.output[-3000:]
+    assert second.returncode == loser_exit, second.output[-3000:]
     assert work_log_count(pg_dsn) == 1
-    assert "is locked by another execution: backend pid" in out2
+    assert "is locked by another execution: backend pid" in second.output
     outcomes = [
         o
         for (o,) in rows(

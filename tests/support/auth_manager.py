@@ -15,7 +15,7 @@ from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleA
 DENIED_ENV = "IDEMPOTENCY_TEST_DENIED_DAGS"
 
 
-class RestrictedAuthManager(SimpleAuthManager):  # type: ignore[misc]
+class RestrictedAuthManager(SimpleAuthManager):
     def is_authorized_dag(
         self, *, method: Any, user: Any, access_entity: Any = None, details: Any = None
     ) -> bool:

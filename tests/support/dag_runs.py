@@ -51,7 +51,7 @@ def register(dag: DAG) -> None:
         return
     from airflow.dag_processing.bundles.manager import DagBundlesManager
 
-    DagBundlesManager().sync_bundles_to_db()
+    DagBundlesManager().sync_bundles_to_db()  # type: ignore[no-untyped-call]
     if compat.AIRFLOW_V_3_2_PLUS:
         from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
     else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import psycopg
 
@@ -53,7 +55,8 @@ def main(argv: list[str]) -> None:
             out.write_text(argv[4])
         return {"file": argv[3]}
 
-    work = {"mail": mail, "file": file}[kind]
+    works: dict[str, Callable[[RunContext], Mapping[str, Any]]] = {"mail": mail, "file": file}
+    work = works[kind]
     run_idempotently(
         connect=lambda: psycopg.connect(dsn),
         job_name="job",

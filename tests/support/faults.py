@@ -57,16 +57,6 @@ def finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str,
     return proc.returncode, out, time.monotonic() - started
 
 
-def rows(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(sql, params).fetchall()
-
-
-def advisory_locks(dsn: str) -> int:
-    """Advisory locks held right now in this database (other databases are not ours)."""
-    return len(invariants.rows(dsn, "advisory_locks_left"))
-
-
 def job_statuses(dsn: str, run_key: str = D) -> dict[str, str]:
     """task -> job_runs.status of the finalize_invoices jobs (absent: never started)."""
     return invariants.job_statuses(dsn, run_key)
@@ -95,7 +85,7 @@ def check_consistency(dsn: str, day: str = D) -> dict[str, Any]:
     }
 
 
-NO_PROBLEMS = {
+NO_PROBLEMS: dict[str, list[tuple[Any, ...]]] = {
     "duplicate_remote_orders": [],
     "duplicate_invoices": [],
     "reference_mismatch": [],

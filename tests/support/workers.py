@@ -1,5 +1,6 @@
 """Workers of the tests: ``airflow dags test`` in a private Airflow home (devtools.workers)
-with a copy of the session's migrated metadata DB, on the test DAGs by default.
+with a copy of the session's migrated metadata DB, on the test DAGs by default; and
+:func:`race`, two workers on one run key.
 """
 
 from __future__ import annotations
@@ -7,7 +8,12 @@ from __future__ import annotations
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+import psycopg
 
 from devtools import workers
 from devtools.workers import connection_env, dags_test, kill_group
@@ -15,11 +21,15 @@ from support import TESTS
 
 __all__ = [
     "TEST_DAGS",
+    "Finished",
+    "Until",
     "dags_test",
     "kill_group",
     "private_airflow_env",
+    "race",
     "start_worker",
     "wait_until",
+    "work_log_count",
 ]
 
 TEST_DAGS = TESTS / "dags"
@@ -55,8 +65,27 @@ def start_worker(
     return dags_test(worker_env, dag_id, date, conf)
 
 
-def wait_until(predicate, timeout: float = 60.0, interval: float = 0.1, what: str = "condition"):  # type: ignore[no-untyped-def]
-    """Poll ``predicate`` until it returns a truthy value."""
+T = TypeVar("T")
+
+
+def work_log_count(dsn: str) -> int:
+    """Rows in ``public.work_log``, where the test DAGs' ``core_slow_job`` records each
+    execution's start (0 before the first: the table is made with it, in its transaction)."""
+    with psycopg.connect(dsn) as conn:
+        found = conn.execute("SELECT to_regclass('public.work_log') IS NOT NULL").fetchone()
+        if not (found and found[0]):
+            return 0
+        counted = conn.execute("SELECT count(*) FROM public.work_log").fetchone()
+        return int(counted[0]) if counted else 0
+
+
+def wait_until(
+    predicate: Callable[[], T | None],
+    timeout: float = 60.0,
+    interval: float = 0.1,
+    what: str = "condition",
+) -> T:
+    """Poll ``predicate`` until it returns a truthy value; return it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -64,3 +93,60 @@ def wait_until(predicate, timeout: float = 60.0, interval: float = 0.1, what: st
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass(frozen=True)
+class Until:
+    """A moment to wait for: a condition polled until it is truthy, and what it means (the
+    timeout's error names it)."""
+
+    condition: Callable[[], object]
+    what: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A worker that has exited: its pid, exit code and output."""
+
+    pid: int
+    returncode: int
+    output: str
+
+
+def race(
+    start_first: Callable[[], subprocess.Popen[str]],
+    start_second: Callable[[], subprocess.Popen[str]],
+    release: Path,
+    *,
+    first_holds: Until,
+    second_refused: Until | None,
+    wait: float,
+    finish: float = 240,
+) -> tuple[Finished, Finished]:
+    """Two workers on one run key, the second while the first holds it: start the first (its
+    work waits for the file ``release``), wait until ``first_holds``, start the second, wait
+    until ``second_refused`` (None: until the second has exited), release the first, and
+    collect both (each within ``finish`` seconds). Whatever happens, ``release`` is created
+    and both process groups are killed."""
+    first = start_first()
+    second: subprocess.Popen[str] | None = None
+    try:
+        wait_until(first_holds.condition, timeout=wait, what=first_holds.what)
+        second = start_second()
+        if second_refused is None:
+            second_output, _ = second.communicate(timeout=finish)
+        else:
+            wait_until(second_refused.condition, timeout=wait, what=second_refused.what)
+        release.touch()
+        first_output, _ = first.communicate(timeout=finish)
+        if second_refused is not None:
+            second_output, _ = second.communicate(timeout=finish)
+    finally:
+        release.touch()
+        kill_group(first)
+        if second is not None:
+            kill_group(second)
+    return (
+        Finished(first.pid, first.returncode, first_output),
+        Finished(second.pid, second.returncode, second_output),
+    )
