@@ -82,6 +82,22 @@ def cut_off_worker(
     return dags_test(worker_env, dag_id, DAY, prefix=link.run_prefix())
 
 
+def writing_after_the_hold(
+    link: netns.Link, airflow_home: Path, dsn: str, tmp_path: Path, release: Path
+) -> subprocess.Popen[str]:
+    """The cut-off worker of core_slow_job: its work holds until ``release`` exists (at most
+    600 s), then writes once more, fenced."""
+    return cut_off_worker(
+        link,
+        airflow_home,
+        dsn,
+        tmp_path,
+        IDEM_TEST_HOLD_FILE=str(release),
+        IDEM_TEST_HOLD_MAX="600",
+        IDEM_TEST_WRITE_AFTER_HOLD="1",
+    )
+
+
 @ON_BOTH_LINES
 def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
     link: netns.Link, server: tuple[netns.TcpPostgres, str], airflow_home: Path, tmp_path: Path
@@ -92,15 +108,7 @@ def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
     pg, name = server
     local, remote = pg.local_dsn(name), pg.dsn(name)
     release = tmp_path / "release"
-    victim = cut_off_worker(
-        link,
-        airflow_home,
-        remote,
-        tmp_path,
-        IDEM_TEST_HOLD_FILE=str(release),
-        IDEM_TEST_HOLD_MAX="600",
-        IDEM_TEST_WRITE_AFTER_HOLD="1",
-    )
+    victim = writing_after_the_hold(link, airflow_home, remote, tmp_path, release)
     successor = None
     try:
         wait_until(
@@ -110,15 +118,9 @@ def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
         link.cut()
         cut_at = time.monotonic()
         # The successor runs on this side, rescheduling every second while the key is held.
-        # Its output goes to a file: it logs ~1.5 kB a second, which fills a pipe nobody
-        # reads within a minute and then blocks it (seen: it hung before the lock was freed).
-        successor_log = tmp_path / "successor.log"
-        successor_env = private_airflow_env(airflow_home, local, TEST_DAGS, home=tmp_path / "s")
-        successor_env.update(
-            {"IDEM_TEST_ON_LOCKED": "reschedule", "IDEM_TEST_WRITE_AFTER_HOLD": "1"}
+        successor, successor_log = start_successor(
+            airflow_home, local, tmp_path, "core_slow_job", IDEM_TEST_WRITE_AFTER_HOLD="1"
         )
-        with successor_log.open("w") as log:
-            successor = dags_test(successor_env, "core_slow_job", DAY, output=log)
         wait_until(
             lambda: advisory_locks(local) == 0 or None,
             timeout=BOUND + 30,
@@ -126,39 +128,10 @@ def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
             what="the lock to be freed",
         )
         freed = time.monotonic() - cut_at
-        try:
-            wait_until(
-                lambda: (
-                    rows(local, "SELECT status FROM idempotency.job_runs") == [("completed",)]
-                    or None
-                ),
-                timeout=120,
-                interval=0.2,
-                what="the successor to complete the key",
-            )
-        except AssertionError as exc:
-            kill_group(successor)
-            out_s = successor_log.read_text(errors="replace")
-            attempts = rows(
-                local,
-                "SELECT attempt_id, pid, outcome, error FROM idempotency.job_run_attempts"
-                " ORDER BY attempt_id",
-            )
-            raise AssertionError(
-                f"{exc}\nattempts: {attempts}\nthe successor's output:\n{out_s[-6000:]}"
-            ) from None
-        taken_over = time.monotonic() - cut_at
-        successor.wait(timeout=120)
-        assert successor.returncode == 0, successor_log.read_text(errors="replace")[-3000:]
-        link.restore()
-        release.touch()
-        out_v, _ = victim.communicate(timeout=180)
+        taken_over = successor_completes(local, successor, successor_log, cut_at, timeout=120)
+        out_v = reconnected(link, release, victim)
     finally:
-        release.touch()
-        link.restore()
-        kill_group(victim)
-        if successor is not None:
-            kill_group(successor)
+        clean_up(link, release, victim, successor)
     assert freed <= BOUND, freed
     assert victim.returncode == 1, out_v[-3000:]
     assert "LockLostError" in out_v, out_v[-3000:]
@@ -191,15 +164,7 @@ def test_a_cut_off_worker_notices_within_the_bound(
     pg, name = server
     local, remote = pg.local_dsn(name), pg.dsn(name)
     release = tmp_path / "release"
-    victim = cut_off_worker(
-        link,
-        airflow_home,
-        remote,
-        tmp_path,
-        IDEM_TEST_HOLD_FILE=str(release),
-        IDEM_TEST_HOLD_MAX="600",
-        IDEM_TEST_WRITE_AFTER_HOLD="1",
-    )
+    victim = writing_after_the_hold(link, airflow_home, remote, tmp_path, release)
     try:
         wait_until(
             lambda: len(work_log(local)) == 1, timeout=120, what="the worker to start working"
@@ -269,7 +234,8 @@ def start_successor(
     airflow_home: Path, dsn: str, tmp_path: Path, dag_id: str, **env: str
 ) -> tuple[subprocess.Popen[str], Path]:
     """`airflow dags test DAG_ID` on this side of the link, rescheduling while the key is held
-    (its output in a file: a pipe nobody reads would fill up and block it)."""
+    (its output in a file: it logs ~1.5 kB a second, which fills a pipe nobody reads within a
+    minute and then blocks it; seen: it hung before the lock was freed)."""
     log_path = tmp_path / f"successor-{dag_id}.log"
     successor_env = private_airflow_env(airflow_home, dsn, TEST_DAGS, home=tmp_path / "s")
     successor_env.update({"IDEM_TEST_ON_LOCKED": "reschedule", **env})
@@ -277,13 +243,21 @@ def start_successor(
         return dags_test(successor_env, dag_id, DAY, output=log), log_path
 
 
-def wait_completed(dsn: str, successor: subprocess.Popen[str], log_path: Path) -> None:
+def successor_completes(
+    dsn: str,
+    successor: subprocess.Popen[str],
+    log_path: Path,
+    cut_at: float,
+    timeout: float = BOUND + 90,
+) -> float:
+    """Wait until the successor has completed the key and exited 0 (else fail with its
+    attempts and its output); return the seconds since the cut."""
     try:
         wait_until(
             lambda: (
                 rows(dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)] or None
             ),
-            timeout=BOUND + 90,
+            timeout=timeout,
             interval=0.2,
             what="the successor to complete the key",
         )
@@ -298,6 +272,27 @@ def wait_completed(dsn: str, successor: subprocess.Popen[str], log_path: Path) -
         raise AssertionError(
             f"{exc}\nattempts: {attempts}\nthe successor's output:\n{out}"
         ) from None
+    taken_over = time.monotonic() - cut_at
+    successor.wait(timeout=120)
+    assert successor.returncode == 0, log_path.read_text(errors="replace")[-3000:]
+    return taken_over
+
+
+def reconnected(link: netns.Link, release: Path, victim: subprocess.Popen[str]) -> str:
+    """The link back and the cut-off worker released: its output, once it has exited."""
+    link.restore()
+    release.touch()
+    out, _ = victim.communicate(timeout=180)
+    return out
+
+
+def clean_up(link: netns.Link, release: Path, *workers: subprocess.Popen[str] | None) -> None:
+    """Whatever happened: the link back, the hold released, every worker's group killed."""
+    release.touch()
+    link.restore()
+    for worker in workers:
+        if worker is not None:
+            kill_group(worker)
 
 
 def test_a_cut_inside_a_work_transaction_holding_row_locks_ends_within_the_bound(
@@ -342,19 +337,10 @@ def test_a_cut_inside_a_work_transaction_holding_row_locks_ends_within_the_bound
             what="the cut-off worker's backends (each was inside a transaction) to end",
         )
         ended = time.monotonic() - cut_at
-        wait_completed(local, successor, log_path)
-        taken_over = time.monotonic() - cut_at
-        successor.wait(timeout=120)
-        assert successor.returncode == 0, log_path.read_text(errors="replace")[-3000:]
-        link.restore()
-        release.touch()
-        out_v, _ = victim.communicate(timeout=180)
+        taken_over = successor_completes(local, successor, log_path, cut_at)
+        out_v = reconnected(link, release, victim)
     finally:
-        release.touch()
-        link.restore()
-        kill_group(victim)
-        if successor is not None:
-            kill_group(successor)
+        clean_up(link, release, victim, successor)
     assert ended <= BOUND, ended
     assert victim.returncode == 1 and "LockLostError" in out_v, out_v[-3000:]
     assert rows(local, "SELECT n, by_pid FROM public.counter") == [(1, successor.pid)]
@@ -433,23 +419,14 @@ def test_a_cut_during_a_ledger_batch_leaves_nothing_the_cut_off_worker_sent(
                 what="the cut-off worker's transactions (its open claim's too) to end",
             )
             ended = time.monotonic() - cut_at
-            wait_completed(local, successor, log_path)
-            taken_over = time.monotonic() - cut_at
-            successor.wait(timeout=120)
-            assert successor.returncode == 0, log_path.read_text(errors="replace")[-3000:]
+            taken_over = successor_completes(local, successor, log_path, cut_at)
             requests_after_successor = service.stats()
-            link.restore()
-            release.touch()
-            out_v, _ = victim.communicate(timeout=180)
+            out_v = reconnected(link, release, victim)
             time.sleep(1)  # anything late would have arrived by now
             invoices = service.invoices("core_export:")
             requests_at_end = service.stats()
         finally:
-            release.touch()
-            link.restore()
-            kill_group(victim)
-            if successor is not None:
-                kill_group(successor)
+            clean_up(link, release, victim, successor)
     assert ended <= BOUND, ended
     assert victim.returncode == 1 and "LockLostError" in out_v, out_v[-3000:]
     keys = [invoice["idempotency_key"] for invoice in invoices]

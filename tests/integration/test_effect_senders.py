@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -31,35 +31,23 @@ from airflow_idempotency.exceptions import (
     RemoteCallError,
     TransientRemoteError,
 )
-from support.effects import RecordedMetrics, ledger, run_once, statuses
+from support.effects import LocalEndpoint, RecordedMetrics, ledger, run_once, statuses
 
 
-class Hook:
+class Hook(LocalEndpoint):
     """A local webhook: answers each POST with the status its test chose for the body's key,
     counting what it acted on (2xx and 500: a 500 here has acted, the answer says otherwise)."""
 
     def __init__(self) -> None:
         self.acted: Counter[str] = Counter()
         self.answers: dict[str, int] = {}
-        hook = self
+        super().__init__("/hooks/chat")
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                key = self.headers["Idempotency-Key"]
-                status = hook.answers.get(body["n"], 200)
-                if status in (200, 500):
-                    hook.acted[key] += 1
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                return None
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/chat"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def answer(self, headers: Message, body: bytes) -> int:
+        status = self.answers.get(json.loads(body)["n"], 200)
+        if status in (200, 500):
+            self.acted[headers["Idempotency-Key"]] += 1
+        return status
 
 
 @pytest.fixture

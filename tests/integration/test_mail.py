@@ -3,9 +3,6 @@ counts every message it delivers: no message twice, none lost, across kills and 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,8 +30,7 @@ from airflow_idempotency.mail import (
 )
 from airflow_idempotency.resolutions import resolutions, resolve_unknown
 from devtools.smtp_server import SmtpServer, smtp_connection_env
-from support import ROOT
-from support.effects import ledger, run_once, statuses
+from support.effects import crashed_worker, ledger, run_once, statuses
 from support.locks import terminate_lock_session
 
 KEYS = "job:2026-10-01:mail_"
@@ -181,12 +177,7 @@ def test_worker_killed_between_intent_and_outcome_leaves_it_unknown(
     pg_dsn: str, smtp: SmtpServer
 ) -> None:
     """A worker SIGKILLed right after the server accepted a message, before the outcome was written: the message is unknown, the rerun does not send it again, and every other message is delivered once."""
-    env = {**os.environ, "AIRFLOW_IDEMPOTENCY_CRASH_AT": "ledger.after_remote_commit@7"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "support" / "effects_worker.py"), "mail", pg_dsn,
-         str(smtp.port), "30"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = crashed_worker("ledger.after_remote_commit@7", "mail", pg_dsn, str(smtp.port), "30")
     assert proc.returncode == -9, proc.stderr[-2000:]
     state = statuses(pg_dsn, "smtp")
     unknown = {k for k, s in state.items() if s == "unknown"}
@@ -215,12 +206,7 @@ def test_a_crash_mid_pipeline_leaves_at_most_the_bound_unknown(
 ) -> None:
     """A worker SIGKILLed in the middle of one pipelined batch (200 messages, 4 connections): at most concurrency + INTENTS_AHEAD effects are unknown, nothing unknown is sent again, nothing delivered is thought unsent, and after the operator's choices every message was delivered exactly once."""
     n, concurrency = 200, 4
-    env = {**os.environ, "AIRFLOW_IDEMPOTENCY_CRASH_AT": point}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "support" / "effects_worker.py"), "mail", pg_dsn,
-         str(smtp.port), str(n), "500", str(concurrency)],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = crashed_worker(point, "mail", pg_dsn, str(smtp.port), str(n), "500", str(concurrency))
     assert proc.returncode == -9, proc.stderr[-2000:]
     state = statuses(pg_dsn, "smtp")
     unknown = {k for k, s in state.items() if s == "unknown"}

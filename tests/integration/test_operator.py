@@ -18,7 +18,7 @@ from support.dag_runs import (
     FAILED,
     SUCCESS,
     airflow3_only,
-    daily_trigger,
+    daily_dag,
     run_dag,
     task_states,
     utc,
@@ -30,13 +30,7 @@ pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_
 
 def make_dag(dag_id: str, work, *, form: bool = True, **op_kwargs: Any) -> DAG:  # type: ignore[no-untyped-def]
     """A daily DAG of one idempotent task; ``form`` adds the trigger-form params."""
-    with DAG(
-        dag_id,
-        schedule=daily_trigger(),
-        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-        catchup=False,
-        params=idempotency_params() if form else None,
-    ) as dag:
+    with daily_dag(dag_id, params=idempotency_params() if form else None) as dag:
         IdempotentRunOperator(task_id="work", python_callable=work, **op_kwargs)
     return dag
 
@@ -214,12 +208,7 @@ def test_subclass_overriding_run(airflow_pg_conn: str) -> None:
             calls.append(ctx.run_key)
             return {"loaded": 1}
 
-    with DAG(
-        "op_subclass",
-        schedule=daily_trigger(),
-        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-        catchup=False,
-    ) as dag:
+    with daily_dag("op_subclass") as dag:
         LoadOperator(task_id="load")
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
@@ -229,12 +218,7 @@ def test_subclass_overriding_run(airflow_pg_conn: str) -> None:
 def test_taskflow_decorator(airflow_pg_conn: str) -> None:
     """@task.idempotent_run passes the run context first and the DAG's arguments after it."""
     calls: list[tuple[str, int]] = []
-    with DAG(
-        "op_decorator",
-        schedule=daily_trigger(),
-        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-        catchup=False,
-    ) as dag:
+    with daily_dag("op_decorator") as dag:
 
         @task.idempotent_run(job_name="decorated job")
         def load(run: RunContext, batch: int) -> dict[str, int]:
@@ -254,13 +238,7 @@ def test_return_value_is_the_counts_replayed_on_a_noop(airflow_pg_conn: str) -> 
     """A TaskFlow consumer receives the dict the work returned, the same one on the no-op
     rerun (replayed from job_runs.details); an empty result and a dry run push nothing."""
     received: list[tuple[str, Any]] = []
-    with DAG(
-        "op_returns",
-        schedule=daily_trigger(),
-        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-        catchup=False,
-        params=idempotency_params(),
-    ) as dag:
+    with daily_dag("op_returns", params=idempotency_params()) as dag:
 
         @task.idempotent_run
         def counted(run: RunContext) -> dict[str, int]:

@@ -19,8 +19,7 @@ from airflow_idempotency.crashpoints import WAIT_ENV
 from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.outputs import OutputConflictError, OutputFile
 from airflow_idempotency.runner import RunOutcome
-from support import ROOT
-from support.effects import ledger, run_once
+from support.effects import EFFECTS_WORKER, crashed_worker, ledger, run_once
 
 NAME = "exports/2026-10-01.csv"
 
@@ -107,7 +106,7 @@ def test_forced_replacement_is_atomic_for_readers(pg_dsn: str, tmp_path: Path) -
     env = {**os.environ, WAIT_ENV: f"files.after_write={gate}"}
     seen: list[bytes] = []
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "support" / "effects_worker.py"), "file", pg_dsn,
+        [sys.executable, str(EFFECTS_WORKER), "file", pg_dsn,
          str(tmp_path), NAME, "new\n" * 5000],
         env={**env, "EFFECTS_FORCE": "1"}, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -133,12 +132,7 @@ def test_forced_replacement_is_atomic_for_readers(pg_dsn: str, tmp_path: Path) -
 @pytest.mark.parametrize("point", ["files.after_write", "files.after_rename"])
 def test_crash_between_write_and_commit_then_rerun(pg_dsn: str, tmp_path: Path, point: str) -> None:
     """A worker SIGKILLed after writing (before the commit) leaves the final file absent; killed after the rename (before the ledger recorded it) leaves it whole; either way the rerun commits its content, even a different one, and removes the temporary file."""
-    env = {**os.environ, "AIRFLOW_IDEMPOTENCY_CRASH_AT": point}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "support" / "effects_worker.py"), "file", pg_dsn,
-         str(tmp_path), NAME, "first attempt\n"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = crashed_worker(point, "file", pg_dsn, str(tmp_path), NAME, "first attempt\n")
     assert proc.returncode == -9, proc.stderr[-2000:]
     final = tmp_path / NAME
     if point == "files.after_write":

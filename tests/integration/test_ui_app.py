@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from devtools import airflow_env
 from support.auth_manager import DENIED_ENV
 from support.dag_runs import register
 from support.db import rows
+from support.locks import key_held
 
 pytestmark = pytest.mark.usefixtures("airflow_home")
 
@@ -292,25 +292,7 @@ def test_key_page_shows_the_record_attempts_lock_holder_and_ledger(
     assert {u["status"] for u in detail["unconfirmed"]} == {"pending", "failed"}
     assert detail["lock_holder"] is None
 
-    started, release = threading.Event(), threading.Event()
-
-    def slow(ctx: RunContext) -> None:
-        started.set()
-        release.wait(30)
-
-    worker = threading.Thread(
-        target=run_idempotently,
-        kwargs={
-            "connect": lambda: psycopg.connect(seeded),
-            "job_name": "demo_dag.load",
-            "run_key": "2026-10-04",
-            "work": slow,
-            "trigger": Trigger("scheduled", None, "demo_dag", "r4", "t", 1),
-        },
-    )
-    worker.start()
-    try:
-        assert started.wait(30)
+    with key_held(seeded, "demo_dag.load", "2026-10-04", scheduled("r4")):
         live = client.json("/api/keys", job="demo_dag.load", run_key="2026-10-04")["key"]
         assert live["run"]["state"] == "running"
         assert live["lock_holder"]["attempt_run_id"] == "r4"
@@ -319,9 +301,6 @@ def test_key_page_shows_the_record_attempts_lock_holder_and_ledger(
         assert [(lock["run_key"], lock["run_id"]) for lock in overview["locks"]] == [
             ("2026-10-04", "r4")
         ]
-    finally:
-        release.set()
-        worker.join(30)
     assert (
         client.json("/api/keys", job="demo_dag.load", run_key="2026-10-04")["key"]["run"]["state"]
         == "completed"
@@ -503,29 +482,9 @@ def test_every_json_endpoint_answers_401_without_a_session(
     assert page.status_code == 303 and page.headers["location"].startswith(login)
 
 
-def hold_key(
-    dsn: str, job: str, key: str, run_id: str, dag_id: str = "demo_dag"
-) -> tuple[threading.Thread, threading.Event]:
-    """A run of ``key`` in another thread, holding its lock until the event is set."""
-    started, release = threading.Event(), threading.Event()
-
-    def slow(ctx: RunContext) -> None:
-        started.set()
-        release.wait(60)
-
-    worker = threading.Thread(
-        target=run_idempotently,
-        kwargs={
-            "connect": lambda: psycopg.connect(dsn),
-            "job_name": job,
-            "run_key": key,
-            "work": slow,
-            "trigger": Trigger("scheduled", None, dag_id, run_id, "t", 1),
-        },
-    )
-    worker.start()
-    assert started.wait(30)
-    return worker, release
+def scheduled(run_id: str, dag_id: str = "demo_dag") -> Trigger:
+    """The trigger of task ``t`` of a scheduled run ``run_id`` of ``dag_id``, try 1."""
+    return Trigger("scheduled", None, dag_id, run_id, "t", 1)
 
 
 def test_calendar_colours_each_period_of_a_job(auth_manager: Any, seeded: str) -> None:
@@ -533,14 +492,10 @@ def test_calendar_colours_each_period_of_a_job(auth_manager: Any, seeded: str) -
     running (locked now) or missing (a gap between its first and newest key), the counts of
     each, the sums of its completed days' details; JSON and HTML say the same."""
     run(seeded, "demo_dag.load", "2026-10-06", "demo_dag", run_id="r6")
-    worker, release = hold_key(seeded, "demo_dag.load", "2026-10-05", "r5")
     client = Client(auth_manager, "viewer")
-    try:
+    with key_held(seeded, "demo_dag.load", "2026-10-05", scheduled("r5")):
         cal = client.json("/api/calendar", job="demo_dag.load")["calendar"]
         page = client.get("/calendar", job="demo_dag.load")
-    finally:
-        release.set()
-        worker.join(30)
     assert (cal["period"], cal["first_key"], cal["last_key"]) == ("day", "2026-10-01", "2026-10-06")
     # By default the twelve months up to the newest key's, whole.
     assert (cal["from_key"], cal["to_key"]) == ("2025-11-01", "2026-10-31")
@@ -642,11 +597,10 @@ def test_calendar_refuses_bad_input_clearly(
 def test_locks_page_names_each_holder_and_its_age(auth_manager: Any, seeded: str) -> None:
     """The locks held now, each with its worker's host and pid, attempt, DAG run, task and
     age; a user barred from a DAG does not see that DAG's locks."""
-    held = [
-        hold_key(seeded, "demo_dag.load", "2026-10-07", "r7"),
-        hold_key(seeded, "secret_dag.pay", "2026-10-02", "s2", dag_id="secret_dag"),
-    ]
-    try:
+    with (
+        key_held(seeded, "demo_dag.load", "2026-10-07", scheduled("r7")),
+        key_held(seeded, "secret_dag.pay", "2026-10-02", scheduled("s2", dag_id="secret_dag")),
+    ):
         locks = Client(auth_manager, "viewer").json("/api/locks")["locks"]
         page = Client(auth_manager, "viewer").get("/locks").text
         barred = Client(auth_manager, "restricted").json("/api/locks")["locks"]
@@ -656,10 +610,6 @@ def test_locks_page_names_each_holder_and_its_age(auth_manager: Any, seeded: str
                 "SELECT attempt_id, pid FROM idempotency.job_run_attempts"
                 " WHERE run_key = '2026-10-07' AND outcome = 'running'"
             ).fetchall()
-    finally:
-        for worker, release in held:
-            release.set()
-            worker.join(30)
     assert [(lock["job_name"], lock["run_key"]) for lock in locks] == [
         ("demo_dag.load", "2026-10-07"), ("secret_dag.pay", "2026-10-02"),
     ]  # fmt: skip

@@ -1,4 +1,5 @@
-"""The fixtures of the tests that drive Airflow's pages in a browser."""
+"""The fixtures the stack's tests share: a job database for a module's stack, and a browser
+for the tests that drive Airflow's pages."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from devtools.postgres import PostgresServer, temporary_database
 from support.browser import chromium
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
+
+
+@pytest.fixture(scope="module")
+def job_dsn(pg_server: PostgresServer, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh job database for the module (its tests share one Airflow stack), dropped after."""
+    module = request.module.__name__.removeprefix("test_")
+    with temporary_database(pg_server, f"idem_{module}") as dsn:
+        yield dsn
 
 
 @pytest.fixture(scope="module")

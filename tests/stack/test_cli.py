@@ -15,8 +15,9 @@ import pytest
 
 from airflow_idempotency import RunContext, run_idempotently
 from airflow_idempotency.cli import main
+from support.cli import airflow_cli, cli_process_with
 from support.locks import run_lock_holders
-from support.workers import kill_group, private_airflow_env, start_worker, wait_until
+from support.workers import TEST_DAGS, kill_group, private_airflow_env, start_worker, wait_until
 
 pytestmark = pytest.mark.both_airflow_lines
 
@@ -155,14 +156,7 @@ def test_run_requires_a_date(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def cli_process(airflow_home: Path, dsn: str, *argv: str) -> subprocess.CompletedProcess[str]:
-    env = private_airflow_env(airflow_home, dsn)
-    return subprocess.run(
-        [sys.executable, "-m", "airflow_idempotency.cli", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return airflow_cli(airflow_home, dsn, TEST_DAGS, *argv)
 
 
 def test_run_exit_codes_through_airflow(airflow_home: Path, pg_dsn: str, tmp_path: Path) -> None:
@@ -341,14 +335,7 @@ def cli_logged(
         if dags
         else private_airflow_env(airflow_home, dsn)
     )
-    env = {**private_tmp_env(tmp_path, base), **extra}
-    return subprocess.run(
-        [sys.executable, "-m", "airflow_idempotency.cli", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli_process_with({**private_tmp_env(tmp_path, base), **extra}, *argv)
 
 
 def run_logs(tmp_path: Path, date: str) -> list[Path]:

@@ -15,12 +15,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_idempotency import RunContext, run_idempotently
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
 from devtools.airflow_env import DAGS_FOLDER
-from support.cli import airflow_cli, cli, record
+from support.cli import airflow_cli, cli, cli_process_with, record
 from support.dag_runs import FAILED, SUCCESS, load_dag_bag, run_dag, utc
 from support.db import rows
+from support.locks import key_held
 from support.workers import TEST_DAGS, private_airflow_env
 
 pytestmark = pytest.mark.both_airflow_lines
@@ -83,32 +83,10 @@ def test_gaps_lists_periods_without_a_completed_run(
 def test_runs_stale_finds_abandoned_work(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     """`runs --stale`: a killed worker's key (started, attempt running, no lock holder) is
     listed with its age, exit 1; a key being worked on now is not; after a rerun, none."""
-    import threading
-
     record(pg_dsn, "j", "2026-10-01")
     abandon(pg_dsn, "j", "2026-10-02")
-    working, done = threading.Event(), threading.Event()
-
-    def hold(run: RunContext) -> None:
-        working.set()
-        done.wait(30)
-
-    busy = threading.Thread(
-        target=run_idempotently,
-        kwargs={
-            "connect": lambda: psycopg.connect(pg_dsn),
-            "job_name": "j",
-            "run_key": "2026-10-03",
-            "work": hold,
-        },
-    )
-    busy.start()
-    try:
-        assert working.wait(30)
+    with key_held(pg_dsn, "j", "2026-10-03"):
         code, found, _ = cli(capsys, "runs", "--stale", "--dsn", pg_dsn)
-    finally:
-        done.set()
-        busy.join(30)
     assert code == 1
     assert [(r["run_key"], r["status"]) for r in found] == [("2026-10-02", "started")]
     assert found[0]["attempt_id"] is not None and found[0]["age"].endswith("ago")
@@ -209,18 +187,12 @@ def test_plan_shows_what_a_backfill_would_do_date_by_date(
     the other Airflow line's command, as that line would run it."""
     record(invoicing.dsn, "daily_reconciliation", "2026-10-01")
     record(invoicing.dsn, "daily_reconciliation", "2026-09-30", fail=True)
-    done = airflow_cli(
-        airflow_home,
-        invoicing.dsn,
-        DAGS_FOLDER,
-        "plan",
-        "daily_reconciliation",
-        "--from",
-        "2026-10-01",
-        "--to",
-        "2026-10-03",
-        "--json",
-    )
+
+    def plan(start: str, end: str, *more: str) -> subprocess.CompletedProcess[str]:
+        argv = ("plan", "daily_reconciliation", "--from", start, "--to", end, *more)
+        return airflow_cli(airflow_home, invoicing.dsn, DAGS_FOLDER, *argv)
+
+    done = plan("2026-10-01", "2026-10-03", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     planned = [(r["run_key"], r["would"]) for r in json.loads(done.stdout)]
     # backfill create (3.x): runs fired 10-01 01:30 and 10-02 01:30, i.e. the days before.
@@ -236,33 +208,10 @@ def test_plan_shows_what_a_backfill_would_do_date_by_date(
     )
     assert planned == by_command[this]
     # The other line's command, answered here for that line's timetable of the cron string.
-    for_other = airflow_cli(
-        airflow_home,
-        invoicing.dsn,
-        DAGS_FOLDER,
-        "plan",
-        "daily_reconciliation",
-        "--from",
-        "2026-10-01",
-        "--to",
-        "2026-10-03",
-        "--command",
-        other,
-        "--json",
-    )
+    for_other = plan("2026-10-01", "2026-10-03", "--command", other, "--json")
     assert for_other.returncode == 0, for_other.stderr[-3000:]
     assert [(r["run_key"], r["would"]) for r in json.loads(for_other.stdout)] == by_command[other]
-    reversed_range = airflow_cli(
-        airflow_home,
-        invoicing.dsn,
-        DAGS_FOLDER,
-        "plan",
-        "daily_reconciliation",
-        "--from",
-        "2026-10-03",
-        "--to",
-        "2026-10-01",
-    )
+    reversed_range = plan("2026-10-03", "2026-10-01")
     assert reversed_range.returncode == 2 and "is after --to" in reversed_range.stderr
 
 
@@ -293,23 +242,8 @@ def test_plan_agrees_with_airflow_backfill_create(
         timeout=300,
     )
     assert dry.returncode == 0, dry.stderr[-3000:]
-    plan = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "airflow_idempotency.cli",
-            "plan",
-            "finalize_invoices",
-            "--from",
-            "2026-10-01",
-            "--to",
-            "2026-10-04",
-            "--json",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    plan = cli_process_with(
+        env, "plan", "finalize_invoices", "--from", "2026-10-01", "--to", "2026-10-04", "--json"
     )
     assert plan.returncode == 0, plan.stderr[-3000:]
     planned = sorted({r["logical_date"][:16] for r in json.loads(plan.stdout)})

@@ -26,15 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
 from devtools import airflow_env
 from devtools.airflow_stack import free_port
-from devtools.postgres import temporary_database
 from devtools.workers import kill_group, start_airflow
 from support import TESTS
 from support.browser import new_page
+from support.db import rows
 
 pytestmark = [pytest.mark.airflow2_only, pytest.mark.slow]
 
@@ -234,12 +233,6 @@ class Session:
 
 
 @pytest.fixture(scope="module")
-def job_dsn(pg_server: Any) -> Iterator[str]:
-    with temporary_database(pg_server, "idem_ui_airflow2") as dsn:
-        yield dsn
-
-
-@pytest.fixture(scope="module")
 def webserver(job_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webserver2]:
     server = Webserver2(tmp_path_factory.mktemp("ui-airflow2") / "home", job_dsn)
     try:
@@ -405,12 +398,12 @@ def test_in_the_browser_on_airflow2_operator_reads_and_reruns_a_key(
     rerun_id = form.locator(".result a").inner_text()
     page.screenshot(path=shots / "run-keys-airflow2-key.png")
     assert webserver.wait_for_run("ui_demo", rerun_id) == "success"
-    with psycopg.connect(job_dsn) as conn:
-        outcomes = conn.execute(
-            "SELECT job_name, outcome FROM idempotency.job_run_attempts WHERE run_id = %s"
-            " ORDER BY job_name",
-            (rerun_id,),
-        ).fetchall()
+    outcomes = rows(
+        job_dsn,
+        "SELECT job_name, outcome FROM idempotency.job_run_attempts WHERE run_id = %s"
+        " ORDER BY job_name",
+        (rerun_id,),
+    )
     assert outcomes == [("ui_demo.extract", "noop"), ("ui_demo.load", "noop")]
     # Forced, the same key is recomputed: completed attempts that say so.
     page.reload()
@@ -423,12 +416,12 @@ def test_in_the_browser_on_airflow2_operator_reads_and_reruns_a_key(
     form.locator(".result a").wait_for()
     forced_id = form.locator(".result a").inner_text()
     assert webserver.wait_for_run("ui_demo", forced_id) == "success"
-    with psycopg.connect(job_dsn) as conn:
-        forced = conn.execute(
-            "SELECT job_name, outcome, force FROM idempotency.job_run_attempts"
-            " WHERE run_id = %s ORDER BY job_name",
-            (forced_id,),
-        ).fetchall()
+    forced = rows(
+        job_dsn,
+        "SELECT job_name, outcome, force FROM idempotency.job_run_attempts"
+        " WHERE run_id = %s ORDER BY job_name",
+        (forced_id,),
+    )
     assert forced == [("ui_demo.extract", "completed", True), ("ui_demo.load", "completed", True)]
     # A link to the DAG run opens Airflow's own grid, in the top window.
     page.reload()

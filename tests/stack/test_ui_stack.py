@@ -22,10 +22,10 @@ import pytest
 
 from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack
-from devtools.postgres import temporary_database
 from support import TESTS
 from support.auth_manager import DENIED_ENV
 from support.browser import new_page
+from support.db import rows
 
 pytestmark = pytest.mark.slow
 
@@ -106,12 +106,6 @@ class SignedInStack(AirflowStack):
         result = self.wait_for_runs(dag_id, [run["dag_run_id"]], timeout=180)[0]
         assert result.state == expect, self.describe_runs(dag_id, [result.run_id])
         return str(result.run_id)
-
-
-@pytest.fixture(scope="module")
-def job_dsn(pg_server: Any) -> Iterator[str]:
-    with temporary_database(pg_server, "idem_ui_stack") as dsn:
-        yield dsn
 
 
 @pytest.fixture(scope="module")
@@ -300,12 +294,12 @@ def test_in_the_browser_trigger_form_and_a_jobs_calendar(
     triggered = stack.wait_for_runs("ui_demo", [run_id], timeout=180)[0]
     assert triggered.state == "success", stack.describe_runs("ui_demo", [run_id])
     assert triggered.conf["run_key"] == "2026-10-05"
-    with psycopg.connect(job_dsn) as conn:
-        recorded = conn.execute(
-            "SELECT job_name, status, triggering_user FROM idempotency.job_runs"
-            " WHERE run_key = '2026-10-05' AND run_id = %s ORDER BY job_name",
-            (run_id,),
-        ).fetchall()
+    recorded = rows(
+        job_dsn,
+        "SELECT job_name, status, triggering_user FROM idempotency.job_runs"
+        " WHERE run_key = '2026-10-05' AND run_id = %s ORDER BY job_name",
+        (run_id,),
+    )
     assert recorded == [
         ("ui_demo.extract", "completed", "operator"),
         ("ui_demo.load", "completed", "operator"),
@@ -365,13 +359,13 @@ def test_in_the_browser_the_task_link_and_a_barred_user(
 
 
 def attempts_of_run(job_dsn: str, run_id: str) -> list[tuple[str, str, bool, bool]]:
-    with psycopg.connect(job_dsn) as conn:
-        rows = conn.execute(
-            "SELECT job_name, outcome, force, dry_run FROM idempotency.job_run_attempts"
-            " WHERE run_id = %s ORDER BY job_name",
-            (run_id,),
-        ).fetchall()
-    return [(str(j), str(o), bool(f), bool(d)) for j, o, f, d in rows]
+    found = rows(
+        job_dsn,
+        "SELECT job_name, outcome, force, dry_run FROM idempotency.job_run_attempts"
+        " WHERE run_id = %s ORDER BY job_name",
+        (run_id,),
+    )
+    return [(str(j), str(o), bool(f), bool(d)) for j, o, f, d in found]
 
 
 def rerun_from_the_key_page(page: Any, stack: SignedInStack, *, force: bool, dry_run: bool) -> str:

@@ -70,26 +70,29 @@ def slow_create(dsn: str, outcomes: list[str]) -> threading.Thread:
     return thread
 
 
-def fence(dsn: str) -> list[str]:
+def while_creating(dsn: str, after: float, action: Callable[[list[str]], None]) -> list[str]:
+    """``action`` ``after`` seconds into a slow create_invoices (its lock held, its work not
+    done); the outcomes of both, once the create has ended."""
     outcomes: list[str] = []
     thread = slow_create(dsn, outcomes)
-    time.sleep(1)
-    chaos = Chaos(parser().parse_args(["--seed", "1"]))
-    chaos.dsn = dsn
-    event = Event(1, "terminate_lock", "", 0)
-    outcomes.append(chaos.terminate_lock(event, {"pick": 0, "work": True}))
+    time.sleep(after)
+    action(outcomes)
     thread.join()
     return outcomes
 
 
+def fence(dsn: str) -> list[str]:
+    def terminate_its_lock(outcomes: list[str]) -> None:
+        chaos = Chaos(parser().parse_args(["--seed", "1"]))
+        chaos.dsn = dsn
+        event = Event(1, "terminate_lock", "", 0)
+        outcomes.append(chaos.terminate_lock(event, {"pick": 0, "work": True}))
+
+    return while_creating(dsn, 1, terminate_its_lock)
+
+
 def lock(dsn: str) -> list[str]:
-    outcomes: list[str] = []
-    first = slow_create(dsn, outcomes)
-    time.sleep(0.5)
-    second = slow_create(dsn, outcomes)
-    first.join()
-    second.join()
-    return outcomes
+    return while_creating(dsn, 0.5, lambda outcomes: slow_create(dsn, outcomes).join())
 
 
 def completed(dsn: str) -> list[str]:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,11 @@ def airflow_cli(
     airflow_home: Path, dsn: str, dags: Path, *argv: str
 ) -> subprocess.CompletedProcess[str]:
     """``python -m airflow_idempotency.cli ARGV`` in a private Airflow home with ``dags``."""
-    env = private_airflow_env(airflow_home, dsn, dags)
+    return cli_process_with(private_airflow_env(airflow_home, dsn, dags), *argv)
+
+
+def cli_process_with(env: Mapping[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m airflow_idempotency.cli ARGV`` with the environment ``env``, within 300 s."""
     return subprocess.run(
         [sys.executable, "-m", "airflow_idempotency.cli", *argv],
         env=env,

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pendulum
 import pytest
 from airflow.providers.common.compat.sdk import DAG
 from airflow.timetables.trigger import CronTriggerTimetable
@@ -28,6 +29,12 @@ def daily_trigger() -> CronTriggerTimetable:
     D+1 00:00 has logical date D+1): tests that map logical dates to keys use it so that one
     expectation holds on 2.11 and 3.x. Airflow 2's own default is tested separately."""
     return CronTriggerTimetable("0 0 * * *", timezone="UTC")
+
+
+def daily_dag(dag_id: str, **kwargs: Any) -> DAG:
+    """A DAG run daily at midnight (:func:`daily_trigger`) from 2026-01-01, no catchup."""
+    start = pendulum.datetime(2026, 1, 1, tz="UTC")
+    return DAG(dag_id, schedule=daily_trigger(), start_date=start, catchup=False, **kwargs)
 
 
 def scheduled_logical_date(business_date: str, at: str = "01:00") -> str:

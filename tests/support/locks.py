@@ -9,9 +9,16 @@ keys, the migration and named locks (none may outlive a run)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
 import psycopg
 
+from airflow_idempotency import RunContext, run_idempotently
 from airflow_idempotency.locks import run_lock_key
+from airflow_idempotency.records import Trigger
 from devtools import invariants
 from support.db import rows
 
@@ -52,6 +59,28 @@ def lock_held_attempts(dsn: str) -> int:
     """Attempts refused because another execution held their key (outcome ``lock_held``)."""
     sql = "SELECT count(*) FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'"
     return int(rows(dsn, sql)[0][0])
+
+
+@contextlib.contextmanager
+def key_held(dsn: str, job: str, run_key: str, trigger: Trigger | None = None) -> Iterator[None]:
+    """A run of (job, run_key) in another thread, holding the key's lock while the block runs
+    (its work waits, at most 60 s); then the run completes and its thread is joined."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow(ctx: RunContext) -> None:
+        started.set()
+        release.wait(60)
+
+    run: dict[str, Any] = {"connect": lambda: psycopg.connect(dsn), "job_name": job}
+    run.update(run_key=run_key, work=slow, **({"trigger": trigger} if trigger else {}))
+    worker = threading.Thread(target=run_idempotently, kwargs=run)
+    worker.start()
+    try:
+        assert started.wait(30), f"the run of {job!r} {run_key!r} did not start its work"
+        yield
+    finally:
+        release.set()
+        worker.join(30)
 
 
 def terminate_lock_session(dsn: str, job: str, run_key: str) -> int:
