@@ -1,12 +1,15 @@
 """What the tests share (this package has no tests; tests/ is on pytest's ``pythonpath``).
 
-- :mod:`support.db`: ``rows()``, a query's rows from a fresh connection;
-- :mod:`support.locks`: who holds which lock, read through the provider's ``held_run_locks()``
-  and its queries, and ending a lock's session as a lost connection would;
+- :mod:`support.db`: ``rows()``, one statement's rows from a connection of its own;
+- :mod:`support.locks`: who holds which lock, read through the provider's
+  ``held_run_locks()``; a key held by a run in a thread (``key_held``); ending a lock's
+  session as a lost connection would;
 - :mod:`support.workers`: ``airflow dags test`` workers in private Airflow homes, and
-  :func:`support.workers.race`, two workers on one run key;
+  ``race()``, two workers on one run key;
 - :mod:`support.dag_runs`: DAGs defined in tests run through Airflow's ``dag.test()``;
-- :mod:`support.effects`: one idempotent run around some work, the ledger's rows;
+- :mod:`support.cli`: the CLI in process, as a process, and records for it to read;
+- :mod:`support.effects`: one idempotent run around some work, the same killed in a worker
+  process, the ledger's rows, local webhooks;
 - :mod:`support.faults`: the fault scenarios' workers, worlds, checks and figures;
 - :mod:`support.browser`: Chromium through Playwright (the ``browser`` fixture of
   tests/stack/conftest.py);
