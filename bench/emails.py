@@ -42,7 +42,7 @@ FROM = "jobs@example.com"
 
 
 def _effects(n: int, tag: str) -> list[Any]:
-    from airflow_idempotency.mail import email_effect
+    from airflow_idempotency.effects.mail import email_effect
 
     return [
         email_effect(
@@ -56,7 +56,7 @@ def _effects(n: int, tag: str) -> list[Any]:
 
 
 def _sender(port: int) -> Any:
-    from airflow_idempotency.mail import SmtpSender
+    from airflow_idempotency.effects.mail import SmtpSender
 
     return SmtpSender(host="127.0.0.1", port=port, from_email=FROM, concurrency=4, timeout=30)
 

@@ -153,9 +153,9 @@ SKIP_CONFIRMED = Build(
             "WHERE true;",
         ),
         Patch(
-            "ledger.py",
-            'elif status == "succeeded":\n                summary.skipped_existing += 1',
-            "elif False:\n                summary.skipped_existing += 1",
+            "ledger/claim.py",
+            'elif status == "succeeded":\n            summary.skipped_existing += 1',
+            "elif False:\n            summary.skipped_existing += 1",
         ),
     ),
     caught_by=("a confirmed effect never reaches the remote again",),

@@ -18,7 +18,9 @@ from airflow_idempotency.provider_info import __version__
 
 if TYPE_CHECKING:
     from airflow_idempotency.decorator import idempotent_run_task
-    from airflow_idempotency.effects import Effect, post_json, webhook
+    from airflow_idempotency.effects.mail import Recipients, SmtpSecurity, SmtpSender, email_effect
+    from airflow_idempotency.effects.notifications import notify_once
+    from airflow_idempotency.effects.outputs import OutputFile
     from airflow_idempotency.exceptions import (
         ConfigurationError,
         EffectsUnknownError,
@@ -29,11 +31,8 @@ if TYPE_CHECKING:
         RunLockedError,
         WorkConflictError,
     )
-    from airflow_idempotency.ledger import OutboundLedger, Retries
-    from airflow_idempotency.mail import Recipients, SmtpSecurity, SmtpSender, email_effect
-    from airflow_idempotency.notifications import notify_once
+    from airflow_idempotency.ledger import Effect, OutboundLedger, Retries, post_json, webhook
     from airflow_idempotency.operator import IdempotentRunOperator, idempotency_params
-    from airflow_idempotency.outputs import OutputFile
     from airflow_idempotency.records import RunOptions
     from airflow_idempotency.run_context import RunContext
     from airflow_idempotency.run_key import RunKeyRule
@@ -53,15 +52,15 @@ _EXPORTS = {
     # The outbound ledger and its senders.
     "OutboundLedger": "ledger",
     "Retries": "ledger",
-    "Effect": "effects",
-    "post_json": "effects",
-    "webhook": "effects",
-    "SmtpSender": "mail",
-    "SmtpSecurity": "mail",
-    "Recipients": "mail",
-    "email_effect": "mail",
-    "notify_once": "notifications",
-    "OutputFile": "outputs",
+    "Effect": "ledger",
+    "post_json": "ledger",
+    "webhook": "ledger",
+    "SmtpSender": "effects.mail",
+    "SmtpSecurity": "effects.mail",
+    "Recipients": "effects.mail",
+    "email_effect": "effects.mail",
+    "notify_once": "effects.notifications",
+    "OutputFile": "effects.outputs",
     # The exceptions to catch: their base class, and one per way a run can fail (docs/api.md
     # says what each means for a task).
     "IdempotencyError": "exceptions",

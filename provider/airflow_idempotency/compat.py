@@ -1,8 +1,10 @@
-"""Every difference between the Airflow lines this provider supports (2.11, 3.1 to 3.3).
+"""Every difference between the Airflow lines this provider supports (2.11, 3.1 to 3.3):
+the version flags, the names each line keeps elsewhere, and the few version branches.
 
 The official providers' ``version_compat.py`` habit: names come from
 ``airflow.providers.common.compat.sdk`` where it maps them, and the few things it does not
-map are explicit branches here. No other module checks the Airflow version.
+map are explicit branches here. No other module checks the Airflow version: they branch on
+these flags at most.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from airflow.exceptions import AirflowNotFoundException as _CoreNotFound  # type: ignore[attr-defined]
 from airflow.providers.common.compat.sdk import (
     AirflowException,
     AirflowFailException,
+    AirflowNotFoundException,
     AirflowSkipException,
     BaseHook,
     BaseOperator,
@@ -26,9 +30,6 @@ from airflow.providers.common.compat.sdk import (
     TaskDecorator,
     task_decorator_factory,
 )
-
-from airflow_idempotency.exceptions import InvalidInputError
-from airflow_idempotency.run_key import PartitionSpec
 
 
 def _airflow_version() -> tuple[int, int, int]:
@@ -56,6 +57,12 @@ else:  # 2.11 and 3.1 keep it in core (their task runners catch that one); commo
     # does not map it
     from airflow.exceptions import AirflowRescheduleException
 
+AIRFLOW_NOT_FOUND: tuple[type[Exception], ...] = tuple(
+    dict.fromkeys((AirflowNotFoundException, _CoreNotFound))
+)
+"""Airflow's not-found exception (e.g. a connection that is not defined), as the line
+raises it: the Task SDK's class and core's (one class on 3.3, and on 2.11 core's alone)."""
+
 # dag_run.run_type -> job_runs.triggered_by. Asset-triggered runs are "dataset_triggered"
 # on 2.x.
 TRIGGERED_BY = {
@@ -75,6 +82,11 @@ def run_type(dag_run: Any) -> str:
     return str(getattr(value, "value", value))
 
 
+def triggering_user(dag_run: Any) -> str | None:
+    """Who triggered the run: 3.x records the user's name; 2.x records no user at all."""
+    return getattr(dag_run, "triggering_user_name", None) if AIRFLOW_V_3_0_PLUS else None
+
+
 def run_partition(context: Mapping[str, Any]) -> tuple[str | None, datetime.datetime | None]:
     """The run's partition key and partition date; ``(None, None)`` before 3.2 (no
     partitions: the run key comes from the logical date or the conf, as always)."""
@@ -86,56 +98,32 @@ def run_partition(context: Mapping[str, Any]) -> tuple[str | None, datetime.date
     return key, date
 
 
-_PARTITIONED_TIMETABLES = frozenset({"CronPartitionTimetable", "PartitionedAssetTimetable"})
+@dataclass(frozen=True)
+class AirflowRun:
+    """What the operator reads of its run from Airflow's task context, the same way on
+    every line (:func:`airflow_run`)."""
+
+    run_type: str  # manual, scheduled, backfill, asset_triggered, ...
+    triggered_by: str  # job_runs.triggered_by
+    triggering_user: str | None
+    logical_date: datetime.datetime | None
+    partition_key: str | None
+    partition_date: datetime.datetime | None
 
 
-def dag_partitioning(dag: Any) -> tuple[bool, PartitionSpec]:
-    """Whether ``dag`` makes partitioned runs, and how its timetable writes partition keys
-    (the SDK classes of 3.2+: CronPartitionTimetable's ``key_format`` and timezone, the
-    partition mappers of a PartitionedAssetTimetable). Never partitioned before 3.2."""
-    timetable = getattr(dag, "timetable", None) if dag is not None else None
-    if not AIRFLOW_V_3_2_PLUS or timetable is None:
-        return False, PartitionSpec()
-    # The Task SDK's timetable classes (what a DAG file builds) have no ``partitioned``
-    # attribute; the scheduler's have. Either way, these are the partitioned ones.
-    partitioned = bool(
-        getattr(timetable, "partitioned", False)
-        or getattr(timetable, "partitioned_at_runtime", False)
-        or type(timetable).__name__ in _PARTITIONED_TIMETABLES
+def airflow_run(context: Mapping[str, Any]) -> AirflowRun:
+    """The run of this task execution, read from ``context`` once."""
+    dag_run = context["dag_run"]
+    kind = run_type(dag_run)
+    partition_key, partition_date = run_partition(context)
+    return AirflowRun(
+        run_type=kind,
+        triggered_by=TRIGGERED_BY.get(kind, kind),
+        triggering_user=triggering_user(dag_run),
+        logical_date=context.get("logical_date") or dag_run.logical_date,
+        partition_key=partition_key,
+        partition_date=partition_date,
     )
-    formats: list[str] = []
-    zones: list[str] = []
-    delimiters: list[str] = []
-    if isinstance(getattr(timetable, "key_format", None), str):  # CronPartitionTimetable
-        formats.append(timetable.key_format)
-        zones.append(_zone_name(getattr(timetable, "timezone", None)))
-    mappers = list((getattr(timetable, "partition_mapper_config", None) or {}).values())
-    if getattr(timetable, "default_partition_mapper", None) is not None:
-        mappers.append(timetable.default_partition_mapper)
-    for mapper in mappers:
-        _walk_mapper(mapper, formats, zones, delimiters)
-    zone = zones[0] if zones and all(z == zones[0] for z in zones) else None
-    delimiter = delimiters[0] if delimiters else PartitionSpec.delimiter
-    return partitioned, PartitionSpec(tuple(dict.fromkeys(formats)), zone, delimiter)
-
-
-def _walk_mapper(mapper: Any, formats: list[str], zones: list[str], delimiters: list[str]) -> None:
-    """Collect what a partition mapper writes: temporal mappers' output formats and
-    timezones, ProductMapper's delimiter, through Chain, Rollup and FanOut mappers."""
-    if isinstance(getattr(mapper, "output_format", None), str):
-        formats.append(mapper.output_format)
-        zones.append(_zone_name(getattr(mapper, "_timezone", None)))
-    if isinstance(getattr(mapper, "delimiter", None), str):
-        delimiters.append(mapper.delimiter)
-    children = list(getattr(mapper, "mappers", None) or [])
-    children += [getattr(mapper, a, None) for a in ("upstream_mapper", "downstream_mapper")]
-    for child in children:
-        if child is not None:
-            _walk_mapper(child, formats, zones, delimiters)
-
-
-def _zone_name(zone: Any) -> str:
-    return str(getattr(zone, "name", None) or zone or "UTC")
 
 
 def add_partition_event(context: Mapping[str, Any], outlets: Any, partition_key: str) -> None:
@@ -146,11 +134,6 @@ def add_partition_event(context: Mapping[str, Any], outlets: Any, partition_key:
     for asset in outlets or ():
         if type(asset).__name__ == "Asset":
             context["outlet_events"][asset].add_partitions([partition_key])
-
-
-def triggering_user(dag_run: Any) -> str | None:
-    """Who triggered the run: 3.x records the user's name; 2.x records no user at all."""
-    return getattr(dag_run, "triggering_user_name", None) if AIRFLOW_V_3_0_PLUS else None
 
 
 def reschedule_count(context: Context) -> int:
@@ -240,127 +223,35 @@ def load_dag(dag_id: str, dags_folder: str | None = None) -> Any:
     return bag.dags[dag_id]
 
 
-BACKFILL_COMMANDS = ("backfill-create", "dags-backfill")
-
-
-@dataclass(frozen=True)
-class PlannedRun:
-    """One run a backfill command would create: its logical date or its partition key,
-    and the timetable the command's Airflow line gives the DAG (it picks the key's offset)."""
-
-    logical_date: datetime.datetime | None
-    partition_key: str | None
-    timetable_name: str
-    fires_at: datetime.datetime | None = None  # when the scheduler would start it
-
-
-def _fires_at(info: Any) -> datetime.datetime | None:
-    interval = getattr(info, "data_interval", None)
-    if interval is not None:
-        return interval.end  # type: ignore[no-any-return]
-    return getattr(info, "run_after", None)
-
-
-def backfill_runs(
-    dag: Any,
-    from_date: datetime.datetime,
-    to_date: datetime.datetime,
-    command: str = BACKFILL_COMMAND,
-) -> list[PlannedRun]:
-    """The runs ``command`` would create for ``dag`` between the two bounds.
-
-    Both lines compare the bounds with logical dates from the DAG's timetable (partition
-    dates for a partitioned timetable, 3.2+); Airflow 3 leaves out runs whose interval has
-    not ended. ``command`` may be the other line's: a cron string is then the timetable the
-    other line builds for it (CronDataIntervalTimetable on 2.x, CronTriggerTimetable on
-    3.x), an explicit timetable the same one; Airflow 2 has no partitioned runs.
-    """
-    if command not in BACKFILL_COMMANDS:
-        raise InvalidInputError(f"unknown command {command!r}: use one of {BACKFILL_COMMANDS}")
-    now = datetime.datetime.now(datetime.timezone.utc)
-    if command != BACKFILL_COMMAND:
-        return _other_line_runs(dag, from_date, to_date, command, now)
-    name = type(dag.timetable).__name__
+def scheduler_dag(dag: Any) -> Any:
+    """``dag`` as the line's scheduler (and its backfill command) iterates its runs: the DAG
+    itself on 2.x; on 3.x its serialized form (``DagSerialization`` from 3.2,
+    ``SerializedDAG`` on 3.1, where the scheduler's DAG is the SerializedDAG itself)."""
     if not AIRFLOW_V_3_0_PLUS:
-        infos = dag.iter_dagrun_infos_between(from_date, to_date)
-        return [PlannedRun(i.logical_date, None, name, _fires_at(i)) for i in infos]
+        return dag
     if AIRFLOW_V_3_2_PLUS:
         from airflow.serialization.serialized_objects import DagSerialization as serializer
-    else:  # 3.1: the scheduler's DAG is the SerializedDAG itself
+    else:  # 3.1
         from airflow.serialization.serialized_objects import (  # type: ignore[assignment]
             SerializedDAG as serializer,
         )
-    scheduler_dag = serializer.from_dict(serializer.to_dict(dag))
-    runs = []
-    for info in scheduler_dag.iter_dagrun_infos_between(from_date, to_date):
-        partition_key = getattr(info, "partition_key", None)
-        if partition_key is not None and info.run_after <= now:
-            runs.append(PlannedRun(None, partition_key, name, _fires_at(info)))
-        elif info.logical_date is not None and info.data_interval and info.data_interval.end < now:
-            runs.append(PlannedRun(info.logical_date, None, name, _fires_at(info)))
-    return runs
+    return serializer.from_dict(serializer.to_dict(dag))
 
 
-def _other_line_runs(
-    dag: Any,
-    from_date: datetime.datetime,
-    to_date: datetime.datetime,
-    command: str,
-    now: datetime.datetime,
-) -> list[PlannedRun]:
-    partitioned, _ = dag_partitioning(dag)
-    if partitioned or type(dag.timetable).__name__ in _PARTITIONED_TIMETABLES:
-        raise InvalidInputError(
-            f"DAG {dag.dag_id!r} is partitioned: Airflow 2 has no partitioned runs, so "
-            f"`airflow dags backfill` cannot run it; plan it with --command backfill-create"
-        )
-    cron = getattr(dag, "schedule", None) if AIRFLOW_V_3_0_PLUS else dag.schedule_interval
-    if not isinstance(cron, str):  # an explicit timetable: the same on both lines
-        infos = _iterate(dag.timetable, from_date, to_date)
-        name = type(dag.timetable).__name__
-    else:
-        from airflow.timetables.interval import CronDataIntervalTimetable
-        from airflow.timetables.trigger import CronTriggerTimetable
-
-        if command == "dags-backfill":
-            other: Any = CronDataIntervalTimetable(cron, dag.timezone)
-        else:
-            other = CronTriggerTimetable(cron, timezone=dag.timezone)
-        infos = _iterate(other, from_date, to_date)
-        name = type(other).__name__
-    if command == "backfill-create":
-        infos = [i for i in infos if i.data_interval is not None and i.data_interval.end < now]
-    return [PlannedRun(i.logical_date, None, name, _fires_at(i)) for i in infos]
-
-
-def _iterate(timetable: Any, first: datetime.datetime, last: datetime.datetime) -> list[Any]:
-    """The timetable's runs whose logical date is within [first, last] (its public
-    ``next_dagrun_info``, the same on both lines)."""
-    import pendulum
-    from airflow.timetables.base import TimeRestriction
-
-    restriction = TimeRestriction(
-        earliest=pendulum.instance(first), latest=pendulum.instance(last), catchup=True
-    )
-    infos: list[Any] = []
-    previous = None
-    while len(infos) < 100_000:
-        info = timetable.next_dagrun_info(
-            last_automated_data_interval=previous, restriction=restriction
-        )
-        if info is None or info.logical_date is None or info.logical_date > last:
-            return infos
-        infos.append(info)
-        previous = info.data_interval
-    raise InvalidInputError(f"{first} .. {last} is more than 100,000 runs: narrow the range")
+def schedule_of(dag: Any) -> Any:
+    """What the DAG file gave as its schedule (a cron string, a timetable, ...):
+    ``schedule`` on 3.x, ``schedule_interval`` on 2.x."""
+    return getattr(dag, "schedule", None) if AIRFLOW_V_3_0_PLUS else dag.schedule_interval
 
 
 __all__ = [
+    "AIRFLOW_NOT_FOUND",
     "AIRFLOW_V_3_0_PLUS",
     "AIRFLOW_V_3_2_PLUS",
     "AirflowException",
     "AirflowFailException",
     "AirflowRescheduleException",
+    "AirflowRun",
     "AirflowSkipException",
     "BaseHook",
     "BaseOperator",
@@ -373,7 +264,7 @@ __all__ = [
     "Stats",
     "TaskDecorator",
     "add_partition_event",
-    "dag_partitioning",
+    "airflow_run",
     "run_partition",
     "task_decorator_factory",
 ]

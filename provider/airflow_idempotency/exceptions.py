@@ -17,7 +17,9 @@ What each means for a task (mapped to Airflow's failures in one place,
   happened and were not sent again: an operator resolves them, a retry cannot, so the task
   fails without retrying;
 - :class:`InvalidEffectError`: some effects were malformed (no recipient, a path outside the
-  allowed root): they were not sent, the others were; fix the data and rerun.
+  allowed root): they were not sent, the others were; fix the data and rerun;
+- :class:`NotificationError`: raised by a ``notify_once`` callback after its other
+  notifiers went, naming each that failed (Airflow logs it; the task's state stays).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class RunKeyConflictError(InvalidRunKeyError):
 
 class IdempotencyKeyConflictError(InvalidInputError):
     """An idempotency key was reused with a different request."""
+
+
+class OutputConflictError(IdempotencyKeyConflictError):
+    """An output file was committed before with other content; only a forced run replaces it."""
 
 
 class ConfigurationError(IdempotencyError):
@@ -145,3 +151,7 @@ class EffectsUnknownError(RemoteCallError):
 
 class InvalidEffectError(InvalidInputError):
     """Some effects were malformed and not sent (each named); the others were processed."""
+
+
+class NotificationError(IdempotencyError):
+    """Some notifications of a callback failed or are unknown (each named); the others went."""

@@ -12,20 +12,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import pendulum
 
 from airflow_idempotency.compat import (
-    TRIGGERED_BY,
+    AIRFLOW_NOT_FOUND,
     AirflowException,
     AirflowFailException,
     AirflowRescheduleException,
+    AirflowRun,
     AirflowSkipException,
     Context,
     Param,
     ReschedulingOperator,
     add_partition_event,
-    dag_partitioning,
+    airflow_run,
     reschedule_count,
-    run_partition,
-    run_type,
-    triggering_user,
 )
 from airflow_idempotency.exceptions import (
     ConfigurationError,
@@ -37,11 +35,11 @@ from airflow_idempotency.exceptions import (
 from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE, run_key_links
 from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.metrics import AIRFLOW_METRICS
+from airflow_idempotency.partitions import SEGMENT_DELIMITER, dag_partitioning
 from airflow_idempotency.records import RunOptions, Trigger
 from airflow_idempotency.run_context import RunContext, RunEnvironment
 from airflow_idempotency.run_key import (
     OVERRIDE_FLAG,
-    SEGMENT_DELIMITER,
     ResolvedRunKey,
     RunFacts,
     RunKeyRule,
@@ -227,17 +225,17 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     # -- mapping Airflow's run to the contract ---------------------------------------------
 
-    def resolve_run_key(self, context: Context) -> ResolvedRunKey:
-        """The run key of this task execution (decided by :func:`resolve_run_key`)."""
-        dag_run = context["dag_run"]
-        partition_key, partition_date = run_partition(context)
+    def resolve_run_key(self, context: Context, run: AirflowRun | None = None) -> ResolvedRunKey:
+        """The run key of this task execution (decided by :func:`resolve_run_key`);
+        ``run``: what was read of it from ``context`` already."""
+        run = run or airflow_run(context)
         return self._resolve(
-            kind=run_type(dag_run),
-            logical_date=context.get("logical_date") or dag_run.logical_date,
-            conf=dag_run.conf or {},
+            kind=run.run_type,
+            logical_date=run.logical_date,
+            conf=context["dag_run"].conf or {},
             params=context.get("params") or {},
             context=context,
-            partition=(partition_key, partition_date),
+            partition=(run.partition_key, run.partition_date),
         )
 
     def explain_run_key(
@@ -330,19 +328,17 @@ class IdempotentRunOperator(ReschedulingOperator):
         tz = dag.timezone if dag else None
         return str(getattr(tz, "name", None) or tz or "UTC")
 
-    def _trigger(self, context: Context) -> Trigger:
-        dag_run = context["dag_run"]
+    def _trigger(self, context: Context, run: AirflowRun) -> Trigger:
         ti = context["ti"]
-        kind = run_type(dag_run)
         return Trigger(
-            triggered_by=TRIGGERED_BY.get(kind, kind),
-            triggering_user=triggering_user(dag_run),
+            triggered_by=run.triggered_by,
+            triggering_user=run.triggering_user,
             dag_id=ti.dag_id,
             run_id=ti.run_id,
             task_id=ti.task_id,
             try_number=ti.try_number,
             map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
-            partition_key=run_partition(context)[0],
+            partition_key=run.partition_key,
         )
 
     def execute(self, context: Context) -> dict[str, Any] | None:
@@ -354,7 +350,8 @@ class IdempotentRunOperator(ReschedulingOperator):
     def _execute(self, context: Context) -> dict[str, Any] | None:
         self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
         job_name = check_text(self.effective_job_name, "job name")
-        resolved = self.resolve_run_key(context)
+        run = airflow_run(context)
+        resolved = self.resolve_run_key(context, run)
         options = self.run_options(context)
         # The "Run key" extra link (computed by the worker when the task ends) names this key.
         setattr(self, LINK_TARGET_ATTRIBUTE, (job_name, resolved.run_key))
@@ -373,7 +370,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             run_key=resolved.run_key,
             work=self.run,
             options=options,
-            trigger=self._trigger(context),
+            trigger=self._trigger(context, run),
             environment=RunEnvironment(
                 schema=self.schema,
                 logger=self.log,
@@ -386,10 +383,12 @@ class IdempotentRunOperator(ReschedulingOperator):
             raise AirflowSkipException(
                 f"job={job_name} run_key={resolved.run_key}: already completed, skipping"
             )
-        self._asset_events(context, result.outcome, resolved.run_key)
+        self._asset_events(context, result.outcome, resolved.run_key, run.partition_key)
         return _return_value(result)
 
-    def _asset_events(self, context: Context, outcome: RunOutcome, run_key: str) -> None:
+    def _asset_events(
+        self, context: Context, outcome: RunOutcome, run_key: str, partition_key: str | None
+    ) -> None:
         """What the success tells Airflow about the task's ``outlets``.
 
         The Task SDK (3.3.2, ``_handle_current_task_success``) sends the task's ``outlets``
@@ -410,7 +409,6 @@ class IdempotentRunOperator(ReschedulingOperator):
             )
             self.outlets = []
             return
-        partition_key, _ = run_partition(context)
         if self.key_segment is not None and partition_key is not None:
             add_partition_event(
                 context, self.outlets, f"{self.key_segment}{SEGMENT_DELIMITER}{partition_key}"
@@ -433,9 +431,7 @@ class IdempotentRunOperator(ReschedulingOperator):
     def _check_connection(self) -> None:
         try:
             self.job_database.connection  # noqa: B018 - resolves the id, fails if unknown
-        except Exception as exc:
-            if type(exc).__name__ != "AirflowNotFoundException":
-                raise
+        except AIRFLOW_NOT_FOUND as exc:
             raise AirflowFailException(
                 f"Airflow connection {self.postgres_conn_id!r} is not defined. Create it (for "
                 f"example AIRFLOW_CONN_{self.postgres_conn_id.upper()}='postgresql://user:pass@"

@@ -1,4 +1,5 @@
-"""What a run would do, read from the DAG itself: the run keys of its idempotent tasks
+"""What a run would do, read from the DAG itself: the runs a backfill command would create
+(:func:`backfill_runs`, either line's command), the run keys of its idempotent tasks
 (``airflow-idempotency explain``), the runs a backfill would create with the state of each
 key (``airflow-idempotency plan``), and the keys a DAG's schedule has made due (``gaps
 --dag`` and the watch DAG: a weekday-only job's weekends are no gaps).
@@ -17,10 +18,16 @@ from typing import Any
 import psycopg
 
 from airflow_idempotency._sql import query_rows
-from airflow_idempotency.compat import BACKFILL_COMMAND, backfill_runs
+from airflow_idempotency.compat import (
+    AIRFLOW_V_3_0_PLUS,
+    BACKFILL_COMMAND,
+    schedule_of,
+    scheduler_dag,
+)
 from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.operator import IdempotentRunOperator
+from airflow_idempotency.partitions import PARTITIONED_TIMETABLES, dag_partitioning
 
 # What a run of a key does now, by its job_runs status (no row: new).
 _WOULD = {"completed": "noop", "failed": "rerun", "started": "resume"}
@@ -42,6 +49,119 @@ class Explained:
             "run_key": self.run_key,
             "explanation": self.explanation,
         }
+
+
+# -- the runs a backfill would create ------------------------------------------------------
+
+BACKFILL_COMMANDS = ("backfill-create", "dags-backfill")
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run a backfill command would create: its logical date or its partition key,
+    and the timetable the command's Airflow line gives the DAG (it picks the key's offset)."""
+
+    logical_date: dt.datetime | None
+    partition_key: str | None
+    timetable_name: str
+    fires_at: dt.datetime | None = None  # when the scheduler would start it
+
+
+def _fires_at(info: Any) -> dt.datetime | None:
+    interval = getattr(info, "data_interval", None)
+    if interval is not None:
+        return interval.end  # type: ignore[no-any-return]
+    return getattr(info, "run_after", None)
+
+
+def backfill_runs(
+    dag: Any,
+    from_date: dt.datetime,
+    to_date: dt.datetime,
+    command: str = BACKFILL_COMMAND,
+) -> list[PlannedRun]:
+    """The runs ``command`` would create for ``dag`` between the two bounds.
+
+    Both lines compare the bounds with logical dates from the DAG's timetable (partition
+    dates for a partitioned timetable, 3.2+); Airflow 3 leaves out runs whose interval has
+    not ended. ``command`` may be the other line's: a cron string is then the timetable the
+    other line builds for it (CronDataIntervalTimetable on 2.x, CronTriggerTimetable on
+    3.x), an explicit timetable the same one; Airflow 2 has no partitioned runs.
+    """
+    if command not in BACKFILL_COMMANDS:
+        raise InvalidInputError(f"unknown command {command!r}: use one of {BACKFILL_COMMANDS}")
+    now = dt.datetime.now(dt.timezone.utc)
+    if command != BACKFILL_COMMAND:
+        return _other_line_runs(dag, from_date, to_date, command, now)
+    name = type(dag.timetable).__name__
+    infos = scheduler_dag(dag).iter_dagrun_infos_between(from_date, to_date)
+    if not AIRFLOW_V_3_0_PLUS:
+        return [PlannedRun(i.logical_date, None, name, _fires_at(i)) for i in infos]
+    runs = []
+    for info in infos:
+        partition_key = getattr(info, "partition_key", None)
+        if partition_key is not None and info.run_after <= now:
+            runs.append(PlannedRun(None, partition_key, name, _fires_at(info)))
+        elif info.logical_date is not None and info.data_interval and info.data_interval.end < now:
+            runs.append(PlannedRun(info.logical_date, None, name, _fires_at(info)))
+    return runs
+
+
+def _other_line_runs(
+    dag: Any,
+    from_date: dt.datetime,
+    to_date: dt.datetime,
+    command: str,
+    now: dt.datetime,
+) -> list[PlannedRun]:
+    partitioned, _ = dag_partitioning(dag)
+    if partitioned or type(dag.timetable).__name__ in PARTITIONED_TIMETABLES:
+        raise InvalidInputError(
+            f"DAG {dag.dag_id!r} is partitioned: Airflow 2 has no partitioned runs, so "
+            f"`airflow dags backfill` cannot run it; plan it with --command backfill-create"
+        )
+    cron = schedule_of(dag)
+    if not isinstance(cron, str):  # an explicit timetable: the same on both lines
+        infos = _iterate(dag.timetable, from_date, to_date)
+        name = type(dag.timetable).__name__
+    else:
+        from airflow.timetables.interval import CronDataIntervalTimetable
+        from airflow.timetables.trigger import CronTriggerTimetable
+
+        if command == "dags-backfill":
+            other: Any = CronDataIntervalTimetable(cron, dag.timezone)
+        else:
+            other = CronTriggerTimetable(cron, timezone=dag.timezone)
+        infos = _iterate(other, from_date, to_date)
+        name = type(other).__name__
+    if command == "backfill-create":
+        infos = [i for i in infos if i.data_interval is not None and i.data_interval.end < now]
+    return [PlannedRun(i.logical_date, None, name, _fires_at(i)) for i in infos]
+
+
+def _iterate(timetable: Any, first: dt.datetime, last: dt.datetime) -> list[Any]:
+    """The timetable's runs whose logical date is within [first, last] (its public
+    ``next_dagrun_info``, the same on both lines)."""
+    import pendulum
+    from airflow.timetables.base import TimeRestriction
+
+    restriction = TimeRestriction(
+        earliest=pendulum.instance(first), latest=pendulum.instance(last), catchup=True
+    )
+    infos: list[Any] = []
+    previous = None
+    while len(infos) < 100_000:
+        info = timetable.next_dagrun_info(
+            last_automated_data_interval=previous, restriction=restriction
+        )
+        if info is None or info.logical_date is None or info.logical_date > last:
+            return infos
+        infos.append(info)
+        previous = info.data_interval
+    raise InvalidInputError(f"{first} .. {last} is more than 100,000 runs: narrow the range")
+
+
+# -- the run keys of a DAG's tasks --------------------------------------------------------
 
 
 def idempotent_tasks(dag: Any) -> list[IdempotentRunOperator]:

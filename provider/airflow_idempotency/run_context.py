@@ -14,15 +14,12 @@ from typing import Any
 import psycopg
 from psycopg import IsolationLevel
 
-from airflow_idempotency._sql import query
-from airflow_idempotency._transactions import begin_statement, explicit_transaction
 from airflow_idempotency.crashpoints import crash_point
-from airflow_idempotency.exceptions import InvalidInputError, LockLostError, WorkConflictError
+from airflow_idempotency.exceptions import LockLostError
+from airflow_idempotency.fence import Fence
 from airflow_idempotency.locks import (
     RunLock,
     lock_is_held,
-    pooler_refusal,
-    server_keepalive_settings,
 )
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.records import RunIdentity, RunOptions
@@ -128,6 +125,7 @@ class RunContext:
         self.airflow_context = spec.environment.airflow_context
         self.metrics = spec.environment.metrics
         self._lock = lock
+        self._fence = Fence(lock, attempt_id, self.schema, self.job_name, self.run_key)
         self._conn = connection
         self._connect = spec.connect
 
@@ -163,76 +161,25 @@ class RunContext:
         except psycopg.Error as exc:
             raise self.translate_error(exc, conn) from exc
 
-    @contextlib.contextmanager
     def fenced_transaction(
         self,
         conn: psycopg.Connection,
         *,
         isolation_level: IsolationLevel | None = None,
         read_only: bool = False,
-    ) -> Iterator[None]:
-        """A transaction on ``conn`` (a connection of this run) that is fenced:
-
-        - its first statement (sent with its BEGIN: no extra round trip) checks that this
-          attempt's lock session still holds the run lock, and holds the key's fence lock
-          until the transaction ends, so a successor taking the key over waits for it;
-        - its COMMIT fails (and nothing it wrote lands) if the run lock was lost meanwhile:
-          a statement sent with the COMMIT arms a check that runs at COMMIT, after the
-          transaction's own deferred triggers;
-        - the server drops it within the dead-peer bound if this worker is cut off.
+    ) -> AbstractContextManager[None]:
+        """A transaction on ``conn`` (a connection of this run) that is fenced: it commits
+        only while this attempt holds the run lock, and a successor waits for it
+        (:meth:`airflow_idempotency.fence.Fence.transaction`; docs/fence.md).
 
         Raises psycopg errors; :meth:`translate_error` names them (the fence's refusal is
         SQLSTATE ``IF001``). Inside a dry run's transaction it is a savepoint.
         """
-        params = self._fence_params(conn)
-        enter = (query("fence_enter", self.schema), params)
-        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-            try:
-                begin = begin_statement(isolation_level, read_only)
-            except ValueError as exc:
-                raise InvalidInputError(f"unknown isolation level {isolation_level!r}") from exc
-            arm = (query("fence_arm", self.schema), params)
-            with explicit_transaction(conn, begin, enter, arm):
-                yield
-        else:  # a dry run's transaction, rolled back in the end: nothing to arm
-            with conn.transaction():
-                conn.execute(*enter)
-                yield
-
-    def _fence_params(self, conn: psycopg.Connection) -> dict[str, Any]:
-        return {
-            **self._lock.params,
-            "attempt_id": self.attempt_id,
-            **server_keepalive_settings(conn),
-        }
+        return self._fence.transaction(conn, isolation_level=isolation_level, read_only=read_only)
 
     def translate_error(self, exc: psycopg.Error, conn: psycopg.Connection) -> BaseException:
         """The error to raise for ``exc``, raised by a fenced transaction on ``conn``."""
-        refusal = pooler_refusal(exc)
-        if refusal is not None:
-            return refusal
-        if fence_refused(exc):
-            return LockLostError(
-                f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
-                f"attempt {self.attempt_id} (its session, backend pid {self._lock.backend_pid}, "
-                f"ended), so its transaction did not commit ({_first_line(exc)}). A rerun "
-                "will pick the key up again."
-            )
-        if isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):
-            return WorkConflictError(
-                f"job {self.job_name!r} run_key {self.run_key!r}: the work's transaction "
-                f"conflicted with a concurrent one and was rolled back ({_first_line(exc)}). "
-                "Nothing of it committed; a retry converges."
-            )
-        if isinstance(exc, psycopg.OperationalError) and (conn.closed or conn.broken):
-            return LockLostError(
-                f"job {self.job_name!r} run_key {self.run_key!r} lost its connection to the job "
-                f"database ({_first_line(exc)}): this transaction did not commit, and this "
-                "attempt cannot know whether it still holds its lock. A rerun converges. (A "
-                "connection pooler whose pool is exhausted also closes connections, after its "
-                "query_wait_timeout: see docs/deploying.md, pool sizing.)"
-            )
-        return exc  # e.g. a cancelled statement or a constraint: the session is fine
+        return self._fence.translate_error(exc, conn)
 
     def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
         """Whether this run's lock session still holds the lock (checked from ``conn``)."""
@@ -250,26 +197,6 @@ class RunContext:
     def bookkeeping_connection(self) -> AbstractContextManager[psycopg.Connection]:
         """A new autocommit connection to the job database (the ledger writes through one)."""
         return autocommit_connection(self._connect)
-
-
-FENCE_SQLSTATE = "IF001"
-"""What the fence raises (migration 0006): this attempt's run lock is no longer held."""
-
-
-def fence_refused(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is the fence refusing a transaction."""
-    seen: BaseException | None = exc
-    for _ in range(10):  # a chain of causes, never a cycle in practice; bounded anyway
-        if seen is None:
-            return False
-        if isinstance(seen, psycopg.Error) and seen.sqlstate == FENCE_SQLSTATE:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 @contextlib.contextmanager

@@ -58,11 +58,16 @@ from airflow_idempotency.exceptions import (
     RunKeyConflictError,
     RunKeyMissingError,
 )
+from airflow_idempotency.partitions import (
+    DEFAULT_TIME_FORMATS,
+    SEGMENT_DELIMITER,
+    PartitionSpec,
+    TimeSegment,
+    parse_time_segment,
+)
 
 Period = Literal["hour", "day", "week", "month"]
 MAX_KEY_LENGTH = 200
-SEGMENT_DELIMITER = "|"
-"""Separates the segments of a run key (``eu|2026-10-01``), as Airflow's ProductMapper does."""
 
 _FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     "hour": (
@@ -223,142 +228,6 @@ RunKeyCallable = Callable[[Any], str]
 _MANUAL_RUN_TYPES = frozenset({"manual", "operator_triggered"})
 OVERRIDE_FLAG = "run_key_overrides_partition"
 """The conf switch that lets an explicit ``run_key`` differ from the run's partition."""
-
-
-# -- partition keys ---------------------------------------------------------------------
-
-# How fine a time segment is: a moment, or the start of an hour, day, ISO week, month,
-# quarter or year. A segment may be keyed by a period as long as or longer than its own
-# grain (the 01:00 moment of a day -> that day), never by a shorter one.
-_GRAINS = ("moment", "hour", "day", "week", "month", "quarter", "year")
-_PERIOD_RANK = {"hour": 1, "day": 2, "week": 3, "month": 4}
-
-# The strptime-style formats Airflow writes time partition keys in, besides what a DAG's
-# timetable declares: CronPartitionTimetable's default key_format and the default output
-# formats of StartOfHourMapper, StartOfDayMapper, StartOfWeekMapper, StartOfMonthMapper,
-# StartOfQuarterMapper; then this module's own hour and ISO-week keys.
-DEFAULT_TIME_FORMATS = (
-    "%Y-%m-%dT%H:%M:%S",
-    "%Y-%m-%dT%H:%M:%S%z",
-    "%Y-%m-%dT%H",
-    "%Y-%m-%d",
-    "%Y-%m-%d (W%V)",
-    "%Y-%m",
-    "%Y-Q{quarter}",
-    "%Y-%m-%dT%HZ",
-    "%G-W%V",
-)
-
-_DIRECTIVES = {
-    "%Y": r"(?P<Y>\d{4})",
-    "%G": r"(?P<G>\d{4})",
-    "%m": r"(?P<m>\d{2})",
-    "%d": r"(?P<d>\d{2})",
-    "%H": r"(?P<H>\d{2})",
-    "%M": r"(?P<M>\d{2})",
-    "%S": r"(?P<S>\d{2})",
-    "%V": r"(?P<V>\d{2})",
-    "%z": r"(?P<z>Z|[+-]\d{2}:?\d{2})",
-    "{quarter}": r"(?P<q>[1-4])",
-}
-
-
-def _format_pattern(fmt: str) -> re.Pattern[str]:
-    """A strptime-style format as an anchored regular expression with named groups (the
-    directives Airflow's partition formats use; anything else matches literally)."""
-    parts, i = [], 0
-    while i < len(fmt):
-        token = next((t for t in _DIRECTIVES if fmt.startswith(t, i)), None)
-        if token is None:
-            parts.append(re.escape(fmt[i]))
-            i += 1
-        else:
-            parts.append(_DIRECTIVES[token])
-            i += len(token)
-    return re.compile("".join(parts))
-
-
-def _grain(groups: dict[str, str]) -> str:
-    if "M" in groups or "S" in groups:
-        return "moment"
-    if "H" in groups:
-        return "hour"
-    if "V" in groups:  # StartOfWeekMapper's 2026-09-28 (W40) names the week of that Monday
-        return "week"
-    if "d" in groups:
-        return "day"
-    if "m" in groups:
-        return "month"
-    return "quarter" if "q" in groups else "year"
-
-
-@dataclass(frozen=True)
-class TimeSegment:
-    """A time segment of a partition key, parsed: its start and how long a period it names."""
-
-    text: str
-    start: pendulum.DateTime
-    grain: str
-
-
-def parse_time_segment(text: str, formats: tuple[str, ...], timezone: str) -> TimeSegment | None:
-    """``text`` read with the first of ``formats`` that matches it whole (a wall-clock time
-    in ``timezone`` unless it carries an offset), or ``None`` when none does.
-
-    Text of a time format that is no real time (``2026-13-01``, ``2026-02-30T01:00:00``)
-    is refused: taken as a label, it would be a run key of no period.
-    """
-    impossible: str | None = None
-    for fmt in formats:
-        match = _format_pattern(fmt).fullmatch(text)
-        if match is None:
-            continue
-        groups = {k: v for k, v in match.groupdict().items() if v is not None}
-        try:
-            start = _segment_start(groups, timezone)
-        except (ValueError, OverflowError) as exc:
-            impossible = f"{exc} (format {fmt})"
-            continue
-        return TimeSegment(text, start, _grain(groups))
-    if impossible is not None:
-        raise InvalidRunKeyError(
-            f"partition key segment {text!r} is written like a time but is none: {impossible}"
-        )
-    return None
-
-
-def _segment_start(groups: dict[str, str], timezone: str) -> pendulum.DateTime:
-    if "G" in groups and "V" in groups:
-        monday = dt.date.fromisocalendar(int(groups["G"]), int(groups["V"]), 1)
-        year, month, day = monday.year, monday.month, monday.day
-    else:
-        year = int(groups["Y"])
-        month = (int(groups["q"]) - 1) * 3 + 1 if "q" in groups else int(groups.get("m", 1))
-        day = int(groups.get("d", 1))
-    hour, minute, second = (int(groups.get(k, 0)) for k in ("H", "M", "S"))
-    naive = dt.datetime(year, month, day, hour, minute, second)
-    zone = groups.get("z")
-    if zone is None:
-        return pendulum.instance(naive, tz=timezone)
-    offset = dt.datetime.strptime(zone.replace("Z", "+0000").replace(":", ""), "%z").tzinfo
-    return pendulum.instance(naive.replace(tzinfo=offset))
-
-
-@dataclass(frozen=True)
-class PartitionSpec:
-    """How a DAG writes its partition keys, read from its timetable (``compat``).
-
-    :param time_formats: strptime-style formats the timetable writes time segments in
-        (CronPartitionTimetable's ``key_format``, its mappers' ``output_format``); tried
-        before :data:`DEFAULT_TIME_FORMATS`.
-    :param timezone: the wall-clock of time segments without an offset: the timetable's
-        (or its mapper's) timezone; ``None``: the DAG's.
-    :param delimiter: what separates the segments of a composite key (ProductMapper's).
-    """
-
-    time_formats: tuple[str, ...] = ()
-    timezone: str | None = None
-    delimiter: str = SEGMENT_DELIMITER
 
 
 @dataclass(frozen=True)
@@ -601,7 +470,7 @@ def _check_label(segment: str, what: str, key: str) -> str:
 def _period_of(
     rule: RunKeyRule, parsed: TimeSegment, key: str, timezone: str, now: dt.datetime
 ) -> str:
-    if _GRAINS.index(parsed.grain) > _PERIOD_RANK[rule.period]:
+    if parsed.longer_than(rule.period):
         raise InvalidRunKeyError(
             f"partition_key {key!r}: {parsed.text!r} names a {parsed.grain}, but this job's run "
             f"keys are {rule.period}s ({rule.format_hint}). Key the job by that period "

@@ -32,7 +32,7 @@ def watch_problems(
     says running, or it says started, and nobody holds its lock. Reads only; ``hook``
     defaults to the ``idempotency_default`` connection.
     """
-    from airflow_idempotency import compat, planning, status
+    from airflow_idempotency import compat, gaps, planning
 
     schema = validate_schema_name(schema)
     start = dt.datetime.combine(first, dt.time(), dt.timezone.utc) - dt.timedelta(days=1)
@@ -42,4 +42,4 @@ def watch_problems(
     watched = {job: due.get(job) for job in jobs}
     with (hook or IdempotencyHook()).new_connection() as conn:
         conn.autocommit = True
-        return status.problems(conn, schema, watched, first.isoformat(), last.isoformat())
+        return gaps.problems(conn, schema, watched, first.isoformat(), last.isoformat())

@@ -17,7 +17,7 @@ from airflow.providers.common.compat.sdk import DAG, task
 from airflow.providers.smtp.notifications.smtp import SmtpNotifier
 
 from airflow_idempotency import RunContext, idempotency_params
-from airflow_idempotency.notifications import notify_once
+from airflow_idempotency.effects.notifications import notify_once
 
 
 def _post(context: Any, event: str) -> None:

@@ -239,8 +239,7 @@ def test_a_lost_attempt_does_not_rewrite_rows_its_successor_confirmed(
     import psycopg
 
     from airflow_idempotency import Effect, OutboundLedger, Retries, post_json
-    from airflow_idempotency.exceptions import LockLostError
-    from airflow_idempotency.ledger import TransientRemoteError
+    from airflow_idempotency.exceptions import LockLostError, TransientRemoteError
     from airflow_idempotency.runner import run_idempotently
 
     effects = [Effect(f"job:k:order_{i}", {"order_id": i}) for i in (1, 2)]

@@ -11,6 +11,7 @@ import sys
 import psycopg
 import pytest
 
+from airflow_idempotency.compat import AIRFLOW_NOT_FOUND
 from airflow_idempotency.connection import JobDatabase
 from airflow_idempotency.hook import IdempotencyHook
 from devtools import airflow_env
@@ -84,7 +85,7 @@ def test_an_iam_connection_gets_a_fresh_token_from_the_postgres_provider(
 def test_an_unknown_connection_id_is_airflows_not_found_error() -> None:
     with pytest.raises(Exception, match="isn't defined") as raised:
         JobDatabase("no_such_connection_anywhere").connection  # noqa: B018
-    assert type(raised.value).__name__ == "AirflowNotFoundException"
+    assert isinstance(raised.value, AIRFLOW_NOT_FOUND)  # what the operator and the view catch
 
 
 _OPERATOR_CONNECTS = """

@@ -16,13 +16,6 @@ from typing import Any
 import pytest
 
 from airflow_idempotency import OutboundLedger, Retries, RunContext
-from airflow_idempotency.effects import (
-    BlockingEffectSender,
-    Confirmation,
-    Effect,
-    EffectSender,
-    webhook,
-)
 from airflow_idempotency.exceptions import (
     EffectsUnknownError,
     InvalidInputError,
@@ -30,6 +23,13 @@ from airflow_idempotency.exceptions import (
     PermanentRemoteError,
     RemoteCallError,
     TransientRemoteError,
+)
+from airflow_idempotency.ledger import (
+    BlockingEffectSender,
+    Confirmation,
+    Effect,
+    EffectSender,
+    webhook,
 )
 from support.effects import LocalEndpoint, RecordedMetrics, ledger, run_once, statuses
 

@@ -13,6 +13,14 @@ import psycopg
 import pytest
 
 from airflow_idempotency import OutboundLedger, RunContext
+from airflow_idempotency.effects.mail import (
+    Recipients,
+    SmtpSecurity,
+    SmtpSender,
+    email_effect,
+    message_id,
+)
+from airflow_idempotency.effects.resolutions import resolutions, resolve_unknown
 from airflow_idempotency.exceptions import (
     EffectsUnknownError,
     IdempotencyKeyConflictError,
@@ -20,15 +28,8 @@ from airflow_idempotency.exceptions import (
     LockLostError,
     RemoteCallError,
 )
-from airflow_idempotency.ledger import INTENTS_AHEAD, Retries
-from airflow_idempotency.mail import (
-    Recipients,
-    SmtpSecurity,
-    SmtpSender,
-    email_effect,
-    message_id,
-)
-from airflow_idempotency.resolutions import resolutions, resolve_unknown
+from airflow_idempotency.ledger import Retries
+from airflow_idempotency.ledger.pipeline import INTENTS_AHEAD
 from devtools.smtp_server import SmtpServer, smtp_connection_env
 from support.effects import crashed_worker, ledger, run_once, statuses
 from support.locks import terminate_lock_session

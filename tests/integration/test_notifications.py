@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_idempotency.mail import message_id
+from airflow_idempotency.effects.mail import message_id
 from devtools.smtp_server import SmtpServer, smtp_connection_env
 from support import TESTS
 from support.dag_runs import FAILED, SUCCESS, run_dag, task_states

@@ -16,8 +16,8 @@ import pytest
 
 from airflow_idempotency import RunContext
 from airflow_idempotency.crashpoints import WAIT_ENV
-from airflow_idempotency.exceptions import InvalidInputError
-from airflow_idempotency.outputs import OutputConflictError, OutputFile
+from airflow_idempotency.effects.outputs import OutputFile
+from airflow_idempotency.exceptions import InvalidInputError, OutputConflictError
 from airflow_idempotency.runner import RunOutcome
 from support.effects import EFFECTS_WORKER, crashed_worker, ledger, run_once
 

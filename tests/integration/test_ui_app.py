@@ -808,7 +808,7 @@ def test_unknown_effects_of_every_kind_come_first(auth_manager: Any, seeded: str
     assert page.status_code == 200 and "ledger-unknown" in page.text
     key_page = client.get("/keys", job="demo_dag.load", run_key="2026-10-03")
     assert "mark-sent" in key_page.text and "email" in key_page.text
-    from airflow_idempotency.resolutions import resolve_unknown
+    from airflow_idempotency.effects.resolutions import resolve_unknown
 
     with psycopg.connect(seeded, autocommit=True) as conn:
         resolve_unknown(conn, "idempotency", remote_system="finance_mail", idempotency_key="mail:1",

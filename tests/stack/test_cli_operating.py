@@ -266,10 +266,10 @@ def test_watch_dag_fails_on_a_gap_and_passes_when_filled(
     conf = {"dags": [], "jobs": ["watched"], "days": 4}
     failed = run_dag(dag, logical_date=utc(2026, 11, 1, 6), conf=conf)
     assert failed.state == FAILED
-    from airflow_idempotency import status
+    from airflow_idempotency import gaps
 
     with psycopg.connect(airflow_pg_conn, autocommit=True) as conn:
-        named = status.problems(conn, "idempotency", ["watched"], days[-1], days[0])
+        named = gaps.problems(conn, "idempotency", ["watched"], days[-1], days[0])
     assert [p.split(":")[0] for p in named] == [
         f"watched {days[3]}",
         f"watched {days[1]}",

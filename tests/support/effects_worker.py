@@ -19,7 +19,7 @@ from airflow_idempotency.runner import RunOptions
 
 
 def emails(count: int) -> list:  # type: ignore[type-arg]
-    from airflow_idempotency.mail import email_effect
+    from airflow_idempotency.effects.mail import email_effect
 
     return [
         email_effect(
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
 
     def mail(run: RunContext) -> dict[str, int]:
         from airflow_idempotency import OutboundLedger, Retries
-        from airflow_idempotency.mail import SmtpSender
+        from airflow_idempotency.effects.mail import SmtpSender
 
         batch_size, concurrency = (int(argv[4]), int(argv[5])) if len(argv) > 4 else (10, 2)
         sender = SmtpSender(
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
         return ledger.send_all(emails(int(argv[3])), sender).as_counts("mail")
 
     def file(run: RunContext) -> dict[str, str]:
-        from airflow_idempotency.outputs import OutputFile
+        from airflow_idempotency.effects.outputs import OutputFile
 
         with OutputFile(run, argv[3], root=argv[2]) as out:
             out.write_text(argv[4])

@@ -17,8 +17,8 @@ from airflow_idempotency.exceptions import (
     RunKeyConflictError,
     RunKeyMissingError,
 )
+from airflow_idempotency.partitions import PartitionSpec
 from airflow_idempotency.run_key import (
-    PartitionSpec,
     RunFacts,
     RunKeyRule,
     key_parts,

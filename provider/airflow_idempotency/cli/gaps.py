@@ -43,11 +43,11 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """The periods of a job in a range with no completed run; exit 1 when there are any."""
-    from airflow_idempotency import status
+    from airflow_idempotency import gaps
 
     due = _due_keys(args) if args.dag_id else None
     with connect_read(args) as conn:
-        found = status.gaps(
+        found = gaps.gaps(
             conn, args.schema, args.job, args.from_key, args.to_key, segment=args.segment, due=due
         )
     rows = [gap.as_dict() for gap in found]

@@ -108,7 +108,7 @@ def handle(args: argparse.Namespace) -> int:
 
 def show_effect(args: argparse.Namespace) -> int:
     """One effect (``--remote`` and ``--key``) and the audit of its resolutions."""
-    from airflow_idempotency.resolutions import resolutions
+    from airflow_idempotency.effects.resolutions import resolutions
 
     if not args.remote:
         raise CommandError("--key needs --remote (the effect's remote system)", EXIT_USAGE)
@@ -129,8 +129,9 @@ def show_effect(args: argparse.Namespace) -> int:
 
 
 def resolve(args: argparse.Namespace) -> int:
-    """``ledger mark-sent`` / ``ledger resend`` (see :mod:`airflow_idempotency.resolutions`)."""
-    from airflow_idempotency.resolutions import resolve_unknown
+    """``ledger mark-sent`` / ``ledger resend`` (see
+    :mod:`airflow_idempotency.effects.resolutions`)."""
+    from airflow_idempotency.effects.resolutions import resolve_unknown
 
     action = ACTIONS[args.ledger_action][0]
     who = args.by or os.environ.get("USER") or os.environ.get("LOGNAME") or ""

@@ -42,7 +42,7 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """Which business dates a backfill would cover on this Airflow line, and what each does."""
-    from airflow_idempotency import compat, planning
+    from airflow_idempotency import compat, partitions, planning
 
     command = args.command_name or compat.BACKFILL_COMMAND
     if args.to_date < args.from_date:
@@ -57,7 +57,7 @@ def handle(args: argparse.Namespace) -> int:
                 )
             except InvalidInputError as exc:
                 raise CommandError(str(exc), EXIT_USAGE) from exc
-    when = "partition_key" if compat.dag_partitioning(dag)[0] else "logical_date"
+    when = "partition_key" if partitions.dag_partitioning(dag)[0] else "logical_date"
     emit(
         args,
         f"{args.dag_id}: {command} {args.from_date.isoformat()} .. {args.to_date.isoformat()}",

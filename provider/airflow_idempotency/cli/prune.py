@@ -25,11 +25,11 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """Delete old attempt rows of completed keys (never a job_runs row, never the ledger)."""
-    from airflow_idempotency import status
+    from airflow_idempotency import retention
 
-    older_than = status.parse_age(args.older_than)
+    older_than = retention.parse_age(args.older_than)
     with connect_read(args) as conn:
-        count = status.prune_attempts(
+        count = retention.prune_attempts(
             conn, args.schema, older_than, dry_run=args.dry_run, batch_size=args.batch_size
         )
     verb = "would delete" if args.dry_run else "deleted"

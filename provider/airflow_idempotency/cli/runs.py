@@ -70,10 +70,10 @@ def handle(args: argparse.Namespace) -> int:
 
 def stale(args: argparse.Namespace) -> int:
     """Attempts still running and keys still started whose lock nobody holds; exit 1 if any."""
-    from airflow_idempotency import status
+    from airflow_idempotency import gaps
 
     with connect_read(args) as conn:
-        rows = status.stale(conn, args.schema, args.job)
+        rows = gaps.stale(conn, args.schema, args.job)
     for row in rows:
         row["age"] = age(row["age"])
     emit(

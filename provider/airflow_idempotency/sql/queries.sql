@@ -334,7 +334,7 @@ WHERE l.remote_system = %(remote_system)s
 RETURNING l.idempotency_key;
 
 -- name: ledger_restage_output
--- An output file about to be committed (outputs.py): its row takes this content's fingerprint
+-- An output file about to be committed (effects/outputs.py): its row takes this content's fingerprint
 -- when the content it had was never committed (pending, failed: an attempt that crashed between
 -- the write and the record), or, in a forced run, even when it was (succeeded): the claim then
 -- finds the row pending for this very content and the ledger moves the file into place.

@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from airflow_idempotency.compat import AIRFLOW_NOT_FOUND
 from airflow_idempotency.exceptions import SchemaNotReadyError
 from airflow_idempotency.hook import IdempotencyHook
 from airflow_idempotency.schema import require_readable
@@ -89,9 +90,7 @@ def _hook(settings: Settings) -> tuple[IdempotencyHook, str]:
     hook = IdempotencyHook(postgres_conn_id=settings.conn_id)
     try:
         return hook, hook.connection.get_uri()
-    except Exception as exc:
-        if type(exc).__name__ != "AirflowNotFoundException":
-            raise
+    except AIRFLOW_NOT_FOUND as exc:
         raise _missing_connection(settings) from exc
 
 

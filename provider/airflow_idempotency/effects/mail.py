@@ -4,7 +4,7 @@ SMTP has no idempotency key: a server that got a message's data and lost the con
 before answering may have delivered it, and a resend would deliver it twice. So
 :class:`SmtpSender` is a *not deduplicating* sender: the ledger records the intent before
 each message and the outcome after it, and a message whose outcome was lost stays
-``unknown`` until an operator resolves it (see :mod:`airflow_idempotency.effects`).
+``unknown`` until an operator resolves it (see :mod:`airflow_idempotency.ledger.senders`).
 
 Every message carries a ``Message-ID`` derived from its effect key (the same on every
 rerun), so that receiving systems can deduplicate too, and an ``X-Idempotency-Key`` header.
@@ -39,7 +39,6 @@ from email.message import EmailMessage
 from email.utils import formatdate, getaddresses
 from typing import Any, Literal
 
-from airflow_idempotency.effects import BlockingEffectSender, Confirmation, Effect
 from airflow_idempotency.exceptions import (
     ConfigurationError,
     InvalidInputError,
@@ -47,6 +46,7 @@ from airflow_idempotency.exceptions import (
     PermanentRemoteError,
     TransientRemoteError,
 )
+from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
 
 # An addr-spec as it may travel in MAIL FROM / RCPT TO: local@domain, no blanks, no brackets,
 # a domain of labels. Deliberately narrower than RFC 5322's (no quoted local parts).

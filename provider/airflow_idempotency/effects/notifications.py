@@ -38,15 +38,16 @@ from typing import Any, Literal
 
 import psycopg
 
-from airflow_idempotency.effects import BlockingEffectSender, Confirmation, Effect
+from airflow_idempotency.effects.mail import message_id
 from airflow_idempotency.exceptions import (
     IdempotencyError,
+    NotificationError,
     OutcomeUnknownError,
     PermanentRemoteError,
     RemoteError,
 )
 from airflow_idempotency.ledger import OutboundLedger, Retries
-from airflow_idempotency.mail import message_id
+from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.run_context import ConnectionFactory, autocommit_connection
 from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA, ensure_schema
@@ -55,10 +56,6 @@ log = logging.getLogger(__name__)
 
 OnError = Literal["unknown", "failed"]
 Notifier = Callable[[Any], Any]
-
-
-class NotificationError(IdempotencyError):
-    """Some notifications of a callback failed or are unknown (each named); the others went."""
 
 
 class _CallbackScope:

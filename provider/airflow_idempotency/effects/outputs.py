@@ -39,17 +39,14 @@ import psycopg
 
 from airflow_idempotency._sql import query
 from airflow_idempotency.crashpoints import crash_point
-from airflow_idempotency.effects import Confirmation, Effect, EffectSender
 from airflow_idempotency.exceptions import (
     IdempotencyKeyConflictError,
     InvalidInputError,
+    OutputConflictError,
     PermanentRemoteError,
 )
 from airflow_idempotency.ledger import LedgerScope, OutboundLedger, Retries
-
-
-class OutputConflictError(IdempotencyKeyConflictError):
-    """An output file was committed before with other content; only a forced run replaces it."""
+from airflow_idempotency.ledger.senders import Confirmation, Effect, EffectSender
 
 
 def _is_object_storage(path: Any) -> bool:

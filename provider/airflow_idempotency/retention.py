@@ -1,0 +1,53 @@
+"""Retention: old attempt rows deleted (``airflow-idempotency prune``), never what keeps a
+rerun a no-op or a confirmed effect from being sent again."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import psycopg
+
+from airflow_idempotency._sql import query_rows
+from airflow_idempotency.exceptions import InvalidInputError
+
+
+def parse_age(text: str) -> dt.timedelta:
+    """``400d`` -> 400 days (whole days only: retention is a matter of days)."""
+    if not (
+        isinstance(text, str) and text.endswith("d") and text[:-1].isdigit() and int(text[:-1]) > 0
+    ):
+        raise InvalidInputError(f"{text!r} is not an age in days: write it like 400d")
+    return dt.timedelta(days=int(text[:-1]))
+
+
+def prune_attempts(
+    conn: psycopg.Connection,
+    schema: str,
+    older_than: dt.timedelta,
+    *,
+    dry_run: bool = False,
+    batch_size: int = 10_000,
+) -> int:
+    """Delete attempt rows older than ``older_than`` of completed keys, in batches of
+    ``batch_size`` (each its own transaction); return how many were (or would be) deleted.
+
+    Kept forever: every ``job_runs`` row (a completed key is what makes a rerun a year later
+    a no-op), the attempt that completed each key, attempts of keys not completed, the
+    outbound ledger (what keeps a confirmed effect from being sent again).
+    """
+    if batch_size < 1:
+        raise InvalidInputError("batch_size must be >= 1")
+    before = dt.datetime.now(dt.timezone.utc) - older_than
+    total, after = 0, 0
+    while True:
+        with conn.transaction():
+            (row,) = query_rows(
+                conn,
+                "prune_attempts",
+                schema,
+                {"after": after, "before": before, "batch": batch_size, "dry_run": dry_run},
+            )
+        total += int(row["selected"])
+        if row["selected"] < batch_size:
+            return total
+        after = row["last_id"]
