@@ -11,6 +11,7 @@ The tests live in one folder per tier (docs/development.md says which test goes 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 
 from devtools import airflow_env
 from devtools.postgres import PostgresServer, find_server, temporary_database
+from support.workers import migrated_db
 
 _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="idem-airflow-"))
 airflow_env.configure(_AIRFLOW_HOME)
@@ -27,9 +29,12 @@ airflow_env.configure(_AIRFLOW_HOME)
 
 @pytest.fixture(scope="session")
 def airflow_home() -> Path:
-    """The per-session Airflow home, with a migrated SQLite metadata database."""
+    """The per-session Airflow home, with a migrated SQLite metadata database; a copy of it as
+    migrated is what every worker's private home starts from (support.workers.migrated_db),
+    whatever the tests that ran before left in the session's."""
     if not (_AIRFLOW_HOME / ".migrated").exists():
         airflow_env.migrate()
+        shutil.copyfile(_AIRFLOW_HOME / "airflow.db", migrated_db(_AIRFLOW_HOME))
         (_AIRFLOW_HOME / ".migrated").touch()
     return _AIRFLOW_HOME
 

@@ -18,7 +18,7 @@ from devtools import airflow_env
 from devtools.workers import connection_env, dags_test, private_airflow_env
 from support.db import rows
 from support.locks import lock_held_attempts
-from support.workers import TEST_DAGS, Until, race, work_log_count
+from support.workers import TEST_DAGS, Until, migrated_db, race, work_log_count
 
 AIRFLOW2_PYTHON = os.environ.get("IDEMPOTENCY_AIRFLOW2_PYTHON", "")
 
@@ -58,7 +58,7 @@ def test_airflow2_and_airflow3_workers_share_one_key(
     old, new = race(
         lambda: worker(AIRFLOW2_PYTHON, airflow2_db, tmp_path / "a2", pg_dsn, True, **hold),
         lambda: worker(
-            sys.executable, airflow_home / "airflow.db", tmp_path / "a3", pg_dsn, False, **hold
+            sys.executable, migrated_db(airflow_home), tmp_path / "a3", pg_dsn, False, **hold
         ),
         release,
         first_holds=Until(

@@ -25,6 +25,7 @@ __all__ = [
     "Until",
     "dags_test",
     "kill_group",
+    "migrated_db",
     "private_airflow_env",
     "race",
     "start_worker",
@@ -35,18 +36,26 @@ __all__ = [
 TEST_DAGS = TESTS / "dags"
 
 
+def migrated_db(airflow_home: Path) -> Path:
+    """The session's metadata DB as it was once migrated, before any test ran a DAG in it: a
+    worker's home starts from a copy, so that what it finds does not depend on the tests that
+    ran before it (a backfill would find their runs of its dates done)."""
+    return airflow_home / "migrated.db"
+
+
 def private_airflow_env(
     airflow_home: Path, job_dsn: str, dags_folder: Path = TEST_DAGS, home: Path | None = None
 ) -> dict[str, str]:
-    """os.environ plus an Airflow home of its own, with the job database ``job_dsn`` as
-    connection ``idempotency_default`` (see :func:`devtools.workers.private_airflow_env`).
+    """os.environ plus an Airflow home of its own (its metadata DB a copy of
+    :func:`migrated_db`), with the job database ``job_dsn`` as connection
+    ``idempotency_default`` (see :func:`devtools.workers.private_airflow_env`).
 
     The home is ``home`` (created; its owner removes it) or a new temporary folder.
     """
     if home is None:
         home = Path(tempfile.mkdtemp(prefix="idem-worker-")) / "home"
     return workers.private_airflow_env(
-        airflow_home / "airflow.db", home, connection_env(job_dsn), dags_folder
+        migrated_db(airflow_home), home, connection_env(job_dsn), dags_folder
     )
 
 
