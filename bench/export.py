@@ -303,7 +303,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "check_text 3.6, the two fingerprint computations 1.9 + 1.8, the statement 3.5, the "
         "transaction 0.6): (1) the key check has an ASCII fast path (`isascii()`, "
         "`isprintable()`, length, no surrounding blanks: exactly what check_text plus the "
-        "ASCII rule accept, fuzzed against it in tests/test_ledger.py), ~0.3 µs instead of "
+        "ASCII rule accept, fuzzed against it in tests/integration/test_ledger.py), ~0.3 µs instead of "
         "5-25 µs a key; (2) each fingerprint is computed once, with one reused JSON encoder "
         "(same bytes as json.dumps); (3) the key and fingerprint arrays are bound in binary "
         "(~0.5 instead of ~5 µs a key); (4) known keys no longer go through the INSERT: the "

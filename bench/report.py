@@ -115,7 +115,7 @@ def render_markdown(
         "query; the migration files are read only when a migration runs.",
         "3. runner.py: the lock session's search_path and application_name are restored "
         "when the run ends, so a pooled connection goes back to its pool as it came (found "
-        "when this benchmark's probe table vanished from view; tests/test_runner.py).",
+        "when this benchmark's probe table vanished from view; tests/integration/test_runner.py).",
         "4. ledger.py: the forced rerun's claim path (see the export section).",
         "5. Migration 3: a partial index on running attempts, so naming a lock's holder "
         "never scans the attempt history.",

@@ -15,7 +15,7 @@ What it runs, against a fresh PostgreSQL database and the accounting HTTP servic
 6. the final bookkeeping: job_runs, attempts, ledger, the accounting service's invoices.
 
 Each step checks what it claims and the demo exits 1 at the first check that fails, so it
-is also an end-to-end test (tests/test_demo.py runs ``--quick``). Airflow's own output goes
+is also an end-to-end test (tests/stack/test_demo.py runs ``--quick``). Airflow's own output goes
 to log files under the work folder (``.demo/`` by default, wiped at start); the terminal
 shows a summary. The scheduler, api-server and dag-processor, the accounting service, the
 ``dags test`` workers and an embedded PostgreSQL are all stopped at the end, also after a

@@ -1,6 +1,6 @@
 """`python3 dev.py faults`: run the fault scenarios and write FAULTS.md.
 
-    python -m devtools.fault_report                 # every tests/test_faults_*.py, slow ones too
+    python -m devtools.fault_report                 # tests/faults/test_faults_*.py, slow ones too
     python -m devtools.fault_report -m "not slow"   # extra arguments go to pytest
     python -m devtools.fault_report --output /tmp/FAULTS.md
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
+TESTS = ROOT / "tests" / "faults"
 PATTERN = "test_faults_*.py"
 DEFAULT_OUTPUT = ROOT / "FAULTS.md"
 FIGURES = re.compile(r"^\[figures\] (.*)$", re.MULTILINE)

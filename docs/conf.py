@@ -1,7 +1,7 @@
 """Sphinx configuration of the docs site: MyST Markdown pages, the furo theme.
 
 Build it with ``.venv/bin/python -m sphinx -W --keep-going -b html docs docs/_build/html``
-(after ``python3 dev.py setup``); tests/test_docs.py builds it the same way, warnings being
+(after ``python3 dev.py setup``); tests/docs/test_docs.py builds it the same way, warnings being
 errors.
 """
 

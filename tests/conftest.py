@@ -1,12 +1,17 @@
-"""Test set-up: a real PostgreSQL server and a real, isolated Airflow 3.
+"""Test set-up: a real PostgreSQL server and a real, isolated Airflow 3; the tiers' markers.
 
 Airflow reads its configuration once, when first imported, so the environment is set at
 the top of this module, before any test module imports ``airflow``.
+
+The tests live in one folder per tier (docs/development.md says which test goes where):
+``unit/``, ``integration/``, ``stack/``, ``faults/``, ``docs/``; what they share is the
+``support`` package. Every test in ``stack/`` is marked ``airflow_processes`` from its folder.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +21,7 @@ import pytest
 
 from devtools import airflow_env
 from devtools.postgres import PostgresServer, find_server, temporary_database
+from support.workers import migrated_db
 
 _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="idem-airflow-"))
 airflow_env.configure(_AIRFLOW_HOME)
@@ -23,9 +29,12 @@ airflow_env.configure(_AIRFLOW_HOME)
 
 @pytest.fixture(scope="session")
 def airflow_home() -> Path:
-    """The per-session Airflow home, with a migrated SQLite metadata database."""
+    """The per-session Airflow home, with a migrated SQLite metadata database; a copy of it as
+    migrated is what every worker's private home starts from (support.workers.migrated_db),
+    whatever the tests that ran before left in the session's."""
     if not (_AIRFLOW_HOME / ".migrated").exists():
         airflow_env.migrate()
+        shutil.copyfile(_AIRFLOW_HOME / "airflow.db", migrated_db(_AIRFLOW_HOME))
         (_AIRFLOW_HOME / ".migrated").touch()
     return _AIRFLOW_HOME
 
@@ -61,6 +70,12 @@ def pytest_report_header() -> list[str]:
 
 
 LINE_MARKERS = ("both_airflow_lines", "airflow2_only")
+TESTS = Path(__file__).resolve().parent
+STACK = TESTS / "stack"
+"""The tests that start Airflow's own processes: each is marked ``airflow_processes`` here."""
+FAULTS = TESTS / "faults"
+"""The fault scenarios and chaos: those that start Airflow's processes carry the marker
+themselves (test_faults_celery.py, test_chaos.py, test_chaos_builds.py)."""
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -75,9 +90,25 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None if any(marker in text for marker in LINE_MARKERS) else True
 
 
+def mark_the_stack_tier(items: list[pytest.Item]) -> None:
+    """``airflow_processes`` on every test of ``stack/``; a test elsewhere that carries it
+    (but the fault scenarios) belongs in ``stack/``: a usage error says so."""
+    for item in items:
+        if item.path.is_relative_to(STACK):
+            item.add_marker(pytest.mark.airflow_processes)
+        elif item.get_closest_marker("airflow_processes") and not item.path.is_relative_to(FAULTS):
+            raise pytest.UsageError(
+                f"{item.nodeid} starts Airflow's processes (marked airflow_processes) outside "
+                f"tests/stack/: move its file there (docs/development.md, the tests' tiers)"
+            )
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the tests of this Airflow line: on 2.11 the suites marked both_airflow_lines and
-    airflow2_only (the Airflow-free suites run once, on 3.x); on 3.x all but airflow2_only."""
+    """Mark the stack tier (above), then keep the tests of this Airflow line: on 2.11 the
+    suites marked both_airflow_lines and airflow2_only (the Airflow-free suites run once, on
+    3.x); on 3.x all but airflow2_only."""
+    mark_the_stack_tier(items)
     on_airflow2 = airflow_env.AIRFLOW_VERSION.startswith("2.")
 
     def kept(item: pytest.Item) -> bool:

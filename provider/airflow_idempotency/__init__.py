@@ -74,7 +74,7 @@ _EXPORTS = {
 }
 
 # A literal list, so that type checkers see the names it re-exports (mypy --strict reads no
-# `*_EXPORTS`); tests/test_public_api.py checks that it names exactly the lazy exports.
+# `*_EXPORTS`); tests/unit/test_public_api.py checks that it names exactly the lazy exports.
 __all__ = [
     "ConfigurationError",
     "Effect",

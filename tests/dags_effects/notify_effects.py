@@ -1,8 +1,9 @@
-"""The DAG of the notification tests (tests/test_notifications*.py): an idempotent task that
-succeeds, or fails when the run's conf says ``"fail": true``, notified by email (Airflow's
-SmtpNotifier, connection ``smtp_notify``) and by a plain callback posting to a local webhook
-(``NOTIFY_WEBHOOK_URL``), each once per (job, run key, event) through notify_once. A second
-task's success is also notified by a callback that raises."""
+"""The DAG of the notification tests (tests/integration/test_notifications.py and
+tests/stack/test_notifications_stack.py): an idempotent task that succeeds, or fails when the
+run's conf says ``"fail": true``, notified by email (Airflow's SmtpNotifier, connection
+``smtp_notify``) and by a plain callback posting to a local webhook (``NOTIFY_WEBHOOK_URL``),
+each once per (job, run key, event) through notify_once. A second task's success is also
+notified by a callback that raises."""
 
 from __future__ import annotations
 

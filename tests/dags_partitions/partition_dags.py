@@ -1,4 +1,4 @@
-"""Partitioned DAGs for tests/test_partitions_stack.py (Airflow 3.2+).
+"""Partitioned DAGs for tests/stack/test_partitions_stack.py (Airflow 3.2+).
 
 Every task records its work in ``part_work`` (one row per execution of the work, not of
 the task), so a test counts how often the work itself ran. A key listed in ``part_fail``

@@ -1,4 +1,4 @@
-"""Throw-away DAG for tests/test_airflow_stack.py: one task appends a line to a file."""
+"""Throw-away DAG for tests/stack/test_airflow_stack.py: one task appends a line to a file."""
 
 from __future__ import annotations
 

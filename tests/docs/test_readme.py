@@ -1,0 +1,62 @@
+"""README.md stays true: its quoted code is the code the tests run, its commands are CI's."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from support import ROOT
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def region(text: str, name: str) -> str:
+    match = re.search(rf"# \[START {name}\]\n(.*?)\n# \[END {name}\]", text, re.S)
+    assert match, f"region {name} not found"
+    return match.group(1).strip("\n")
+
+
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [
+        ("finalize_invoices", "dags/finalize_invoices.py"),
+    ],
+)
+def test_quoted_code_matches_the_dag_files(name: str, source: str) -> None:
+    """Each code region quoted in README.md is identical to the file the tests execute."""
+    assert region(README, name) == region((ROOT / source).read_text(encoding="utf-8"), name)
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run calls the test command written at the top of README.md."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 dev.py test     # the whole test suite" in README
+    assert re.search(r"^python3 dev\.py test$", ci, re.M)
+    assert "`python3 dev.py test --airflow 2`" in README
+    assert re.search(r"^python3 dev\.py test --airflow 2$", ci, re.M)
+
+
+def test_readme_links_point_at_files_of_the_checkout() -> None:
+    """Every relative link of README.md (into docs/, its images, CHANGELOG.md) names a file
+    that exists, so the README's way into the docs never dangles."""
+    targets = re.findall(r"\]\((?!https?://|#|mailto:)([^)#\s]+)", README)
+    assert targets, "README.md links nowhere"
+    missing = [t for t in targets if not (ROOT / t).is_file()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_readme_links_every_docs_page() -> None:
+    """The README's Documentation section is the way into the whole site: every page of
+    docs/ is linked from it."""
+    pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
+    unlinked = [page for page in pages if f"]({page})" not in README and f"]({page}#" not in README]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def test_readme_builds_the_docs_as_the_docs_test_does() -> None:
+    """The docs command written in README.md is the build tests/docs/test_docs.py runs."""
+    from test_docs import SPHINX_BUILD
+
+    command = f".venv/bin/python {' '.join(SPHINX_BUILD)} docs docs/_build/html"
+    assert f"python3 dev.py setup && {command}" in README

@@ -1,0 +1,113 @@
+"""The CLI's ledger against a real job database: every kind of effect, the unknown ones first,
+and the operator's two actions (mark-sent, resend), audited, refused when they do not apply."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_idempotency.cli import main
+from airflow_idempotency.locks import hold_run_lock, run_lock_key
+from airflow_idempotency.schema import ensure_schema
+from support.effects import statuses
+
+pytestmark = pytest.mark.both_airflow_lines
+
+
+def seed(dsn: str) -> None:
+    """One effect of each state and three kinds, as the ledger writes them."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ensure_schema(conn, "idempotency")
+        conn.execute(
+            "INSERT INTO idempotency.outbound_ledger (remote_system, idempotency_key, job_name,"
+            " run_key, request_fingerprint, status, effect_kind, deduplicating, last_error)"
+            " VALUES"
+            " ('accounting', 'inv:1', 'job', '2026-10-01', 'f', 'pending', 'http', true, 'timeout'),"
+            " ('finance_mail', 'mail:1', 'job', '2026-10-01', 'f', 'unknown', 'email', false,"
+            "  'the call began (attempt 7) and no outcome was recorded: it may have happened'),"
+            " ('files:/out', 'a.csv', 'job', '2026-10-01', 'f', 'succeeded', 'file', true, NULL),"
+            " ('notify:chat', 'job:2026-10-01:failure', 'job', '2026-10-01', 'f', 'failed',"
+            "  'notification', false, 'HTTP 400')"
+        )
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
+    capsys.readouterr()
+    code = main([*argv, "--json"])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out) if captured.out.strip() else None, captured.err
+
+
+def test_ledger_lists_every_kind_unknown_first(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ledger` shows the effects not confirmed of every kind, the unknown one first, and exits 1 while one is unknown."""
+    seed(pg_dsn)
+    code, out, _ = run(capsys, "ledger", "--dsn", pg_dsn)
+    assert code == 1
+    first = out["not_confirmed"][0]
+    assert (first["idempotency_key"], first["effect_kind"], first["status"]) == (
+        "mail:1", "email", "unknown",
+    )  # fmt: skip
+    assert {r["effect_kind"] for r in out["not_confirmed"]} == {"email", "http", "notification"}
+    assert out["summary"][0]["status"] == "unknown"
+    code, out, _ = run(capsys, "ledger", "--dsn", pg_dsn, "--all")
+    assert {r["effect_kind"] for r in out["summary"]} == {"email", "http", "notification", "file"}
+    assert main(["ledger", "--dsn", pg_dsn]) == 1  # the table form too
+    assert "mark-sent" in capsys.readouterr().err
+
+
+def test_mark_sent_and_resend_are_audited(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """mark-sent confirms an unknown effect, recording who, when and why, shown by `ledger --key`; afterwards neither action applies to it and nothing is written."""
+    seed(pg_dsn)
+    code, done, _ = run(capsys, "ledger", "mark-sent", "finance_mail", "mail:1", "--reason",
+                        "Message-ID found in the finance mailbox", "--by", "ann", "--dsn", pg_dsn)  # fmt: skip
+    assert code == 0 and (done["action"], done["resolved_by"]) == ("mark_sent", "ann")
+    assert statuses(pg_dsn)["mail:1"] == "succeeded"
+    code, shown, _ = run(
+        capsys, "ledger", "--remote", "finance_mail", "--key", "mail:1", "--dsn", pg_dsn
+    )
+    assert shown["effect"]["status"] == "succeeded"
+    assert [(r["action"], r["resolved_by"], r["reason"]) for r in shown["resolutions"]] == [
+        ("mark_sent", "ann", "Message-ID found in the finance mailbox")
+    ]
+    for action in ("mark-sent", "resend"):
+        code, _, err = run(capsys, "ledger", action, "finance_mail", "mail:1", "--reason", "x",
+                           "--by", "ann", "--dsn", pg_dsn)  # fmt: skip
+        assert code == 2 and "is succeeded, not unknown" in err
+    code, _, err = run(
+        capsys, "ledger", "resend", "accounting", "inv:1", "--reason", "x", "--by", "a",
+        "--dsn", pg_dsn,
+    )  # fmt: skip
+    assert code == 2 and "is pending, not unknown" in err
+    code, _, _ = run(capsys, "ledger", "--dsn", pg_dsn)
+    assert code == 0  # nothing unknown any more
+
+
+def test_resend_makes_it_pending_and_a_running_key_is_refused(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """resend makes an unknown effect pending (by $USER when --by is absent); while an attempt of its key holds the run lock, the CLI refuses with exit 75 and writes nothing."""
+    seed(pg_dsn)
+    monkeypatch.setenv("USER", "oncall-bob")
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as holder,
+        hold_run_lock(
+            holder, run_lock_key("job", "2026-10-01"), schema="idempotency", application_name="t"
+        ) as lock,
+    ):
+        assert lock is not None
+        code, _, err = run(capsys, "ledger", "resend", "finance_mail", "mail:1", "--reason", "x",
+                           "--dsn", pg_dsn)  # fmt: skip
+    assert code == 75 and "is locked" in err
+    assert statuses(pg_dsn)["mail:1"] == "unknown"
+    code, done, _ = run(capsys, "ledger", "resend", "finance_mail", "mail:1", "--reason",
+                        "not in the mailbox", "--dsn", pg_dsn)  # fmt: skip
+    assert code == 0 and done["resolved_by"] == "oncall-bob"
+    assert statuses(pg_dsn)["mail:1"] == "pending"
+    with pytest.raises(SystemExit) as refused:  # --reason is required (argparse)
+        main(["ledger", "resend", "finance_mail", "mail:1", "--dsn", pg_dsn])
+    assert refused.value.code == 2

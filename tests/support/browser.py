@@ -1,0 +1,47 @@
+"""Chromium through Playwright, for the tests that drive Airflow's pages in a browser (the
+``browser`` and ``shots`` fixtures of tests/stack/conftest.py use it)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
+
+CHROMIUM = "/usr/bin/chromium"
+"""Debian's Chromium (.ci/run installs it): Playwright drives it, downloading no browser."""
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Browser]:
+    """Headless Chromium, closed afterwards; without it the test is skipped (failed in CI)."""
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing (.ci/run installs Debian's chromium)")
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def new_page(browser: Browser, height: int = 860) -> Page:
+    """A page of a fresh browser context (1360 pixels wide), each wait bounded at 30 s."""
+    context = browser.new_context(viewport={"width": 1360, "height": height})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    return page

@@ -1,0 +1,94 @@
+"""Who holds which advisory lock, read as the provider reads it, and ending a holder's session
+as a lost connection or an operator would.
+
+Run locks are read through the provider's own reader, the SQL function ``held_run_locks()``
+of the bookkeeping schema (this database's granted run locks, as the fencing checks, the
+CLI's ``locks`` and the view see them); the keys through :func:`run_lock_key`. What a test
+proves is left behind counts every advisory lock of the database instead: run locks, fence
+keys, the migration and named locks (none may outlive a run)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+
+from airflow_idempotency import RunContext, run_idempotently
+from airflow_idempotency.locks import run_lock_key
+from airflow_idempotency.records import Trigger
+from devtools import invariants
+from support.db import rows
+
+# pg_terminate_backend only signals the backend unless given a timeout; with one it waits
+# until the backend has exited, and so released its session locks (PostgreSQL 14+).
+_WAIT_MS = 10_000
+
+
+def run_lock_holders(dsn: str) -> list[tuple[int, int]]:
+    """(lock key, backend pid) of every run lock held in this database; none before the
+    bookkeeping schema exists."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        found = conn.execute("SELECT to_regprocedure('idempotency.held_run_locks()')").fetchone()
+        if found is None or found[0] is None:
+            return []
+        held = conn.execute("SELECT lock_key, pid FROM idempotency.held_run_locks() ORDER BY 2")
+        return [(int(key), int(pid)) for key, pid in held.fetchall()]
+
+
+def run_lock_holder(dsn: str, job: str, run_key: str) -> int | None:
+    """The backend pid that holds (job, run_key)'s run lock, or None."""
+    key = run_lock_key(job, run_key)
+    pids = [pid for lock_key, pid in run_lock_holders(dsn) if lock_key == key]
+    assert len(pids) <= 1, f"{len(pids)} holders of {job!r} {run_key!r}: {pids}"
+    return pids[0] if pids else None
+
+
+def advisory_locks(dsn: str, *, whole_server: bool = False) -> int:
+    """Advisory locks of any family held right now in this database (pg_locks shows the
+    whole cluster: other databases' are not ours), or on the whole server where the test owns
+    it (a private embedded server)."""
+    if whole_server:
+        return int(rows(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")[0][0])
+    return len(invariants.rows(dsn, "advisory_locks_left"))
+
+
+def lock_held_attempts(dsn: str) -> int:
+    """Attempts refused because another execution held their key (outcome ``lock_held``)."""
+    sql = "SELECT count(*) FROM idempotency.job_run_attempts WHERE outcome = 'lock_held'"
+    return int(rows(dsn, sql)[0][0])
+
+
+@contextlib.contextmanager
+def key_held(dsn: str, job: str, run_key: str, trigger: Trigger | None = None) -> Iterator[None]:
+    """A run of (job, run_key) in another thread, holding the key's lock while the block runs
+    (its work waits, at most 60 s); then the run completes and its thread is joined."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow(ctx: RunContext) -> None:
+        started.set()
+        release.wait(60)
+
+    run: dict[str, Any] = {"connect": lambda: psycopg.connect(dsn), "job_name": job}
+    run.update(run_key=run_key, work=slow, **({"trigger": trigger} if trigger else {}))
+    worker = threading.Thread(target=run_idempotently, kwargs=run)
+    worker.start()
+    try:
+        assert started.wait(30), f"the run of {job!r} {run_key!r} did not start its work"
+        yield
+    finally:
+        release.set()
+        worker.join(30)
+
+
+def terminate_lock_session(dsn: str, job: str, run_key: str) -> int:
+    """Terminate the session holding (job, run_key)'s lock and wait until it is gone; return
+    its pid. Without the wait, a fencing check racing the dying backend still sees the lock."""
+    pid = run_lock_holder(dsn, job, run_key)
+    assert pid is not None, f"expected one holder of {job!r} {run_key!r}, found none"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ended = conn.execute("SELECT pg_terminate_backend(%s, %s)", (pid, _WAIT_MS)).fetchone()
+    assert ended == (True,), f"backend {pid} still alive after {_WAIT_MS} ms"
+    return pid
