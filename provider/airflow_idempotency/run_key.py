@@ -61,6 +61,8 @@ from airflow_idempotency.exceptions import (
 
 Period = Literal["hour", "day", "week", "month"]
 MAX_KEY_LENGTH = 200
+MAX_OFFSET = 1000
+"""The largest shift a :class:`RunKeyRule` offset may give (in periods, either way)."""
 SEGMENT_DELIMITER = "|"
 """Separates the segments of a run key (``eu|2026-10-01``), as Airflow's ProductMapper does."""
 
@@ -116,9 +118,25 @@ class RunKeyRule:
     allow_open_period: bool = False
 
     def __post_init__(self) -> None:
-        if self.period not in _FORMATS:
+        # Checked when the DAG file builds the rule: a mistake is the file's import error.
+        if not isinstance(self.period, str) or self.period not in _FORMATS:
             raise InvalidInputError(
                 f"unknown period {self.period!r}: use one of {sorted(_FORMATS)}"
+            )
+        offset = self.offset
+        if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool)):
+            raise InvalidInputError(
+                f"offset must be a whole number of {self.period}s (or None for the "
+                f"timetable's default), got {type(offset).__name__}: {offset!r}"
+            )
+        if offset is not None and abs(offset) > MAX_OFFSET:
+            raise InvalidInputError(
+                f"offset {offset} moves keys more than {MAX_OFFSET} {self.period}s: use an "
+                "offset of a few periods (-1: the period before the logical date's)"
+            )
+        if not isinstance(self.allow_open_period, bool):
+            raise InvalidInputError(
+                f"allow_open_period must be True or False, got {self.allow_open_period!r}"
             )
 
     @property
