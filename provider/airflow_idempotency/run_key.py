@@ -511,7 +511,10 @@ def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
             f"run_key, so it does not say which partition to process (a partitioned DAG's "
             f"runs are keyed by their partition, not by a logical date). Trigger it with a "
             f'partition key: the trigger form\'s Partition Key field, "partition_key" in the '
-            f"REST body, or airflow backfill create over partition dates."
+            f"REST body, or airflow backfill create over partition dates. To run one period "
+            f"by hand (airflow dags test included, which sets no partition key), give its run "
+            f"key in the conf, in the format {rule.format_hint}: airflow dags test DAG_ID -c "
+            f'\'{{"run_key": "{rule.format_hint.rsplit("e.g. ", 1)[-1]}"}}\'.'
         )
     return (
         f"this {facts.run_type} run has no logical date and no run_key, so it does not say "
