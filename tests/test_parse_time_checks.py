@@ -128,7 +128,7 @@ def test_a_wait_is_a_positive_timedelta(seconds: float) -> None:
     else:
         with pytest.raises(InvalidInputError, match="must be positive"):
             check_duration("lock_timeout", wait)
-    with pytest.raises(InvalidInputError, match="datetime.timedelta"):
+    with pytest.raises(InvalidInputError, match=r"datetime\.timedelta"):
         check_duration("lock_timeout", seconds)
 
 
@@ -147,7 +147,7 @@ def test_a_run_key_rule_is_checked_when_built(period: str, offset: object) -> No
     if period_ok and offset_ok:
         RunKeyRule(period=period, offset=offset)  # type: ignore[arg-type]
     else:
-        with pytest.raises(InvalidInputError, match="period|offset"):
+        with pytest.raises(InvalidInputError, match=r"period|offset"):
             RunKeyRule(period=period, offset=offset)  # type: ignore[arg-type]
 
 

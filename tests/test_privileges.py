@@ -136,7 +136,7 @@ def test_a_dba_run_migrate_and_the_pages_grants_are_enough(role: Role) -> None:
     grants = doc_block("sql", "-- as the DBA who ran migrate")
     statements = as_written(grants, role.name, role.dbname)
     role.admin(statements[0])  # USAGE only: every table still refuses
-    with pytest.raises(MissingPrivilegeError, match="It lacks .*INSERT on table job_run_attempts"):
+    with pytest.raises(MissingPrivilegeError, match=r"It lacks .*INSERT on table job_run_attempts"):
         role.run()
     role.admin(*statements[1:])
     assert role.run().outcome is RunOutcome.COMPLETED
