@@ -45,10 +45,12 @@ def test_the_quick_start_shows_the_readmes_first_dag() -> None:
 
 
 def _uri(dsn: str) -> str:
-    """``dsn`` as an Airflow connection URI (a socket directory percent-encoded as host)."""
+    """``dsn`` as an Airflow connection URI (a socket directory percent-encoded as host),
+    with a password as README.md's has one: a trusting server ignores it, and Airflow
+    2.11's `connections add --conn-uri` fails on a URI without one (docs/faq.md)."""
     p = conninfo_to_dict(dsn)
     login = quote(str(p.get("user", "postgres")), safe="")
-    password = f":{quote(str(p['password']), safe='')}" if p.get("password") else ""
+    password = f":{quote(str(p.get('password') or 'postgres'), safe='')}"
     host = quote(str(p.get("host", "127.0.0.1")), safe="")
     port = f":{p['port']}" if p.get("port") else ""
     return f"postgresql://{login}{password}@{host}{port}/{p['dbname']}"
@@ -115,14 +117,16 @@ def test_the_readmes_first_dag_runs_twice_the_second_a_noop(pg_dsn: str, tmp_pat
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
 
-    assert output.count("completed: {'days': 1}") == 1, output[-6000:]
+    # Airflow 2.11 also prints the task's log lines through its root logger: each may be
+    # there twice. What ran is counted in the database below.
+    assert "completed: {'days': 1}" in output, output[-6000:]
     noop = block(README, "first-dag: no-op").strip()
     # The line as README.md shows it, its completion time (that run's own) left open.
     pattern = re.escape(noop).replace(
         re.escape("completed 2026-12-06 06:37:42.458581+00:00"), r"completed [0-9: .+-]+"
     )
     assert pattern != re.escape(noop), "README's no-op line changed shape: update this test"
-    assert len(re.findall(pattern, output)) == 1, output[-6000:]
+    assert re.search(pattern, output), output[-6000:]
     with psycopg.connect(pg_dsn) as conn:
         days = conn.execute("SELECT day::text FROM daily_summary").fetchall()
         attempts = conn.execute(
