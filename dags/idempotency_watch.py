@@ -53,6 +53,7 @@ with DAG(
     doc_md=__doc__,
 ):
     # [START watch_window]
+    # [START watch_task]
     @task
     def watch(params: dict[str, Any] | None = None, **context: Any) -> dict[str, int]:
         from airflow_idempotency.watch import watch_problems  # in the task: parsing stays light
@@ -71,4 +72,5 @@ with DAG(
             )
         return {"jobs": len(params["jobs"]), "days": int(params["days"])}
 
+    # [END watch_task]
     watch()

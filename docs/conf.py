@@ -31,6 +31,7 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinxarg.ext",
+    "sphinxcontrib.mermaid",
 ]
 
 source_suffix = {".md": "markdown"}
@@ -38,6 +39,8 @@ root_doc = "index"
 exclude_patterns = ["_build"]
 
 myst_enable_extensions = ["colon_fence", "deflist"]
+# A ```mermaid block is a diagram on GitHub and, through sphinxcontrib-mermaid, on the site.
+myst_fence_as_directive = ["mermaid"]
 # Headings of levels 1-3 get anchors, so pages link to each other's sections.
 myst_heading_anchors = 3
 

@@ -67,6 +67,14 @@ class SchemaError(ConfigurationError):
     """The bookkeeping schema is newer than this code: upgrade the provider on this worker."""
 
 
+class MissingPrivilegeError(ConfigurationError):
+    """The job database's role may not create, migrate or use the bookkeeping tables.
+
+    Its message names both ways out: grant the role what it needs, or have a DBA run
+    ``airflow-idempotency migrate`` (:func:`airflow_idempotency.schema.privilege_refusal`).
+    """
+
+
 class SharedSessionError(ConfigurationError):
     """The lock connection's server session is shared with other clients."""
 

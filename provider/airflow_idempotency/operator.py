@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pendulum
 
+from airflow_idempotency.arguments import check_arguments
 from airflow_idempotency.compat import (
     AIRFLOW_NOT_FOUND,
     AirflowException,
@@ -178,15 +179,30 @@ class IdempotentRunOperator(ReschedulingOperator):
     ) -> None:
         super().__init__(**kwargs)
         if python_callable is None and type(self).run is IdempotentRunOperator.run:
-            raise ValueError(
-                f"{self.task_id}: pass python_callable or override run() in a subclass"
+            raise InvalidInputError(
+                f"task {self.task_id!r}: pass python_callable or override run() in a subclass"
             )
         if python_callable is not None and not callable(python_callable):
-            raise TypeError(f"{self.task_id}: python_callable must be callable")
-        if on_locked not in ("reschedule", "fail", "skip"):
-            raise ValueError(f"on_locked must be 'reschedule', 'fail' or 'skip', not {on_locked!r}")
-        if on_completed not in ("succeed", "skip"):
-            raise ValueError(f"on_completed must be 'succeed' or 'skip', not {on_completed!r}")
+            raise InvalidInputError(f"task {self.task_id!r}: python_callable must be callable")
+        # Checked here, where the DAG file is parsed: a mistake is the file's import error in
+        # Airflow's UI, not a task failing at 01:00 (templated values are checked at run time).
+        in_dag = self.has_dag()  # type: ignore[no-untyped-call]
+        check_arguments(
+            f"task {self.task_id!r}" + (f" of DAG {self.dag_id!r}" if in_dag else ""),
+            {
+                "job_name": job_name,
+                "postgres_conn_id": postgres_conn_id,
+                "run_key_rule": run_key_rule,
+                "on_locked": on_locked,
+                "on_completed": on_completed,
+                "reschedule_interval": reschedule_interval,
+                "lock_timeout": lock_timeout,
+                "schema": schema,
+                "key_segment": key_segment,
+                "emit_on_noop": emit_on_noop,
+            },
+            default_job_name=f"{self.dag_id}.{self.task_id}" if in_dag else None,
+        )
         self.python_callable = python_callable
         self.postgres_conn_id = postgres_conn_id
         self.job_name = job_name
@@ -314,7 +330,7 @@ class IdempotentRunOperator(ReschedulingOperator):
     @property
     def effective_job_name(self) -> str:
         """The job's name in the run records: ``job_name``, else ``<dag_id>.<task_id>``."""
-        return self.job_name or f"{self.dag_id}.{self.task_id}"
+        return self.job_name if self.job_name is not None else f"{self.dag_id}.{self.task_id}"
 
     def run_options(self, context: Context) -> RunOptions:
         """``force`` and ``dry_run`` of this run, from its conf or params (booleans)."""

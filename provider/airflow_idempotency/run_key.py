@@ -68,6 +68,8 @@ from airflow_idempotency.partitions import (
 
 Period = Literal["hour", "day", "week", "month"]
 MAX_KEY_LENGTH = 200
+MAX_OFFSET = 1000
+"""The largest shift a :class:`RunKeyRule` offset may give (in periods, either way)."""
 
 _FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     "hour": (
@@ -121,9 +123,25 @@ class RunKeyRule:
     allow_open_period: bool = False
 
     def __post_init__(self) -> None:
-        if self.period not in _FORMATS:
+        # Checked when the DAG file builds the rule: a mistake is the file's import error.
+        if not isinstance(self.period, str) or self.period not in _FORMATS:
             raise InvalidInputError(
                 f"unknown period {self.period!r}: use one of {sorted(_FORMATS)}"
+            )
+        offset = self.offset
+        if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool)):
+            raise InvalidInputError(
+                f"offset must be a whole number of {self.period}s (or None for the "
+                f"timetable's default), got {type(offset).__name__}: {offset!r}"
+            )
+        if offset is not None and abs(offset) > MAX_OFFSET:
+            raise InvalidInputError(
+                f"offset {offset} moves keys more than {MAX_OFFSET} {self.period}s: use an "
+                "offset of a few periods (-1: the period before the logical date's)"
+            )
+        if not isinstance(self.allow_open_period, bool):
+            raise InvalidInputError(
+                f"allow_open_period must be True or False, got {self.allow_open_period!r}"
             )
 
     @property
@@ -362,7 +380,10 @@ def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
             f"run_key, so it does not say which partition to process (a partitioned DAG's "
             f"runs are keyed by their partition, not by a logical date). Trigger it with a "
             f'partition key: the trigger form\'s Partition Key field, "partition_key" in the '
-            f"REST body, or airflow backfill create over partition dates."
+            f"REST body, or airflow backfill create over partition dates. To run one period "
+            f"by hand (airflow dags test included, which sets no partition key), give its run "
+            f"key in the conf, in the format {rule.format_hint}: airflow dags test DAG_ID -c "
+            f'\'{{"run_key": "{rule.format_hint.rsplit("e.g. ", 1)[-1]}"}}\'.'
         )
     return (
         f"this {facts.run_type} run has no logical date and no run_key, so it does not say "

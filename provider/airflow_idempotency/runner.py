@@ -43,7 +43,12 @@ from psycopg.rows import dict_row
 from airflow_idempotency import metrics, records
 from airflow_idempotency._sql import query, query_row
 from airflow_idempotency.crashpoints import crash_point
-from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
+from airflow_idempotency.exceptions import (
+    IdempotencyError,
+    LockLostError,
+    MissingPrivilegeError,
+    RunLockedError,
+)
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
 from airflow_idempotency.records import (
     AttemptOutcome,
@@ -62,7 +67,12 @@ from airflow_idempotency.run_context import (
     autocommit_connection,
 )
 from airflow_idempotency.run_key import check_text
-from airflow_idempotency.schema import ensure_schema, validate_schema_name
+from airflow_idempotency.schema import (
+    ensure_schema,
+    missing_privileges,
+    privilege_refusal,
+    validate_schema_name,
+)
 
 __all__ = [
     "RunContext",
@@ -242,11 +252,28 @@ class _Run:
     def execute(self) -> RunResult:
         try:
             return self._execute()
+        except psycopg.errors.InsufficientPrivilege as exc:
+            missing = self._privilege_refusal(exc)
+            if missing is None:
+                raise  # the work's own statement: its tables, its grants
+            raise missing from exc
         except psycopg.Error as exc:
             refusal = pooler_refusal(exc)
             if refusal is None:
                 raise
             raise refusal from exc
+
+    def _privilege_refusal(self, exc: psycopg.Error) -> MissingPrivilegeError | None:
+        """What the role lacks on the bookkeeping tables, if that is why ``exc`` was raised
+        (asked on a new connection: the refused one may be in an aborted transaction)."""
+        try:
+            with autocommit_connection(self.spec.connect) as conn:
+                missing = missing_privileges(conn, self.schema)
+                if not missing:
+                    return None
+                return privilege_refusal(exc, conn, self.schema, migrating=False, missing=missing)
+        except psycopg.Error:
+            return None
 
     def _execute(self) -> RunResult:
         with autocommit_connection(self.spec.connect) as lock_conn:

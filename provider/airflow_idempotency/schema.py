@@ -15,8 +15,13 @@ import threading
 import psycopg
 from psycopg import sql
 
-from airflow_idempotency._sql import latest_migration, migrations
-from airflow_idempotency.exceptions import InvalidInputError, SchemaError, SchemaNotReadyError
+from airflow_idempotency._sql import latest_migration, migrations, query_rows
+from airflow_idempotency.exceptions import (
+    InvalidInputError,
+    MissingPrivilegeError,
+    SchemaError,
+    SchemaNotReadyError,
+)
 from airflow_idempotency.locks import migration_lock_key, pooler_refusal
 
 DEFAULT_SCHEMA = "idempotency"
@@ -98,12 +103,22 @@ def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int
     if cache_key in _migrated:
         return latest_version()
     target = latest_version()
-    if current_version(conn, schema) == target:
+    try:
+        applied = current_version(conn, schema)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        try:  # the probe ran alone (autocommit, or a savepoint): the session is usable
+            missing = missing_privileges(conn, schema)
+        except psycopg.Error:
+            missing = []
+        raise privilege_refusal(exc, conn, schema, migrating=False, missing=missing) from exc
+    if applied == target:
         with _migrated_guard:
             _migrated.add(cache_key)
         return target
     try:
         _migrate(conn, schema, target)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise privilege_refusal(exc, conn, schema, migrating=True) from exc
     except psycopg.Error as exc:
         refusal = pooler_refusal(exc)
         if refusal is None:
@@ -117,7 +132,14 @@ def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int
 def _migrate(conn: psycopg.Connection, schema: str, target: int) -> None:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%(key)s)", {"key": migration_lock_key(schema)})
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+        # Only when missing: CREATE SCHEMA IF NOT EXISTS checks CREATE on the database even
+        # when the schema exists, and a schema a DBA created for this role is enough.
+        exists = conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s)",
+            {"schema": schema},
+        ).fetchone()
+        if not (exists and exists[0]):
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
         conn.execute(
             sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {}.schema_version ("
@@ -143,3 +165,60 @@ def _migrate(conn: psycopg.Connection, schema: str, target: int) -> None:
                 "INSERT INTO schema_version (version, name) VALUES (%(version)s, %(name)s)",
                 {"version": version, "name": name},
             )
+
+
+def _quoted(name: str) -> str:
+    """``name`` as a SQL identifier in a message a DBA copies (the statements are theirs)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def privilege_refusal(
+    exc: psycopg.Error,
+    conn: psycopg.Connection,
+    schema: str,
+    *,
+    migrating: bool,
+    missing: list[str] | None = None,
+) -> MissingPrivilegeError:
+    """The error to raise when PostgreSQL refused the provider's own statement on the job
+    database for a missing privilege (``exc``, SQLSTATE 42501): what the role lacks, and both
+    ways out, with the statements to run. ``migrating``: the refused statement created or
+    migrated the tables (else it used them); ``missing``: what the role lacks to use them
+    (:func:`missing_privileges`), named in the message. The one place this message is
+    written: the runner, :func:`ensure_schema` and ``airflow-idempotency migrate`` raise it.
+    """
+    role, database = conn.info.user, conn.info.dbname
+    said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    where = f"schema {schema!r} of database {database!r}"
+    grant_use = (
+        f"GRANT USAGE ON SCHEMA {_quoted(schema)} TO {_quoted(role)}; GRANT SELECT, INSERT, "
+        f"UPDATE, DELETE ON ALL TABLES IN SCHEMA {_quoted(schema)} TO {_quoted(role)};"
+    )
+    migrate = f"airflow-idempotency migrate --dsn DBA_DSN --schema {schema}"
+    if migrating:
+        return MissingPrivilegeError(
+            f"role {role!r} may not create or migrate the bookkeeping tables in {where} "
+            f"(PostgreSQL said: {said}). Nothing was written, and a retry would be refused "
+            f"the same way. Either let the role create them: GRANT CREATE ON DATABASE "
+            f"{_quoted(database)} TO {_quoted(role)}; (or create the schema for it: CREATE "
+            f"SCHEMA {_quoted(schema)} AUTHORIZATION {_quoted(role)};), or have a DBA create "
+            f"them with a role that may, `{migrate}` (DBA_DSN: a connection string of that "
+            f"role; after each provider upgrade too), then grant this role their use: "
+            f"{grant_use} See docs/connection.md, privileges."
+        )
+    lacks = f" It lacks {', '.join(missing)}." if missing else ""
+    return MissingPrivilegeError(
+        f"role {role!r} may not use the bookkeeping tables in {where} (PostgreSQL said: "
+        f"{said}).{lacks} Nothing was written, and a retry would be refused the same way. Either "
+        f"grant the role their use: {grant_use} or have a DBA run `{migrate}` with a role "
+        f"that owns them and grant this role their use then. See docs/connection.md, "
+        f"privileges."
+    )
+
+
+def missing_privileges(conn: psycopg.Connection, schema: str) -> list[str]:
+    """What the role of ``conn`` lacks to use the bookkeeping tables of ``schema``
+    (``USAGE on schema x``, ``INSERT on table y``, ...); empty when nothing is missing or the
+    schema does not exist."""
+    rows = query_rows(conn, "missing_privileges", schema, {"schema": schema})
+    return [str(row["missing"]) for row in rows]

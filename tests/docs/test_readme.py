@@ -4,28 +4,22 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 from support import ROOT
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
-def region(text: str, name: str) -> str:
-    match = re.search(rf"# \[START {name}\]\n(.*?)\n# \[END {name}\]", text, re.S)
-    assert match, f"region {name} not found"
-    return match.group(1).strip("\n")
+def test_quoted_code_matches_the_dag_files() -> None:
+    """The example code README.md quotes is the file the tests execute (its quote marker names
+    the region; tests/docs/test_docs.py checks every quote of the README and the docs)."""
+    from devtools import doc_quotes
 
-
-@pytest.mark.parametrize(
-    ("name", "source"),
-    [
-        ("finalize_invoices", "dags/finalize_invoices.py"),
-    ],
-)
-def test_quoted_code_matches_the_dag_files(name: str, source: str) -> None:
-    """Each code region quoted in README.md is identical to the file the tests execute."""
-    assert region(README, name) == region((ROOT / source).read_text(encoding="utf-8"), name)
+    (quote,) = doc_quotes.quotes(ROOT / "README.md")
+    assert (quote.source, quote.name) == (
+        ROOT / "dags" / "finalize_invoices.py",
+        "finalize_invoices",
+    )
+    assert quote.shown == doc_quotes.expected(quote)
 
 
 def test_ci_runs_the_readme_test_command() -> None:

@@ -91,3 +91,53 @@ def test_example_service_is_its_own_distribution(tmp_path: Path) -> None:
     assert "accounting-service = accounting_service.__main__:main" in _dist_info(
         wheel, "entry_points.txt"
     )
+
+
+def test_wheel_and_sdist_pass_twine_check(tmp_path: Path) -> None:
+    """The sdist and the wheel build (as `python -m build` makes them) and pass
+    `twine check --strict`: their metadata and the README as PyPI would render it; the
+    sdist builds the same wheel again (what pip does with an sdist)."""
+    uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
+    subprocess.run(
+        [uv, "build", "--sdist", "--wheel", "--out-dir", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    (sdist,) = tmp_path.glob("*.tar.gz")
+    (wheel,) = tmp_path.glob("*.whl")
+    checked = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", str(sdist), str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout.count("PASSED") == 2, checked.stdout
+    rebuilt = tmp_path / "from-sdist"
+    subprocess.run(
+        [uv, "build", "--wheel", "--out-dir", str(rebuilt), str(sdist)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    (again,) = rebuilt.glob("*.whl")
+    assert sorted(zipfile.ZipFile(again).namelist()) == sorted(zipfile.ZipFile(wheel).namelist())
+
+
+def test_read_the_docs_builds_the_site_as_ci_does() -> None:
+    """.readthedocs.yaml builds docs/conf.py with warnings as errors, installing the provider
+    with an extra that exists, at the versions of a lock file that exists."""
+    import tomllib
+    import yaml
+
+    config = yaml.safe_load((ROOT / ".readthedocs.yaml").read_text())
+    assert config["version"] == 2
+    assert config["sphinx"] == {"configuration": "docs/conf.py", "fail_on_warning": True}
+    (install,) = config["build"]["jobs"]["install"]
+    assert install == 'pip install -c requirements/lock.txt ".[docs]"'
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert {"sphinx", "myst-parser", "furo", "sphinx-argparse", "sphinxcontrib-mermaid"} <= {
+        req.split(">")[0] for req in extras["docs"]
+    }

@@ -272,8 +272,10 @@ def test_a_partitioned_run_without_any_key_names_the_partition_key() -> None:
     """A manual run of a partitioned DAG without a partition key or run_key is refused with
     a message that names the partition key field, even with a logical date (the trigger
     form pre-fills it with now)."""
-    with pytest.raises(RunKeyMissingError, match="Partition Key field"):
+    with pytest.raises(RunKeyMissingError, match="Partition Key field") as refused:
         resolve_run_key(RunKeyRule(), facts(run_type="manual"))
+    # ... and how to run one period by hand, airflow dags test included (it sets no key).
+    assert 'airflow dags test DAG_ID -c \'{"run_key": "2026-10-01"}\'' in str(refused.value)
     with pytest.raises(RunKeyMissingError, match="partitioned DAG"):
         resolve_run_key(RunKeyRule(), facts(run_type="manual", logical_date=NOW))
     with pytest.raises(RunKeyMissingError) as plain:

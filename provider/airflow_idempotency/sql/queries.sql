@@ -884,3 +884,20 @@ SELECT p.job_name, p.run_key, r.status,
 FROM unnest(%(jobs)s::text[], %(keys)s::text[], %(lock_keys)s::bigint[])
     AS p(job_name, run_key, lock_key)
 LEFT JOIN {schema}.job_runs AS r ON r.job_name = p.job_name AND r.run_key = p.run_key;
+
+-- name: missing_privileges
+-- What the current role lacks to use the bookkeeping tables (schema.missing_privileges): read
+-- from the catalogs, which every role may read, so it answers where the tables themselves
+-- refuse the role. Runs only after a statement was refused for a missing privilege.
+SELECT 'USAGE on schema ' || n.nspname AS missing
+FROM pg_catalog.pg_namespace AS n
+WHERE n.nspname = %(schema)s AND NOT has_schema_privilege(n.oid, 'USAGE')
+UNION ALL
+SELECT p.privilege || ' on table ' || c.relname
+FROM pg_catalog.pg_class AS c
+JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+CROSS JOIN (VALUES ('SELECT'), ('INSERT'), ('UPDATE'), ('DELETE')) AS p (privilege)
+WHERE n.nspname = %(schema)s
+  AND c.relkind IN ('r', 'p')
+  AND NOT has_table_privilege(c.oid, p.privilege)
+ORDER BY 1;
