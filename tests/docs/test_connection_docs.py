@@ -51,7 +51,7 @@ def test_the_postgres_uri_json_and_socket_forms(
 def test_the_smtp_uris(airflow_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """STARTTLS on 587, SMTPS on 465 and a local relay read as SmtpSender's settings, with
     the percent-encoded login and sender address decoded."""
-    from airflow_idempotency.mail import SmtpSender
+    from airflow_idempotency.effects.mail import SmtpSender
 
     uris = re.findall(r"AIRFLOW_CONN_SMTP_DEFAULT='([^']+)'", PAGE)
     assert len(uris) == 3

@@ -13,10 +13,8 @@ NEW_PAGES = ("connection", "faq", "how-it-works", "migrating")
 
 
 def test_the_faq_names_every_exception_of_the_provider() -> None:
-    """Every IdempotencyError subclass of airflow_idempotency.exceptions (and the outputs'
-    OutputConflictError) is named in docs/faq.md, so a new refusal gets its row."""
-    from airflow_idempotency.outputs import OutputConflictError
-
+    """Every IdempotencyError subclass of airflow_idempotency.exceptions is named in
+    docs/faq.md, so a new refusal gets its row."""
     from airflow_idempotency import exceptions
 
     names = {
@@ -25,7 +23,7 @@ def test_the_faq_names_every_exception_of_the_provider() -> None:
         if inspect.isclass(value)
         and issubclass(value, exceptions.IdempotencyError)
         and value.__module__ == exceptions.__name__
-    } | {OutputConflictError.__name__}
+    }
     generic = {"IdempotencyError", "InvalidInputError", "ConfigurationError", "RemoteError"}
     faq = (DOCS / "faq.md").read_text(encoding="utf-8")
     missing = sorted(n for n in names - generic if f"`{n}`" not in faq)
