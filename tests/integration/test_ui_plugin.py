@@ -111,7 +111,10 @@ def test_extra_link_names_the_key_on_each_line(airflow_pg_conn: str) -> None:
         "ui_link", schedule=daily_trigger(), start_date=pendulum.datetime(2026, 1, 1, tz="UTC")
     ) as dag:
         IdempotentRunOperator(task_id="work", python_callable=lambda run: {"n": 1})
-        IdempotentRunOperator(task_id="bad", python_callable=lambda run: None, job_name="  ")
+        bad = IdempotentRunOperator(task_id="bad", python_callable=lambda run: None)
+    # Blank job names are refused where the DAG is parsed; set one afterwards so that the
+    # task fails at run time, before its key is known.
+    bad.job_name = "  "
     run = run_dag(dag, logical_date=utc(2026, 10, 2, 1))
     assert run.state != SUCCESS  # "bad" refuses its blank job name
     links = {
