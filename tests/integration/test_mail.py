@@ -232,6 +232,11 @@ def test_the_lock_lost_mid_batch_stops_the_calls_and_keeps_the_outcomes(
 ) -> None:
     """The run's lock session ends in the middle of a pipelined batch: no intent commits after that, so no call begins beyond the intents already granted (at most concurrency + INTENTS_AHEAD), the outcomes received are written, the rest stays pending, and the next run delivers it: nothing twice, nothing lost."""
     n, concurrency = 300, 4
+    # Each answer takes 20 ms (300 messages: about 1.5 s at this concurrency), so that the lock
+    # session ends mid-batch however loaded the machine is: an instant server let a slow
+    # killer thread see the whole batch delivered first.
+    smtp.kill()
+    smtp.start(delay=0.02)
 
     def end_the_lock() -> None:
         deadline = time.monotonic() + 60
