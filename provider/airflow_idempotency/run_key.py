@@ -71,14 +71,16 @@ MAX_KEY_LENGTH = 200
 MAX_OFFSET = 1000
 """The largest shift a :class:`RunKeyRule` offset may give (in periods, either way)."""
 
+# re.ASCII: \d and int() also take fullwidth, Arabic-Indic, Devanagari, ... digits, and
+# such a key would name the same period as another key (another lock and record).
 _FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     "hour": (
-        re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2})Z"),
+        re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2})Z", re.ASCII),
         "YYYY-MM-DDTHHZ (UTC), e.g. 2026-10-01T13Z",
     ),
-    "day": (re.compile(r"(\d{4})-(\d{2})-(\d{2})"), "YYYY-MM-DD, e.g. 2026-10-01"),
-    "week": (re.compile(r"(\d{4})-W(\d{2})"), "YYYY-Www (ISO week), e.g. 2026-W40"),
-    "month": (re.compile(r"(\d{4})-(\d{2})"), "YYYY-MM, e.g. 2026-10"),
+    "day": (re.compile(r"(\d{4})-(\d{2})-(\d{2})", re.ASCII), "YYYY-MM-DD, e.g. 2026-10-01"),
+    "week": (re.compile(r"(\d{4})-W(\d{2})", re.ASCII), "YYYY-Www (ISO week), e.g. 2026-W40"),
+    "month": (re.compile(r"(\d{4})-(\d{2})", re.ASCII), "YYYY-MM, e.g. 2026-10"),
 }
 
 # Timetables whose logical date is the moment the run fires (no data interval): the period
