@@ -20,7 +20,7 @@ from airflow_idempotency.operator import IdempotentRunOperator
 
 class _IdempotentDecoratedOperator(DecoratedOperator, IdempotentRunOperator):  # type: ignore[misc]
     custom_operator_name: str = "@task.idempotent_run"
-    template_fields: Sequence[str] = ("job_name", "op_args", "op_kwargs")
+    template_fields: Sequence[str] = ("job_name", "key_segment", "op_args", "op_kwargs")
 
     def __init__(
         self,

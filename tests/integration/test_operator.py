@@ -234,6 +234,29 @@ def test_taskflow_decorator(airflow_pg_conn: str) -> None:
     ]
 
 
+def test_a_templated_key_segment_is_rendered_in_both_forms(airflow_pg_conn: str) -> None:
+    """key_segment is templated (the docs say so, and the parse-time check leaves a templated
+    one for run time) in the operator and in @task.idempotent_run alike: the key is
+    ``eu|2026-10-01``, never the template's own text ``{{ params.region }}|2026-10-01``."""
+    with daily_dag("op_segment_template", params={"region": "eu"}) as dag:
+
+        @task.idempotent_run(key_segment="{{ params.region }}")
+        def decorated(run: RunContext) -> None:
+            pass
+
+        decorated()
+        IdempotentRunOperator(
+            task_id="classic", python_callable=lambda run: None, key_segment="{{ params.region }}"
+        )
+    assert run_dag(dag, logical_date=utc(2026, 10, 2)).state == SUCCESS
+    assert rows(
+        airflow_pg_conn, "SELECT job_name, run_key FROM idempotency.job_runs ORDER BY job_name"
+    ) == [
+        ("op_segment_template.classic", "eu|2026-10-01"),
+        ("op_segment_template.decorated", "eu|2026-10-01"),
+    ]
+
+
 def test_return_value_is_the_counts_replayed_on_a_noop(airflow_pg_conn: str) -> None:
     """A TaskFlow consumer receives the dict the work returned, the same one on the no-op
     rerun (replayed from job_runs.details); an empty result and a dry run push nothing."""
