@@ -11,7 +11,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pendulum
 
-from airflow_idempotency.arguments import check_arguments
+from airflow_idempotency.arguments import (
+    check_arguments,
+    check_mapped_arguments,
+    unsegmented_mapped_task,
+)
 from airflow_idempotency.compat import (
     AIRFLOW_NOT_FOUND,
     AirflowException,
@@ -217,6 +221,20 @@ class IdempotentRunOperator(ReschedulingOperator):
         self.op_args = list(op_args or [])
         self.op_kwargs = dict(op_kwargs or {})
 
+    @classmethod
+    def partial(cls, **kwargs: Any) -> Any:
+        """The mapped form, ``.partial(...).expand(...)``, with the arguments given here
+        checked where the DAG file is parsed, as the constructor checks them (it runs only
+        when each mapped task is made, at run time)."""
+        partial = super().partial(**kwargs)
+        dag = partial.kwargs.get("dag")
+        try:
+            check_mapped_arguments(partial.kwargs["task_id"], getattr(dag, "dag_id", None), kwargs)
+        except InvalidInputError:
+            partial._expand_called = True  # no "never expanded" warning on top of the error
+            raise
+        return partial
+
     @cached_property
     def hook(self) -> IdempotencyHook:
         """The hook of ``postgres_conn_id``, for a subclass's own use (created on first use;
@@ -366,6 +384,7 @@ class IdempotentRunOperator(ReschedulingOperator):
     def _execute(self, context: Context) -> dict[str, Any] | None:
         self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
         job_name = check_text(self.effective_job_name, "job name")
+        self._check_mapped_segment(context)
         run = airflow_run(context)
         resolved = self.resolve_run_key(context, run)
         options = self.run_options(context)
@@ -401,6 +420,16 @@ class IdempotentRunOperator(ReschedulingOperator):
             )
         self._asset_events(context, result.outcome, resolved.run_key, run.partition_key)
         return _return_value(result)
+
+    def _check_mapped_segment(self, context: Context) -> None:
+        """Refuse a mapped instance without its own segment of the key, unless a function
+        keys it (it may tell the instances apart): its siblings would share its key."""
+        map_index = getattr(context["ti"], "map_index", None)
+        if map_index is None or map_index < 0 or self.key_segment is not None:
+            return
+        if isinstance(self.run_key_rule, RunKeyRule):
+            where = f"task {self.task_id!r} of DAG {self.dag_id!r} (map index {map_index})"
+            raise InvalidInputError(unsegmented_mapped_task(where))
 
     def _asset_events(
         self, context: Context, outcome: RunOutcome, run_key: str, partition_key: str | None
