@@ -376,6 +376,7 @@ def _explicit(
 
 
 def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
+    example = rule.format_hint.rsplit("e.g. ", 1)[-1]  # a key of the rule's period
     if facts.partitioned:
         return (
             f"this {facts.run_type} run of a partitioned DAG has no partition_key and no "
@@ -385,13 +386,13 @@ def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
             f"REST body, or airflow backfill create over partition dates. To run one period "
             f"by hand (airflow dags test included, which sets no partition key), give its run "
             f"key in the conf, in the format {rule.format_hint}: airflow dags test DAG_ID -c "
-            f'\'{{"run_key": "{rule.format_hint.rsplit("e.g. ", 1)[-1]}"}}\'.'
+            f'\'{{"run_key": "{example}"}}\'.'
         )
     return (
         f"this {facts.run_type} run has no logical date and no run_key, so it does not say "
         f"which business period to process. Trigger it again with run_key in the conf, in "
         f"the format {rule.format_hint} (for example: airflow dags trigger DAG_ID -c "
-        f'\'{{"run_key": "2026-10-01"}}\', or fill in the run_key field of the trigger form).'
+        f'\'{{"run_key": "{example}"}}\', or fill in the run_key field of the trigger form).'
     )
 
 

@@ -116,6 +116,20 @@ def test_manual_run_without_logical_date_or_run_key_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
+    ("period", "example"),
+    [("hour", "2026-10-01T13Z"), ("day", "2026-10-01"), ("week", "2026-W40"), ("month", "2026-10")],
+)
+def test_the_refusal_of_a_run_without_a_key_gives_a_command_of_its_period(
+    period: str, example: str
+) -> None:
+    """The command the message gives to copy has a key of the rule's period: a weekly job
+    told to trigger with "2026-10-01" would be refused again as malformed."""
+    with pytest.raises(RunKeyMissingError) as refused:
+        resolve(RunKeyRule(period=period), run_type="manual", logical_date=None)  # type: ignore[arg-type]
+    assert f"""-c '{{"run_key": "{example}"}}'""" in str(refused.value)
+
+
+@pytest.mark.parametrize(
     "bad",
     [
         "2026-13-01",
