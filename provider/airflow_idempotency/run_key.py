@@ -178,9 +178,10 @@ class RunKeyRule:
         pattern, hint = _FORMATS[self.period]
         match = pattern.fullmatch(key) if isinstance(key, str) else None
         if match is None:
+            example = hint.rsplit("e.g. ", 1)[-1]
             raise InvalidRunKeyError(
-                f"malformed run_key {key!r}: expected {hint}. Pass the business date the run "
-                f'is for, for example conf {{"run_key": "2026-10-01"}}.'
+                f"malformed run_key {key!r}: expected {hint}. Pass the business period the "
+                f'run is for, for example conf {{"run_key": "{example}"}}.'
             )
         numbers = [int(g) for g in match.groups()]
         try:

@@ -123,10 +123,15 @@ def test_the_refusal_of_a_run_without_a_key_gives_a_command_of_its_period(
     period: str, example: str
 ) -> None:
     """The command the message gives to copy has a key of the rule's period: a weekly job
-    told to trigger with "2026-10-01" would be refused again as malformed."""
+    told to trigger with "2026-10-01" would be refused again as malformed. The same for
+    the refusal of a malformed key."""
     with pytest.raises(RunKeyMissingError) as refused:
         resolve(RunKeyRule(period=period), run_type="manual", logical_date=None)  # type: ignore[arg-type]
     assert f"""-c '{{"run_key": "{example}"}}'""" in str(refused.value)
+    malformed = "2026-10-01-x"
+    with pytest.raises(InvalidRunKeyError) as refused_key:
+        resolve(RunKeyRule(period=period), run_type="manual", conf_run_key=malformed)  # type: ignore[arg-type]
+    assert f"""conf {{"run_key": "{example}"}}""" in str(refused_key.value)
 
 
 @pytest.mark.parametrize(
