@@ -13,7 +13,8 @@ No Airflow import here: the checks are plain functions of plain values.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from airflow_idempotency.exceptions import InvalidInputError
@@ -184,6 +185,29 @@ def unsegmented_mapped_task(where: str) -> str:
         f"key_segment=\"{{{{ task.op_kwargs['region'] }}}}\" naming the mapped argument "
         f"(templated); or a run_key_rule function of the context that tells them apart"
     )
+
+
+def check_work_function(
+    function: Callable[..., Any], args: Sequence[object], kwargs: Mapping[str, object]
+) -> None:
+    """Raise unless ``function`` can be called as the operator calls it: with the
+    RunContext first, then ``args`` and ``kwargs`` (``op_args``, ``op_kwargs``; for
+    ``@task.idempotent_run``, the call's arguments). A function without a signature that
+    Python can read (some builtins) is not checked."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, *args, **kwargs)
+    except TypeError as exc:
+        name = getattr(function, "__name__", type(function).__name__)
+        parameters = signature.replace(return_annotation=inspect.Signature.empty)
+        raise InvalidInputError(
+            f"python_callable {name}{parameters} cannot take the RunContext as its first "
+            f"argument ({exc}): the operator calls it as {name}(run, *op_args, **op_kwargs); "
+            f"write it as def {name}(run: RunContext, ...)"
+        ) from None
 
 
 def check_mapped_arguments(

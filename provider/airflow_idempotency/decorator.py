@@ -14,14 +14,16 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from airflow_idempotency.arguments import check_mapped_arguments
+from airflow_idempotency.arguments import check_mapped_arguments, check_work_function
 from airflow_idempotency.compat import DecoratedOperator, TaskDecorator, task_decorator_factory
+from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.operator import IdempotentRunOperator
 
 
 class _IdempotentDecoratedOperator(DecoratedOperator, IdempotentRunOperator):  # type: ignore[misc]
     custom_operator_name: str = "@task.idempotent_run"
     template_fields: Sequence[str] = ("job_name", "key_segment", "op_args", "op_kwargs")
+    _check_callable = False  # checked here, before DecoratedOperator binds it to None
 
     def __init__(
         self,
@@ -34,6 +36,10 @@ class _IdempotentDecoratedOperator(DecoratedOperator, IdempotentRunOperator):  #
         # DecoratedOperator checks the call's arguments against the function's signature;
         # the first parameter is the RunContext the operator supplies at run time, so the
         # check sees the function with that parameter already bound.
+        try:
+            check_work_function(python_callable, list(op_args or []), dict(op_kwargs or {}))
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"task {kwargs.get('task_id')!r}: {exc}") from None
         kwargs_to_upstream = {
             "python_callable": python_callable,
             "op_args": op_args,

@@ -14,6 +14,7 @@ import pendulum
 from airflow_idempotency.arguments import (
     check_arguments,
     check_mapped_arguments,
+    check_work_function,
     unsegmented_mapped_task,
 )
 from airflow_idempotency.compat import (
@@ -161,6 +162,7 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     template_fields: Sequence[str] = ("job_name", "key_segment", "op_kwargs")
     ui_color = "#e8f4e8"
+    _check_callable = True  # that python_callable(run, *op_args, **op_kwargs) binds
     operator_extra_links = run_key_links()
 
     def __init__(
@@ -191,8 +193,14 @@ class IdempotentRunOperator(ReschedulingOperator):
         # Checked here, where the DAG file is parsed: a mistake is the file's import error in
         # Airflow's UI, not a task failing at 01:00 (templated values are checked at run time).
         in_dag = self.has_dag()  # type: ignore[no-untyped-call]
+        where = f"task {self.task_id!r}" + (f" of DAG {self.dag_id!r}" if in_dag else "")
+        if python_callable is not None and self._check_callable:
+            try:
+                check_work_function(python_callable, list(op_args or []), dict(op_kwargs or {}))
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"{where}: {exc}") from None
         check_arguments(
-            f"task {self.task_id!r}" + (f" of DAG {self.dag_id!r}" if in_dag else ""),
+            where,
             {
                 "job_name": job_name,
                 "postgres_conn_id": postgres_conn_id,

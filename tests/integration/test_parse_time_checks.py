@@ -291,6 +291,24 @@ MISTAKES = [
         "is mapped, and without key_segment all its mapped instances share one run key",
     ),
     (
+        "work_without_run",
+        "{}",
+        'IdempotentRunOperator(task_id="step", python_callable=lambda: None)',
+        "task 'step' of DAG 'work_without_run': python_callable <lambda>() cannot take the "
+        "RunContext as its first argument",
+    ),
+    (
+        "decorated_without_run",
+        "{}",
+        """
+    @task.idempotent_run
+    def step() -> None:
+        pass
+
+    step()""",
+        "task 'step': python_callable step() cannot take the RunContext as its first argument",
+    ),
+    (
         "bad_segment",
         "{}",
         'IdempotentRunOperator(task_id="step", python_callable=work, key_segment="eu|us")',
