@@ -432,7 +432,7 @@ class IdempotentRunOperator(ReschedulingOperator):
     def _check_mapped_segment(self, context: Context) -> None:
         """Refuse a mapped instance without its own segment of the key, unless a function
         keys it (it may tell the instances apart): its siblings would share its key."""
-        map_index = getattr(context["ti"], "map_index", None)
+        map_index = getattr(context.get("ti"), "map_index", None)
         if map_index is None or map_index < 0 or self.key_segment is not None:
             return
         if isinstance(self.run_key_rule, RunKeyRule):
