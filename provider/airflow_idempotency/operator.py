@@ -184,21 +184,11 @@ class IdempotentRunOperator(ReschedulingOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if python_callable is None and type(self).run is IdempotentRunOperator.run:
-            raise InvalidInputError(
-                f"task {self.task_id!r}: pass python_callable or override run() in a subclass"
-            )
-        if python_callable is not None and not callable(python_callable):
-            raise InvalidInputError(f"task {self.task_id!r}: python_callable must be callable")
         # Checked here, where the DAG file is parsed: a mistake is the file's import error in
         # Airflow's UI, not a task failing at 01:00 (templated values are checked at run time).
         in_dag = self.has_dag()  # type: ignore[no-untyped-call]
         where = f"task {self.task_id!r}" + (f" of DAG {self.dag_id!r}" if in_dag else "")
-        if python_callable is not None and self._check_callable:
-            try:
-                check_work_function(python_callable, list(op_args or []), dict(op_kwargs or {}))
-            except InvalidInputError as exc:
-                raise InvalidInputError(f"{where}: {exc}") from None
+        self._check_work(where, python_callable, list(op_args or []), dict(op_kwargs or {}))
         check_arguments(
             where,
             {
@@ -228,6 +218,26 @@ class IdempotentRunOperator(ReschedulingOperator):
         self.emit_on_noop = emit_on_noop
         self.op_args = list(op_args or [])
         self.op_kwargs = dict(op_kwargs or {})
+
+    def _check_work(
+        self,
+        where: str,
+        python_callable: Callable[..., Any] | None,
+        op_args: list[Any],
+        op_kwargs: dict[str, Any],
+    ) -> None:
+        """The work: a function that takes the RunContext first, or a subclass's run()."""
+        if python_callable is None and type(self).run is IdempotentRunOperator.run:
+            raise InvalidInputError(
+                f"task {self.task_id!r}: pass python_callable or override run() in a subclass"
+            )
+        if python_callable is not None and not callable(python_callable):
+            raise InvalidInputError(f"task {self.task_id!r}: python_callable must be callable")
+        if python_callable is not None and self._check_callable:
+            try:
+                check_work_function(python_callable, op_args, op_kwargs)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"{where}: {exc}") from None
 
     @classmethod
     def partial(cls, **kwargs: Any) -> Any:
