@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One entry point for a fresh clone: `python3 dev.py demo` and `python3 dev.py test`.
 
-Needs only Python 3.10-3.12 (3.11 recommended) and git. Each command first makes sure the
+Needs only Python 3.11-3.12 (the lock files' Pythons) and git. Each command first makes sure the
 project's virtual environment exists and matches its lock (creating it, installing uv
 into it, syncing the locked packages, installing this checkout), then runs:
 
@@ -83,10 +83,11 @@ def run(cmd: list[str], what: str, fix: str) -> None:
 
 def setup(line: Line) -> None:
     """Create or refresh the line's venv so that it holds exactly its locked packages."""
-    if not (3, 10) <= sys.version_info[:2] <= (3, 12):
+    if not (3, 11) <= sys.version_info[:2] <= (3, 12):
         fail(
-            f"Python {sys.version.split()[0]} is not supported (Airflow 3 and the embedded "
-            "PostgreSQL wheel need 3.10-3.12)",
+            f"Python {sys.version.split()[0]} is not supported (the lock files are compiled "
+            "for 3.11 and pin packages that need it; the embedded PostgreSQL wheel needs 3.12 "
+            "at most)",
             "run this script with python3.11, e.g. `python3.11 dev.py test`",
         )
     digest = hashlib.sha256(

@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pendulum
 
-from airflow_idempotency.arguments import check_arguments
+from airflow_idempotency.arguments import (
+    check_arguments,
+    check_mapped_arguments,
+    check_work_function,
+    unsegmented_mapped_task,
+)
 from airflow_idempotency.compat import (
     AIRFLOW_NOT_FOUND,
     AirflowException,
@@ -157,6 +162,7 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     template_fields: Sequence[str] = ("job_name", "key_segment", "op_kwargs")
     ui_color = "#e8f4e8"
+    _check_callable = True  # that python_callable(run, *op_args, **op_kwargs) binds
     operator_extra_links = run_key_links()
 
     def __init__(
@@ -178,17 +184,13 @@ class IdempotentRunOperator(ReschedulingOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if python_callable is None and type(self).run is IdempotentRunOperator.run:
-            raise InvalidInputError(
-                f"task {self.task_id!r}: pass python_callable or override run() in a subclass"
-            )
-        if python_callable is not None and not callable(python_callable):
-            raise InvalidInputError(f"task {self.task_id!r}: python_callable must be callable")
         # Checked here, where the DAG file is parsed: a mistake is the file's import error in
         # Airflow's UI, not a task failing at 01:00 (templated values are checked at run time).
         in_dag = self.has_dag()  # type: ignore[no-untyped-call]
+        where = f"task {self.task_id!r}" + (f" of DAG {self.dag_id!r}" if in_dag else "")
+        self._check_work(where, python_callable, list(op_args or []), dict(op_kwargs or {}))
         check_arguments(
-            f"task {self.task_id!r}" + (f" of DAG {self.dag_id!r}" if in_dag else ""),
+            where,
             {
                 "job_name": job_name,
                 "postgres_conn_id": postgres_conn_id,
@@ -216,6 +218,40 @@ class IdempotentRunOperator(ReschedulingOperator):
         self.emit_on_noop = emit_on_noop
         self.op_args = list(op_args or [])
         self.op_kwargs = dict(op_kwargs or {})
+
+    def _check_work(
+        self,
+        where: str,
+        python_callable: Callable[..., Any] | None,
+        op_args: list[Any],
+        op_kwargs: dict[str, Any],
+    ) -> None:
+        """The work: a function that takes the RunContext first, or a subclass's run()."""
+        if python_callable is None and type(self).run is IdempotentRunOperator.run:
+            raise InvalidInputError(
+                f"task {self.task_id!r}: pass python_callable or override run() in a subclass"
+            )
+        if python_callable is not None and not callable(python_callable):
+            raise InvalidInputError(f"task {self.task_id!r}: python_callable must be callable")
+        if python_callable is not None and self._check_callable:
+            try:
+                check_work_function(python_callable, op_args, op_kwargs)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"{where}: {exc}") from None
+
+    @classmethod
+    def partial(cls, **kwargs: Any) -> Any:
+        """The mapped form, ``.partial(...).expand(...)``, with the arguments given here
+        checked where the DAG file is parsed, as the constructor checks them (it runs only
+        when each mapped task is made, at run time)."""
+        partial = super().partial(**kwargs)
+        dag = partial.kwargs.get("dag")
+        try:
+            check_mapped_arguments(partial.kwargs["task_id"], getattr(dag, "dag_id", None), kwargs)
+        except InvalidInputError:
+            partial._expand_called = True  # no "never expanded" warning on top of the error
+            raise
+        return partial
 
     @cached_property
     def hook(self) -> IdempotencyHook:
@@ -366,6 +402,7 @@ class IdempotentRunOperator(ReschedulingOperator):
     def _execute(self, context: Context) -> dict[str, Any] | None:
         self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
         job_name = check_text(self.effective_job_name, "job name")
+        self._check_mapped_segment(context)
         run = airflow_run(context)
         resolved = self.resolve_run_key(context, run)
         options = self.run_options(context)
@@ -401,6 +438,16 @@ class IdempotentRunOperator(ReschedulingOperator):
             )
         self._asset_events(context, result.outcome, resolved.run_key, run.partition_key)
         return _return_value(result)
+
+    def _check_mapped_segment(self, context: Context) -> None:
+        """Refuse a mapped instance without its own segment of the key, unless a function
+        keys it (it may tell the instances apart): its siblings would share its key."""
+        map_index = getattr(context.get("ti"), "map_index", None)
+        if map_index is None or map_index < 0 or self.key_segment is not None:
+            return
+        if isinstance(self.run_key_rule, RunKeyRule):
+            where = f"task {self.task_id!r} of DAG {self.dag_id!r} (map index {map_index})"
+            raise InvalidInputError(unsegmented_mapped_task(where))
 
     def _asset_events(
         self, context: Context, outcome: RunOutcome, run_key: str, partition_key: str | None

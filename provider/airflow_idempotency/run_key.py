@@ -71,14 +71,16 @@ MAX_KEY_LENGTH = 200
 MAX_OFFSET = 1000
 """The largest shift a :class:`RunKeyRule` offset may give (in periods, either way)."""
 
+# re.ASCII: \d and int() also take fullwidth, Arabic-Indic, Devanagari, ... digits, and
+# such a key would name the same period as another key (another lock and record).
 _FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     "hour": (
-        re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2})Z"),
+        re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2})Z", re.ASCII),
         "YYYY-MM-DDTHHZ (UTC), e.g. 2026-10-01T13Z",
     ),
-    "day": (re.compile(r"(\d{4})-(\d{2})-(\d{2})"), "YYYY-MM-DD, e.g. 2026-10-01"),
-    "week": (re.compile(r"(\d{4})-W(\d{2})"), "YYYY-Www (ISO week), e.g. 2026-W40"),
-    "month": (re.compile(r"(\d{4})-(\d{2})"), "YYYY-MM, e.g. 2026-10"),
+    "day": (re.compile(r"(\d{4})-(\d{2})-(\d{2})", re.ASCII), "YYYY-MM-DD, e.g. 2026-10-01"),
+    "week": (re.compile(r"(\d{4})-W(\d{2})", re.ASCII), "YYYY-Www (ISO week), e.g. 2026-W40"),
+    "month": (re.compile(r"(\d{4})-(\d{2})", re.ASCII), "YYYY-MM, e.g. 2026-10"),
 }
 
 # Timetables whose logical date is the moment the run fires (no data interval): the period
@@ -176,9 +178,10 @@ class RunKeyRule:
         pattern, hint = _FORMATS[self.period]
         match = pattern.fullmatch(key) if isinstance(key, str) else None
         if match is None:
+            example = hint.rsplit("e.g. ", 1)[-1]
             raise InvalidRunKeyError(
-                f"malformed run_key {key!r}: expected {hint}. Pass the business date the run "
-                f'is for, for example conf {{"run_key": "2026-10-01"}}.'
+                f"malformed run_key {key!r}: expected {hint}. Pass the business period the "
+                f'run is for, for example conf {{"run_key": "{example}"}}.'
             )
         numbers = [int(g) for g in match.groups()]
         try:
@@ -374,6 +377,7 @@ def _explicit(
 
 
 def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
+    example = rule.format_hint.rsplit("e.g. ", 1)[-1]  # a key of the rule's period
     if facts.partitioned:
         return (
             f"this {facts.run_type} run of a partitioned DAG has no partition_key and no "
@@ -383,13 +387,13 @@ def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
             f"REST body, or airflow backfill create over partition dates. To run one period "
             f"by hand (airflow dags test included, which sets no partition key), give its run "
             f"key in the conf, in the format {rule.format_hint}: airflow dags test DAG_ID -c "
-            f'\'{{"run_key": "{rule.format_hint.rsplit("e.g. ", 1)[-1]}"}}\'.'
+            f'\'{{"run_key": "{example}"}}\'.'
         )
     return (
         f"this {facts.run_type} run has no logical date and no run_key, so it does not say "
         f"which business period to process. Trigger it again with run_key in the conf, in "
         f"the format {rule.format_hint} (for example: airflow dags trigger DAG_ID -c "
-        f'\'{{"run_key": "2026-10-01"}}\', or fill in the run_key field of the trigger form).'
+        f'\'{{"run_key": "{example}"}}\', or fill in the run_key field of the trigger form).'
     )
 
 

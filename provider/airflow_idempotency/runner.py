@@ -152,8 +152,7 @@ def _format_holder(holder: Mapping[str, Any]) -> str:
     parts = [f"backend pid {holder.get('pid')}"]
     if holder.get("application_name"):
         parts.append(f"application {holder['application_name']!r}")
-    client = holder.get("client_hostname") or holder.get("client_addr") or "local socket"
-    parts.append(f"client {client}")
+    parts.append(f"client {holder.get('client')}")
     if holder.get("backend_start"):
         parts.append(f"connected since {holder['backend_start'].isoformat()}")
     attempt = holder.get("attempt")

@@ -234,6 +234,55 @@ def test_taskflow_decorator(airflow_pg_conn: str) -> None:
     ]
 
 
+def test_a_templated_key_segment_is_rendered_in_both_forms(airflow_pg_conn: str) -> None:
+    """key_segment is templated (the docs say so, and the parse-time check leaves a templated
+    one for run time) in the operator and in @task.idempotent_run alike: the key is
+    ``eu|2026-10-01``, never the template's own text ``{{ params.region }}|2026-10-01``."""
+    with daily_dag("op_segment_template", params={"region": "eu"}) as dag:
+
+        @task.idempotent_run(key_segment="{{ params.region }}")
+        def decorated(run: RunContext) -> None:
+            pass
+
+        decorated()
+        IdempotentRunOperator(
+            task_id="classic", python_callable=lambda run: None, key_segment="{{ params.region }}"
+        )
+    assert run_dag(dag, logical_date=utc(2026, 10, 2)).state == SUCCESS
+    assert rows(
+        airflow_pg_conn, "SELECT job_name, run_key FROM idempotency.job_runs ORDER BY job_name"
+    ) == [
+        ("op_segment_template.classic", "eu|2026-10-01"),
+        ("op_segment_template.decorated", "eu|2026-10-01"),
+    ]
+
+
+def test_a_mapped_task_without_a_segment_is_refused_not_done_once(airflow_pg_conn: str) -> None:
+    """A task mapped over regions with no key_segment gave every instance the same run key:
+    the first did its region, every other was a successful no-op, its region never done.
+    Each instance is refused instead (nothing runs, nothing is recorded), the message
+    naming key_segment; with the segment expanded, each region is done once."""
+    calls: list[tuple[str, str]] = []
+
+    def work(run: RunContext, region: str) -> None:
+        calls.append((run.run_key, region))
+
+    regions = [{"region": "eu"}, {"region": "us"}]
+    with daily_dag("op_mapped_no_segment") as dag:
+        IdempotentRunOperator.partial(task_id="work", python_callable=work).expand(
+            op_kwargs=regions
+        )
+    refused = run_dag(dag, logical_date=utc(2026, 10, 2))
+    assert refused.state == FAILED and calls == []
+    assert rows(airflow_pg_conn, "SELECT to_regclass('idempotency.job_runs')") == [(None,)]
+    with daily_dag("op_mapped_segment") as dag:
+        IdempotentRunOperator.partial(
+            task_id="work", python_callable=work, key_segment="{{ task.op_kwargs.region }}"
+        ).expand(op_kwargs=regions)
+    assert run_dag(dag, logical_date=utc(2026, 10, 2)).state == SUCCESS
+    assert sorted(calls) == [("eu|2026-10-01", "eu"), ("us|2026-10-01", "us")]
+
+
 def test_return_value_is_the_counts_replayed_on_a_noop(airflow_pg_conn: str) -> None:
     """A TaskFlow consumer receives the dict the work returned, the same one on the no-op
     rerun (replayed from job_runs.details); an empty result and a dry run push nothing."""

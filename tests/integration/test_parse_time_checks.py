@@ -249,6 +249,66 @@ MISTAKES = [
         "invalid schema name 'Jobs-Schema'",
     ),
     (
+        "mapped_operator",
+        "{}",
+        """
+    IdempotentRunOperator.partial(
+        task_id="step", python_callable=work, on_locked="wait"
+    ).expand(key_segment=["eu", "us"])""",
+        "task 'step' of DAG 'mapped_operator': on_locked must be one of",
+    ),
+    (
+        "mapped_decorator",
+        "{}",
+        """
+    @task.idempotent_run(job_name="")
+    def step(run: RunContext, region: str) -> None:
+        pass
+
+    step.expand(region=["eu", "us"])""",
+        "task 'step' of DAG 'mapped_decorator': job_name is empty",
+    ),
+    (
+        "mapped_override",
+        "{}",
+        """
+    @task.idempotent_run
+    def step(run: RunContext, region: str) -> None:
+        pass
+
+    step.override(lock_timeout=300).expand(region=["eu", "us"])""",
+        "lock_timeout must be a datetime.timedelta",
+    ),
+    (
+        "mapped_without_segment",
+        "{}",
+        """
+    @task.idempotent_run
+    def step(run: RunContext, region: str) -> None:
+        pass
+
+    step.expand(region=["eu", "us"])""",
+        "is mapped, and without key_segment all its mapped instances share one run key",
+    ),
+    (
+        "work_without_run",
+        "{}",
+        'IdempotentRunOperator(task_id="step", python_callable=lambda: None)',
+        "task 'step' of DAG 'work_without_run': python_callable <lambda>() cannot take the "
+        "RunContext as its first argument",
+    ),
+    (
+        "decorated_without_run",
+        "{}",
+        """
+    @task.idempotent_run
+    def step() -> None:
+        pass
+
+    step()""",
+        "task 'step': python_callable step() cannot take the RunContext as its first argument",
+    ),
+    (
         "bad_segment",
         "{}",
         'IdempotentRunOperator(task_id="step", python_callable=work, key_segment="eu|us")',
@@ -269,8 +329,9 @@ def test_the_dag_processor_shows_each_mistake_as_an_import_error(
     airflow_home: Path, tmp_path: Path
 ) -> None:
     """Each DAG file with a wrong argument fails to import in the line's DagBag (what the
-    DAG processor runs), its import error naming the task and the mistake; the same file
-    with the mistake fixed imports cleanly."""
+    DAG processor runs), its import error naming the task and the mistake, a mapped task's
+    (.partial() of the operator, @task.idempotent_run and .override() before .expand())
+    too; the same file with the mistakes fixed imports cleanly."""
     from support.dag_runs import load_dag_bag
 
     for dag_id, params, tasks, _ in MISTAKES:
@@ -292,7 +353,18 @@ def test_the_dag_processor_shows_each_mistake_as_an_import_error(
         key_segment="{{ params.segment }}",
         run_key_rule=RunKeyRule(period="week", offset=-1),
         lock_timeout=dt.timedelta(minutes=5),
-    )""",
+    )
+    IdempotentRunOperator.partial(
+        task_id="mapped", python_callable=work, on_locked="skip"
+    ).expand(key_segment=["eu", "us"])
+
+    @task.idempotent_run(
+        job_name="fixed.mapped_step", key_segment="{{ task.op_kwargs['region'] }}"
+    )
+    def mapped_step(run: RunContext, region: str) -> None:
+        pass
+
+    mapped_step.expand(region=["eu", "us"])""",
     )
     bag = load_dag_bag(tmp_path)
     errors = {Path(path).name: message for path, message in bag.import_errors.items()}

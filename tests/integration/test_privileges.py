@@ -194,3 +194,31 @@ def test_the_task_fails_without_a_retry(
     (ti,) = dag_run.get_task_instances()
     assert dag_run.state == FAILED and ti.try_number == 1
     assert not _schema_exists(role)
+
+
+def test_a_read_only_role_is_not_told_a_false_client_by_locks(
+    role: Role, pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/connection.md: a read-only role (USAGE, SELECT) may run `locks`. PostgreSQL hides
+    another role's client address from it (NULL, as for a Unix socket): `locks` must not
+    report the holder as connected by 'local socket' when it is not."""
+    from support.cli import cli
+    from support.locks import key_held
+
+    record_tables = subprocess.run(
+        [sys.executable, "-m", "airflow_idempotency.cli", "migrate", "--dsn", pg_dsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert record_tables.returncode == 0, record_tables.stderr
+    role.admin(
+        f"GRANT USAGE ON SCHEMA idempotency TO {role.name}",
+        f"GRANT SELECT ON ALL TABLES IN SCHEMA idempotency TO {role.name}",
+    )
+    with key_held(pg_dsn, "privileges.held", "2026-10-01"):
+        _, (seen_by_owner,), _ = cli(capsys, "locks", "--dsn", pg_dsn)
+        code, (seen_read_only,), _ = cli(capsys, "locks", "--dsn", role.dsn)
+    assert code == 0 and seen_read_only["run_key"] == "2026-10-01"
+    if seen_by_owner["client"] != "local socket":  # a TCP connection: hidden, and said so
+        assert seen_read_only["client"] == "not shown to this role", seen_read_only

@@ -43,6 +43,9 @@ SELECT a.pid,
        a.application_name,
        host(a.client_addr) AS client_addr,
        a.client_hostname,
+       coalesce(a.client_hostname, host(a.client_addr),
+                CASE a.client_port WHEN -1 THEN 'local socket' ELSE 'not shown to this role' END)
+           AS client,
        a.usename AS user_name,
        a.backend_start,
        a.state,
@@ -412,7 +415,11 @@ ORDER BY attempt_id;
 -- name: cli_locks
 -- Advisory locks held right now in this database, matched to the run they protect.
 SELECT r.job_name, r.run_key, r.status, a.pid AS backend_pid, a.application_name,
-       coalesce(a.client_hostname, host(a.client_addr), 'local socket') AS client,
+       -- PostgreSQL shows another role's client only to pg_read_all_stats: NULL then, as
+       -- for a Unix socket, whose client_port is -1
+       coalesce(a.client_hostname, host(a.client_addr),
+                CASE a.client_port WHEN -1 THEN 'local socket' ELSE 'not shown to this role' END)
+           AS client,
        a.backend_start, att.hostname AS worker_host, att.pid AS worker_pid,
        att.started_at AS attempt_started_at, att.dag_id, att.run_id
 FROM {schema}.held_run_locks() AS h
@@ -525,7 +532,11 @@ LIMIT %(limit)s;
 -- with the holder's lock transaction start (held since) and its age.
 -- A lock taken a moment ago whose attempt is not recorded yet is not shown.
 SELECT att.job_name, att.run_key, r.status, a.pid AS backend_pid,
-       coalesce(a.client_hostname, host(a.client_addr), 'local socket') AS client,
+       -- PostgreSQL shows another role's client only to pg_read_all_stats: NULL then, as
+       -- for a Unix socket, whose client_port is -1
+       coalesce(a.client_hostname, host(a.client_addr),
+                CASE a.client_port WHEN -1 THEN 'local socket' ELSE 'not shown to this role' END)
+           AS client,
        a.backend_start, a.xact_start AS held_since,
        statement_timestamp() - coalesce(a.xact_start, att.started_at) AS age,
        att.attempt_id, att.hostname AS worker_host, att.pid AS worker_pid,
