@@ -1,0 +1,2 @@
+"""The guided demo of the invoice DAG through real Airflow (`python3 dev.py demo`): its plan,
+set-up, steps and entry point (:mod:`devtools.demo.command`)."""
