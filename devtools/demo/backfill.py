@@ -1,5 +1,7 @@
-"""Step 4 of the demo: ``airflow backfill create`` over a week, then the same week again with
-``--reprocess-behavior completed`` (all no-ops)."""
+"""Step 4 of the demo: a backfill over a week, then the same week again (all no-ops).
+
+``airflow backfill create`` over the week, then again with ``--reprocess-behavior completed``.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Step 5 of the demo: a worker SIGKILLed in the middle of the export, then the rerun that
-takes over what it left."""
+"""Step 5 of the demo: a worker SIGKILLed in the middle of the export, then the rerun.
+
+The rerun takes over what the killed worker left.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""The demo's first steps: the orders seeded, the nightly run (step 1), the same date again by
-hand (step 2) and two runs of one date at once (step 3)."""
+"""The demo's first steps: the orders seeded, then steps 1 to 3.
+
+The nightly run (step 1), the same date again by hand (step 2) and two runs of one date at once
+(step 3).
+"""
 
 from __future__ import annotations
 

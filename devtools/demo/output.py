@@ -1,5 +1,4 @@
-"""What the demo prints: sections, checks that stop it at the first failure, tables and the
-time each part took."""
+"""What the demo prints: sections, checks that stop it at the first failure, tables, timings."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The demo's numbers: the example DAG, its jobs, the business dates of each step and how many
-orders each one seeds."""
+"""The demo's numbers: the example DAG, its jobs, each step's dates and orders."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""The demo's processes: its ``airflow dags test`` workers, the processes it must leave none
-of, and Ctrl-C while it cleans up."""
+"""The demo's processes: its workers, those it must leave none of, Ctrl-C while cleaning up.
+
+Its ``airflow dags test`` workers, the processes it must leave none of, and Ctrl-C while it
+cleans up.
+"""
 
 from __future__ import annotations
 

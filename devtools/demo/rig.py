@@ -1,5 +1,7 @@
-"""What the demo's narrated steps stand on: reads of the job database and the demo's Airflow
-(``airflow dags test`` workers, REST calls, runs and their tasks)."""
+"""What the demo's steps stand on: reads of the job database and the demo's Airflow.
+
+The demo's Airflow: ``airflow dags test`` workers, REST calls, runs and their tasks.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The demo's set-up: a fresh job database, the accounting service, a local SMTP server, the
-export files' folder and the ``env.sh`` a shell sources to look around afterwards."""
+"""The demo's set-up: its job database, accounting service, SMTP server and export folder.
+
+And the ``env.sh`` a shell sources to look around afterwards.
+"""
 
 from __future__ import annotations
 

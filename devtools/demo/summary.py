@@ -1,5 +1,7 @@
-"""Step 6 of the demo: the final bookkeeping (job_runs, attempts, the ledger, the accounting
-service's invoices) and its checks."""
+"""Step 6 of the demo: the final bookkeeping and its checks.
+
+job_runs, attempts, the ledger and the accounting service's invoices.
+"""
 
 from __future__ import annotations
 

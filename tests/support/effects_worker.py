@@ -1,5 +1,7 @@
-"""A worker process for the effect crash tests: one idempotent run that sends emails or writes
-a file, killed by a crash point (AIRFLOW_IDEMPOTENCY_CRASH_AT) where the test says.
+"""A worker process for the effect crash tests, killed by a crash point.
+
+One idempotent run that sends emails or writes a file, killed by a crash point
+(AIRFLOW_IDEMPOTENCY_CRASH_AT) where the test says.
 
     python tests/support/effects_worker.py mail DSN SMTP_PORT COUNT [BATCH_SIZE CONCURRENCY]
     python tests/support/effects_worker.py file DSN ROOT NAME CONTENT
