@@ -11,6 +11,7 @@ import pytest
 
 from devtools.airflow_env import DAGS_FOLDER
 from devtools.airflow_stack import airflow_stack
+from support.invoicing import InvoicingEnv
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ def outcomes_by_pass(dsn: str) -> list[tuple[str, str, int]]:
         ).fetchall()
 
 
-def test_backfill_week_twice_without_duplicates(invoicing, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_backfill_week_twice_without_duplicates(invoicing: InvoicingEnv, tmp_path: Path) -> None:
     """A 7-date backfill runs each date once; reprocessing the completed range only no-ops."""
     invoicing.seed(BUSINESS_DATES[0], BUSINESS_DATES[-1], orders=40)
     with airflow_stack(
