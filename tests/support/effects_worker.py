@@ -16,11 +16,11 @@ from typing import Any
 
 import psycopg
 
-from airflow_idempotency import RunContext, run_idempotently
+from airflow_idempotency import Effect, RunContext, run_idempotently
 from airflow_idempotency.runner import RunOptions
 
 
-def emails(count: int) -> list:  # type: ignore[type-arg]
+def emails(count: int) -> list[Effect]:
     from airflow_idempotency.effects.mail import email_effect
 
     return [
