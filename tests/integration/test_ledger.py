@@ -28,6 +28,7 @@ from airflow_idempotency.ledger import check_idempotency_key
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
 from airflow_idempotency.runner import RunOptions
 from devtools.accounting import AccountingService
+from support.db import rows
 from support.locks import terminate_lock_session
 
 
@@ -58,11 +59,11 @@ def send(
 
 
 def ledger_rows(dsn: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(
-            "SELECT idempotency_key, status, remote_reference IS NOT NULL, call_count, last_error"
-            " FROM idempotency.outbound_ledger ORDER BY ledger_id"
-        ).fetchall()
+    return rows(
+        dsn,
+        "SELECT idempotency_key, status, remote_reference IS NOT NULL, call_count, last_error"
+        " FROM idempotency.outbound_ledger ORDER BY ledger_id",
+    )
 
 
 def test_send_then_skip_confirmed(pg_dsn: str, accounting: AccountingService) -> None:
