@@ -5,10 +5,12 @@ service and DAGs, the developer tools, the tests' support package, the benchmark
 with its docstring's first line, which must be a summary of its own: a line followed by a
 blank line (or nothing), at most :data:`MAX_SUMMARY` characters. The map stands in
 docs/development.md between :data:`START` and :data:`END`; a new module appears in it once the
-command runs again, and ``tests/docs/test_code_map.py`` fails while the page lags behind.
+command runs again, and ``tests/docs/test_code_map.py`` fails while the page lags behind. A
+module whose summary line is missing or runs on still gets its row (its first paragraph), and
+the command names it and exits 1, as the test fails, until its docstring is mended.
 
     python3 dev.py codemap            rewrite the map in docs/development.md
-    python3 dev.py codemap --check    exit 1 (saying what differs) if the page is stale
+    python3 dev.py codemap --check    exit 1 (saying what is wrong) if the page is stale
 """
 
 from __future__ import annotations
@@ -40,59 +42,71 @@ FOLDERS = {
 
 
 class CodeMapError(Exception):
-    """A module has no usable summary line, or the page has no place for the map."""
+    """The page has no place for the map."""
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One row of the map: a module's path inside its folder and its summary line."""
+    """One row of the map: a module's path inside its folder, its summary line, and what is
+    wrong with that line (``""`` when nothing)."""
 
     path: str
     summary: str
+    problem: str = ""
 
 
-def summary_line(path: Path) -> str:
-    """The first line of the module docstring of ``path``, checked to be a summary on its own
-    (followed by a blank line or nothing, at most :data:`MAX_SUMMARY` characters)."""
-    where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+def summary_line(path: Path, where: str) -> tuple[str, str]:
+    """The first line of the module docstring of ``path`` and what keeps it from being a
+    summary of its own (followed by a blank line or nothing, at most :data:`MAX_SUMMARY`
+    characters), or ``""``. A first line that runs on is given with the rest of its
+    paragraph, so that the map still says what the module is."""
     doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"), filename=where))
     if not doc or not doc.strip():
-        raise CodeMapError(
+        return "", (
             f"{where} has no module docstring: give it one whose first line says what the module is"
         )
-    lines = doc.strip().splitlines()
-    first = lines[0].strip()
-    if len(lines) > 1 and lines[1].strip():
-        raise CodeMapError(
+    paragraph = doc.strip().split("\n\n", 1)[0].splitlines()
+    first = paragraph[0].strip()
+    if len(paragraph) > 1:
+        whole = " ".join(line.strip() for line in paragraph)
+        return whole, (
             f"{where}: the docstring's first line runs on into the next ({first!r}); make it a "
             "summary of its own, followed by a blank line"
         )
     if len(first) > MAX_SUMMARY:
-        raise CodeMapError(
+        return first, (
             f"{where}: the docstring's first line has {len(first)} characters; shorten it to "
             f"at most {MAX_SUMMARY} (the detail goes in the next paragraph)"
         )
-    return first
+    return first, ""
 
 
-def entries(folder: Path) -> list[Entry]:
-    """The modules below ``folder`` (or the one file ``folder``), in path order, packages'
+def entries(root: Path, folder: str) -> list[Entry]:
+    """The modules below ``root / folder`` (or that one file), in path order, packages'
     ``__init__.py`` first within their folder."""
-    if folder.is_file():
-        return [Entry(folder.name, summary_line(folder))]
+    base = root / folder
+    if base.is_file():
+        return [Entry(base.name, *summary_line(base, folder))]
     paths = [
         p
-        for p in folder.rglob("*.py")
+        for p in base.rglob("*.py")
         if not any(part.startswith(".") or part == "__pycache__" for part in p.parts)
     ]
 
     def order(path: Path) -> tuple[str, ...]:
-        parts = path.relative_to(folder).parts
+        parts = path.relative_to(base).parts
         return (*parts[:-1], "" if parts[-1] == "__init__.py" else parts[-1])
 
-    return [
-        Entry(p.relative_to(folder).as_posix(), summary_line(p)) for p in sorted(paths, key=order)
-    ]
+    found = []
+    for path in sorted(paths, key=order):
+        inside = path.relative_to(base).as_posix()
+        found.append(Entry(inside, *summary_line(path, f"{folder}/{inside}")))
+    return found
+
+
+def problems(root: Path = ROOT, folders: dict[str, str] = FOLDERS) -> list[str]:
+    """What is wrong with the summary lines of the mapped modules (empty when nothing)."""
+    return [e.problem for folder in folders for e in entries(root, folder) if e.problem]
 
 
 def markdown(text: str) -> str:
@@ -113,7 +127,7 @@ def render(root: Path = ROOT, folders: dict[str, str] = FOLDERS) -> str:
     """The map, one table per folder."""
     out = [START, ""]
     for folder, what in folders.items():
-        found = entries(root / folder)
+        found = entries(root, folder)
         heading = folder if (root / folder).is_file() else f"{folder}/"
         out += [f"`{heading}`: {what}", "", "| Module | What it is |", "| --- | --- |"]
         out += [f"| `{e.path}` | {markdown(e.summary)} |" for e in found]
@@ -145,18 +159,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CodeMapError as exc:
         print(f"codemap: {exc}", file=sys.stderr)
         return 1
+    failed = False
     if wanted == page:
         print("codemap: docs/development.md is up to date")
-        return 0
-    if args.check:
+    elif args.check:
         print(
             "codemap: docs/development.md's code map is stale: run `python3 dev.py codemap`",
             file=sys.stderr,
         )
-        return 1
-    PAGE.write_text(wanted, encoding="utf-8")
-    print("codemap: docs/development.md rewritten")
-    return 0
+        failed = True
+    else:
+        PAGE.write_text(wanted, encoding="utf-8")
+        print("codemap: docs/development.md rewritten")
+    for problem in problems():
+        print(f"codemap: {problem}", file=sys.stderr)
+        failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

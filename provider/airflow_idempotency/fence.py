@@ -1,4 +1,4 @@
-"""The fence's Python side: fenced transactions of one attempt and their errors (``Fence``).
+"""The fence's Python: fenced transactions and their errors; its SQL is migration 0006_fence.
 
 A fenced transaction on a connection of one attempt, and what its errors mean (:class:`Fence`).
 The fence itself is SQL (migration 0006, the ``fence_enter``/``fence_arm`` queries of
