@@ -77,11 +77,7 @@ def rerun_after_crash(rig: DemoRig, middle: dict[str, int]) -> None:
     rig.say(f"The rerun, by hand through Airflow: conf {{'run_key': '{day}'}}")
     with rig.console.status("Airflow reruns the date ..."), rig.timed("step 5b"):
         run = rig.trigger(conf={"run_key": day.isoformat()})
-    rig.check(
-        run.state == "success",
-        f"Airflow run {run.run_id} finished: {run.state}",
-        rig.run_failed([run.run_id]),
-    )
+    rig.check_succeeded(run)
     export = rig.details(day, "export_invoices")
     after = rig.date_state(day)
     replayed = int(rig.service.stats()["replays"]) - replays

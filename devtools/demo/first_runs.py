@@ -53,11 +53,7 @@ def nightly_run(rig: DemoRig) -> None:
     )
     with rig.console.status("Airflow runs finalize_invoices ..."), rig.timed("step 1"):
         run = rig.trigger(logical_date=fire_time(day))
-    rig.check(
-        run.state == "success",
-        f"Airflow run {run.run_id} finished: {run.state}",
-        rig.run_failed([run.run_id]),
-    )
+    rig.check_succeeded(run)
     create = rig.details(day, "create_invoices")
     totals = rig.details(day, "rebuild_totals")
     export = rig.details(day, "export_invoices")
@@ -109,11 +105,7 @@ def manual_rerun(rig: DemoRig) -> None:
     exported, mails = rig.export_file(day), len(rig.smtp.deliveries())
     with rig.console.status("Airflow runs finalize_invoices ..."), rig.timed("step 2"):
         run = rig.trigger(conf={"run_key": day.isoformat()})
-    rig.check(
-        run.state == "success",
-        f"Airflow run {run.run_id} finished: {run.state}",
-        rig.run_failed([run.run_id]),
-    )
+    rig.check_succeeded(run)
     attempts = rig.attempts([day], marker)
     rig.table(
         "Attempts recorded by this run",

@@ -139,6 +139,15 @@ class DemoRig(DemoSetup):
             f"{t.task_id} {t.state}" for t in self.stack.task_instances(DAG_ID, run_id)
         )
 
+    def check_succeeded(self, run: Any) -> None:
+        """Check that the Airflow run ``run`` finished in success (else what it did, and where
+        its logs are)."""
+        self.check(
+            run.state == "success",
+            f"Airflow run {run.run_id} finished: {run.state}",
+            self.run_failed([run.run_id]),
+        )
+
     def run_failed(self, run_ids: Sequence[str]) -> Callable[[], str]:
         def describe() -> str:
             return (
