@@ -127,9 +127,7 @@ with DAG(
         trigger_rule="none_failed",  # also when the export file is not configured (skipped)
     )
 
-    # mypy reads Airflow's TaskFlow typing: it does not know the operator passes the RunContext.
-    exported = export_invoices()  # type: ignore[call-arg, misc]
-    created = create_invoices()  # type: ignore[call-arg, misc]
-    created >> rebuild_totals() >> exported >> [reconcile, export_file]  # type: ignore[call-arg, misc]
+    exported = export_invoices()
+    create_invoices() >> rebuild_totals() >> exported >> [reconcile, export_file]
     export_file >> summary_mail
 # [END finalize_invoices]
