@@ -13,6 +13,7 @@ into it, syncing the locked packages, installing this checkout), then runs:
     python3 dev.py bench [ARGS]     the benchmarks (figures and ratios, BENCHMARKS.md)
     python3 dev.py faults [ARGS]    the fault scenarios and their report (FAULTS.md)
     python3 dev.py chaos [ARGS]     seeded random actions and faults, checked against invariants
+    python3 dev.py codemap [--check]  the code map of docs/development.md, from the docstrings
 
 Airflow: the main line, 3.3, by default (.venv/, requirements/lock.txt). `--airflow LINE`
 right after the command uses another line, each with its own venv and lock file:
@@ -206,7 +207,17 @@ def main(argv: list[str]) -> None:
     if command in ("help", "-h", "--help"):
         print(__doc__)
         return
-    if command not in ("setup", "test", "demo", "lint", "cli", "bench", "faults", "chaos"):
+    if command not in (
+        "setup",
+        "test",
+        "demo",
+        "lint",
+        "cli",
+        "bench",
+        "faults",
+        "chaos",
+        "codemap",
+    ):
         print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
         raise SystemExit(2)
     line = LINES["3.3"]
@@ -237,6 +248,8 @@ def main(argv: list[str]) -> None:
         exec_in_venv(line, ["-m", "devtools.fault_report", *rest])
     elif command == "chaos":
         exec_in_venv(line, ["-m", "devtools.chaos", *rest])
+    elif command == "codemap":
+        exec_in_venv(line, ["-m", "devtools.codemap", *rest])
 
 
 if __name__ == "__main__":

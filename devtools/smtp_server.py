@@ -1,5 +1,6 @@
-"""A real SMTP server (aiosmtpd) as a subprocess, counting what it delivers, for tests, the
-demo and the email benchmark.
+"""A real SMTP server (aiosmtpd) as a subprocess, counting what it delivers.
+
+For tests, the demo and the email benchmark.
 
     with run_smtp_server(tmp_path / "mail") as server:
         ...  # send to 127.0.0.1:server.port

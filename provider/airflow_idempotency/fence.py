@@ -1,7 +1,9 @@
-"""The fence's Python side: a fenced transaction on a connection of one attempt, and what
-its errors mean (:class:`Fence`). The fence itself is SQL (migration 0006, the
-``fence_enter``/``fence_arm`` queries of ``sql/queries.sql``); docs/fence.md says what it
-guarantees."""
+"""The fence's Python: fenced transactions and their errors; its SQL is migration 0006_fence.
+
+A fenced transaction on a connection of one attempt, and what its errors mean (:class:`Fence`).
+The fence itself is SQL (migration 0006, the ``fence_enter``/``fence_arm`` queries of
+``sql/queries.sql``); docs/fence.md says what it guarantees.
+"""
 
 from __future__ import annotations
 

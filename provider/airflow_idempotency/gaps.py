@@ -1,5 +1,7 @@
-"""What is missing, for the on-call engineer: gaps (business periods without a completed
-run) and stale runs (work that stopped and nothing retried).
+"""What is missing, for the on-call engineer: gaps and stale runs.
+
+Gaps are business periods without a completed run; stale runs are work that stopped and that
+nothing retried.
 
 Airflow-free reads over the bookkeeping tables, shared by the CLI (``gaps``, ``runs
 --stale``) and the example watch DAG (:func:`problems`).

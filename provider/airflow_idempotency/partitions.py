@@ -1,6 +1,8 @@
-"""Airflow's partitions (3.2+), as run keys read them: how a DAG writes its partition keys
-(:class:`PartitionSpec`, read from its timetable and partition mappers by
-:func:`dag_partitioning`), and the time segments of a key (:func:`parse_time_segment`).
+"""Airflow's partitions (3.2+), as run keys read them: partition specs and time segments.
+
+How a DAG writes its partition keys (:class:`PartitionSpec`, read from its timetable and
+partition mappers by :func:`dag_partitioning`), and the time segments of a key
+(:func:`parse_time_segment`).
 
 What a partition key's run key is, is decided with every other run key in
 :mod:`airflow_idempotency.run_key` (:func:`~airflow_idempotency.run_key.partition_run_key`).

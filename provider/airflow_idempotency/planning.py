@@ -1,8 +1,9 @@
-"""What a run would do, read from the DAG itself: the runs a backfill command would create
-(:func:`backfill_runs`, either line's command), the run keys of its idempotent tasks
-(``airflow-idempotency explain``), the runs a backfill would create with the state of each
-key (``airflow-idempotency plan``), and the keys a DAG's schedule has made due (``gaps
---dag`` and the watch DAG: a weekday-only job's weekends are no gaps).
+"""What a run would do, read from the DAG itself: backfill runs, run keys, due keys.
+
+The runs a backfill command would create (:func:`backfill_runs`, either line's command), the
+run keys of its idempotent tasks (``airflow-idempotency explain``), the runs a backfill would
+create with the state of each key (``airflow-idempotency plan``), and the keys a DAG's schedule
+has made due (``gaps --dag`` and the watch DAG: a weekday-only job's weekends are no gaps).
 
 Imports Airflow (it parses the DAG file); the CLI imports this module only for the
 commands that need it.

@@ -1,6 +1,8 @@
-"""The durable run records: ``job_runs`` (one row per job and run key) and
-``job_run_attempts`` (one row per execution, whatever it did), and the values that name a run:
-:class:`RunIdentity` (job, run key, lock key, trigger) and :class:`RunOptions`.
+"""The durable run records: ``job_runs``, ``job_run_attempts`` and the values naming a run.
+
+``job_runs`` has one row per job and run key, ``job_run_attempts`` one row per execution,
+whatever it did; :class:`RunIdentity` (job, run key, lock key, trigger) and :class:`RunOptions`
+name a run.
 
 :class:`RunRecords` writes the records of one run in the bookkeeping ``schema`` (validated by
 the caller); every statement names its tables with it, so no connection's search_path matters.

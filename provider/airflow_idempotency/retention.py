@@ -1,5 +1,7 @@
-"""Retention: old attempt rows deleted (``airflow-idempotency prune``), never what keeps a
-rerun a no-op or a confirmed effect from being sent again."""
+"""Retention: old attempt rows deleted (``airflow-idempotency prune``).
+
+Never what keeps a rerun a no-op or a confirmed effect from being sent again.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""What the work of one run receives: :class:`RunContext`, and its logger :class:`RunLogger`;
-and what its caller says about where runs keep their records and report,
-:class:`RunEnvironment`."""
+"""What the work of one run receives (``RunContext``, ``RunLogger``) and ``RunEnvironment``.
+
+The work gets a :class:`RunContext` and its logger :class:`RunLogger`; its caller says where
+runs keep their records and report with a :class:`RunEnvironment`.
+"""
 
 from __future__ import annotations
 

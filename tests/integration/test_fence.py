@@ -165,7 +165,7 @@ def test_the_successor_waits_for_the_old_attempts_open_transaction(
             connect=connect_to(facts), job_name=JOB, run_key=KEY, work=writer("old")
         )
     )
-    wait_for("the old attempt to stop before its COMMIT", lambda: crashpoints._slept)
+    wait_for("the old attempt to stop before its COMMIT", lambda: bool(crashpoints._slept))
     terminate_lock_session(facts, JOB, KEY)
     new = Background(
         lambda: run_idempotently(
@@ -233,7 +233,7 @@ def test_the_work_gets_the_isolation_level_it_asks_for(pg_dsn: str) -> None:
 
     def work(ctx: RunContext) -> None:
         for options in ({}, {"isolation_level": IsolationLevel.SERIALIZABLE}, {"read_only": True}):
-            with ctx.transaction(**options) as cur:  # type: ignore[arg-type]
+            with ctx.transaction(**options) as cur:
                 seen.append(cur.execute(query).fetchone() or ())
 
     run_idempotently(connect=connect_to(pg_dsn), job_name=JOB, run_key=KEY, work=work)

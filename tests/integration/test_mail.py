@@ -20,7 +20,7 @@ from airflow_idempotency.effects.mail import (
     email_effect,
     message_id,
 )
-from airflow_idempotency.effects.resolutions import resolutions, resolve_unknown
+from airflow_idempotency.effects.resolutions import Action, resolutions, resolve_unknown
 from airflow_idempotency.exceptions import (
     EffectsUnknownError,
     IdempotencyKeyConflictError,
@@ -68,11 +68,11 @@ def send(dsn: str, server: SmtpServer, items: Any, **options: Any) -> Any:
         retries = Retries(options.pop("max_attempts", 5), backoff_initial=0.01, backoff_max=0.05)
         ledger_ = OutboundLedger(run, "smtp", retries=retries, unreachable_after=1, **options)
         try:
-            out["summary"] = ledger_.send_all(items, sender)
+            summary = out["summary"] = ledger_.send_all(items, sender)
         except Exception as exc:
             out["error"] = exc
             raise
-        return out["summary"].as_counts("mail")
+        return summary.as_counts("mail")
 
     try:
         run_once(dsn, work, force=True)
@@ -81,7 +81,7 @@ def send(dsn: str, server: SmtpServer, items: Any, **options: Any) -> Any:
     return out.get("summary") or out["error"]
 
 
-def operator_resolves(dsn: str, server: SmtpServer) -> dict[str, str]:
+def operator_resolves(dsn: str, server: SmtpServer) -> dict[str, Action]:
     """What an operator does with each unknown effect: look for its Message-ID at the server;
     mark it sent if it is there, resend it if not. Returns key -> action."""
     delivered = {d["message_id"] for d in server.deliveries()}
@@ -90,7 +90,9 @@ def operator_resolves(dsn: str, server: SmtpServer) -> dict[str, str]:
         for key, status in statuses(dsn, "smtp").items():
             if status != "unknown":
                 continue
-            action = "mark_sent" if message_id(key, "example.com") in delivered else "resend"
+            action: Action = (
+                "mark_sent" if message_id(key, "example.com") in delivered else "resend"
+            )
             resolve_unknown(
                 conn, "idempotency", remote_system="smtp", idempotency_key=key,
                 action=action, resolved_by="oncall", reason="checked the mailbox",

@@ -106,7 +106,7 @@ def test_a_raising_notifier_is_named_and_loses_nothing_else(
     assert run.state == SUCCESS, task_states(run)
     key = "notify_effects.other:2026-10-03:success"
     with psycopg.connect(airflow_pg_conn) as conn:
-        by_remote = dict(
+        by_remote: dict[str, Any] = dict(
             conn.execute(
                 "SELECT remote_system, status FROM idempotency.outbound_ledger"
                 " WHERE idempotency_key = %s",

@@ -21,7 +21,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from airflow_idempotency.exceptions import MissingPrivilegeError
-from airflow_idempotency.runner import RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from support import ROOT
 
 PAGE = (ROOT / "docs" / "connection.md").read_text(encoding="utf-8")
@@ -59,11 +59,16 @@ class Role:
 
     def run(self, work_calls: list[str] | None = None) -> Any:
         calls = work_calls if work_calls is not None else []
+
+        def work(run: RunContext) -> dict[str, int]:
+            calls.append(run.run_key)
+            return {"done": 1}
+
         return run_idempotently(
             connect=lambda: psycopg.connect(self.dsn),
             job_name="privileges.job",
             run_key="2026-10-01",
-            work=lambda run: calls.append(run.run_key) or {"done": 1},
+            work=work,
         )
 
 

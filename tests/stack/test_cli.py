@@ -355,7 +355,8 @@ def test_run_names_the_lock_holder_and_keeps_or_removes_its_log(
 
     def holder_attempt() -> Any:
         with psycopg.connect(pg_dsn) as conn:
-            if not conn.execute("SELECT to_regclass('idempotency.job_run_attempts')").fetchone()[0]:  # type: ignore[index]
+            table = conn.execute("SELECT to_regclass('idempotency.job_run_attempts')").fetchone()
+            if table is None or table[0] is None:
                 return None
             return conn.execute(
                 "SELECT attempt_id, hostname, pid FROM idempotency.job_run_attempts"

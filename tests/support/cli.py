@@ -1,5 +1,8 @@
-"""The CLI as the tests call it: in process (``cli``), in an Airflow home of its own
-(``airflow_cli``), and the records it reads, written by the real runner (``record``)."""
+"""The CLI as the tests call it, and the records it reads, written by the real runner.
+
+In process (``cli``), in an Airflow home of its own (``airflow_cli``), and the records it
+reads, written by the real runner (``record``).
+"""
 
 from __future__ import annotations
 

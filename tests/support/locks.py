@@ -1,5 +1,6 @@
-"""Who holds which advisory lock, read as the provider reads it, and ending a holder's session
-as a lost connection or an operator would.
+"""Who holds which advisory lock, read as the provider reads it; a holder's session ended.
+
+Ending a holder's session as a lost connection or an operator would.
 
 Run locks are read through the provider's own reader, the SQL function ``held_run_locks()``
 of the bookkeeping schema (this database's granted run locks, as the fencing checks, the

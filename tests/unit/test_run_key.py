@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import unicodedata
+from typing import Any
 
 import pendulum
 import pytest
@@ -16,21 +17,28 @@ from airflow_idempotency.exceptions import (
     PeriodNotEndedError,
     RunKeyMissingError,
 )
-from airflow_idempotency.run_key import RunFacts, RunKeyRule, check_text, resolve_run_key
+from airflow_idempotency.run_key import (
+    Period,
+    ResolvedRunKey,
+    RunFacts,
+    RunKeyRule,
+    check_text,
+    resolve_run_key,
+)
 
 NOW = pendulum.datetime(2026, 11, 29, 8, 0, tz="UTC")
 
 
-def resolve(rule: object = None, **overrides):  # type: ignore[no-untyped-def]
-    args = dict(
-        timezone="UTC",
-        timetable_name="CronTriggerTimetable",
-        run_type="scheduled",
-        logical_date=pendulum.datetime(2026, 10, 2, 1, tz="UTC"),
-        now=NOW,
-    )
+def resolve(rule: RunKeyRule | None = None, **overrides: Any) -> ResolvedRunKey:
+    args: dict[str, Any] = {
+        "timezone": "UTC",
+        "timetable_name": "CronTriggerTimetable",
+        "run_type": "scheduled",
+        "logical_date": pendulum.datetime(2026, 10, 2, 1, tz="UTC"),
+        "now": NOW,
+    }
     args.update(overrides)
-    return resolve_run_key(rule or RunKeyRule(), RunFacts(**args))  # type: ignore[arg-type]
+    return resolve_run_key(rule or RunKeyRule(), RunFacts(**args))
 
 
 def test_cron_trigger_timetable_maps_to_previous_day() -> None:
@@ -62,9 +70,9 @@ def test_explicit_offset_overrides_timetable_default() -> None:
         ("month", pendulum.datetime(2026, 1, 1, 1, tz="UTC"), "2025-12"),
     ],
 )
-def test_other_periods(period: str, logical: dt.datetime, expected: str) -> None:
+def test_other_periods(period: Period, logical: dt.datetime, expected: str) -> None:
     """Hourly, weekly and monthly jobs get keys of their own period, the previous one by default."""
-    assert resolve(rule=RunKeyRule(period=period), logical_date=logical).run_key == expected  # type: ignore[arg-type]
+    assert resolve(rule=RunKeyRule(period=period), logical_date=logical).run_key == expected
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,7 @@
-"""What every command shares: exit codes, the common options, argument types and the job
-database connections. Nothing here imports Airflow unless ``--conn-id`` needs it."""
+"""What every command shares: exit codes, common options, argument types, the job database.
+
+Nothing here imports Airflow unless ``--conn-id`` needs it.
+"""
 
 from __future__ import annotations
 

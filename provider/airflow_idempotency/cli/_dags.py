@@ -1,5 +1,7 @@
-"""What the commands that read a DAG share (``run``, ``explain``, ``plan``): they parse the
-DAG file through Airflow, imported here only when such a command runs."""
+"""What the commands that read a DAG share (``run``, ``explain``, ``plan``).
+
+They parse the DAG file through Airflow, imported here only when such a command runs.
+"""
 
 from __future__ import annotations
 

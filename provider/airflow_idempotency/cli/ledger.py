@@ -1,5 +1,7 @@
-"""``ledger``: external effects of every kind not confirmed, the unknown ones first; and
-``ledger mark-sent`` / ``ledger resend``, an operator's audited choice for an unknown effect.
+"""``ledger``: effects not confirmed; ``ledger mark-sent`` / ``ledger resend``.
+
+Every kind of external effect not confirmed, the unknown ones first; and, for an unknown
+effect, an operator's audited choice: mark it sent, or resend it.
 
 An effect of a remote that does not deduplicate (an email, a chat message, a notification)
 is ``unknown`` when its call began and no outcome was recorded: it may have happened, and the

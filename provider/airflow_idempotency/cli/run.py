@@ -1,5 +1,7 @@
-"""``run``: one business date of a DAG through Airflow (``airflow dags test``), judged by the
-attempts its idempotent tasks recorded.
+"""``run``: one business date of a DAG through Airflow, judged by its recorded attempts.
+
+The DAG runs through ``airflow dags test``; the outcome is read from the attempts its
+idempotent tasks recorded.
 
 Three steps, each its own function: :func:`run_dags_test` runs Airflow in a subprocess
 with its output in a temporary log; :func:`judge` turns the exit code and the attempts into

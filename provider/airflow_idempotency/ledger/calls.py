@@ -1,5 +1,8 @@
-"""One effect's call to its remote: its first try, then its retries (:mod:`.retries`),
-each noting whether the remote answered at all (:mod:`.reachability`)."""
+"""One effect's call to its remote: its first try, then its retries.
+
+Each try notes whether the remote answered at all (:mod:`.reachability`); the retries are
+:mod:`.retries`.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""A remote that deduplicates (it honours the idempotency key): the calls of a claimed batch
-go out at once, concurrently (``concurrency`` connections), and one statement writes their
-outcomes. On doubt the next run sends again with the same key, and the remote acts once."""
+"""A remote that deduplicates (it honours the idempotency key): a batch's calls at once.
+
+The calls of a claimed batch go out concurrently (``concurrency`` connections), and one
+statement writes their outcomes. On doubt the next run sends again with the same key, and the
+remote acts once.
+"""
 
 from __future__ import annotations
 

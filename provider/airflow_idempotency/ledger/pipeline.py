@@ -1,5 +1,4 @@
-"""A remote that does not deduplicate (SMTP, a chat webhook, a notifier): intent, call,
-outcome.
+"""A remote that does not deduplicate (SMTP, a chat webhook, a notifier): intent, call, outcome.
 
 A call begins only once a fenced transaction has committed its key as ``unknown``, and the
 outcome replaces that after the call. The calls are made by workers (one per connection,

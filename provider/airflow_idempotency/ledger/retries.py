@@ -1,5 +1,8 @@
-"""How the ledger tries a call again after a transient error: :class:`Retries` (the
-user's settings) and :func:`retry` (the loop around tries 2..n of one call)."""
+"""How the ledger tries a call again after a transient error: settings and the retry loop.
+
+:class:`Retries` holds the user's settings, :func:`retry` is the loop around tries 2..n of one
+call.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""The run the ledger records effects for: what the ledger needs of it
-(:class:`LedgerScope`), and its watch on the run's lock (:class:`LockWatch`)."""
+"""The run the ledger records effects for, and its watch on the run's lock.
+
+What the ledger needs of the run (:class:`LedgerScope`), and its watch on the run's lock
+(:class:`LockWatch`).
+"""
 
 from __future__ import annotations
 
