@@ -12,6 +12,7 @@ import pytest
 from airflow_idempotency.cli import main
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.schema import ensure_schema
+from devtools.postgres import PostgresServer, temporary_database
 from support.effects import statuses
 
 pytestmark = pytest.mark.both_airflow_lines
@@ -108,6 +109,34 @@ def test_resend_makes_it_pending_and_a_running_key_is_refused(
                         "not in the mailbox", "--dsn", pg_dsn)  # fmt: skip
     assert code == 0 and done["resolved_by"] == "oncall-bob"
     assert statuses(pg_dsn)["mail:1"] == "pending"
-    with pytest.raises(SystemExit) as refused:  # --reason is required (argparse)
-        main(["ledger", "resend", "finance_mail", "mail:1", "--dsn", pg_dsn])
-    assert refused.value.code == 2
+    # --reason is required (argparse): exit 2
+    assert main(["ledger", "resend", "finance_mail", "mail:1", "--dsn", pg_dsn]) == 2
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ledger", "--dsn", "{B}", "resend", "finance_mail", "mail:1", "--reason", "x"],
+        ["--dsn", "{B}", "ledger", "resend", "finance_mail", "mail:1", "--reason", "x"],
+        ["ledger", "resend", "--dsn", "{B}", "finance_mail", "mail:1", "--reason", "x"],
+        ["ledger", "resend", "finance_mail", "mail:1", "--reason", "x", "--dsn", "{B}"],
+    ],
+    ids=["before-the-action", "before-the-command", "after-the-action", "at-the-end"],
+)
+def test_an_option_before_the_action_means_the_same_as_after_it(
+    argv: list[str],
+    pg_dsn: str,
+    pg_server: PostgresServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ledger --dsn B resend ...` resends in database B, wherever --dsn is written, never in
+    the database of AIRFLOW_IDEMPOTENCY_DSN (which holds the same unknown effect)."""
+    seed(pg_dsn)
+    with temporary_database(pg_server, "idem_test_b") as other:
+        seed(other)
+        monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_DSN", pg_dsn)
+        code, done, err = run(capsys, *(other if a == "{B}" else a for a in argv), "--by", "ann")
+        assert code == 0, err
+        assert (done["action"], statuses(other)["mail:1"]) == ("resend", "pending")
+        assert statuses(pg_dsn)["mail:1"] == "unknown"  # the environment's database untouched

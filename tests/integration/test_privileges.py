@@ -109,6 +109,22 @@ def test_a_role_without_create_is_refused_at_once_naming_both_ways_out(role: Rol
     assert calls == [] and not _schema_exists(role)
 
 
+def test_migrate_of_a_role_without_create_says_what_to_do_without_a_traceback(
+    role: Role, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`airflow-idempotency migrate` as a role that may not create the schema: exit 69 and the
+    refusal's message (the statements for a DBA), no traceback (it ended in 17 lines of one),
+    no password; nothing is created."""
+    from airflow_idempotency.cli import main
+
+    capsys.readouterr()
+    assert main(["migrate", "--dsn", role.dsn]) == 69
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: role {role.name!r} may not create or migrate the bookkeeping")
+    assert "airflow-idempotency migrate --dsn DBA_DSN" in err and "Traceback" not in err
+    assert PASSWORD not in err and not _schema_exists(role)
+
+
 def test_a_schema_the_dba_created_for_the_role_is_enough(role: Role) -> None:
     """docs/connection.md's CREATE SCHEMA ... AUTHORIZATION: the role, without CREATE on the
     database, creates and migrates its tables itself, runs the key, then no-ops."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from airflow_idempotency.cli._base import EXIT_OK, add_command, connect
+from airflow_idempotency.cli._base import EXIT_OK, add_command
+from airflow_idempotency.cli._database import connect
 from airflow_idempotency.schema import current_version, ensure_schema
 
 if TYPE_CHECKING:
@@ -13,7 +14,14 @@ if TYPE_CHECKING:
 
 
 def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
-    add_command(commands, common, "migrate", "create or migrate the bookkeeping schema", handle)
+    add_command(
+        commands,
+        common,
+        "migrate",
+        "create or migrate the bookkeeping schema",
+        handle,
+        'migrate --dsn "host=db dbname=jobs user=jobs_owner"\nmigrate --schema idempotency_eu',
+    )
 
 
 def handle(args: argparse.Namespace) -> int:

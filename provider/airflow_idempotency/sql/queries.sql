@@ -475,9 +475,12 @@ WHERE job_name = %(job)s AND run_key = %(run_key)s AND status IN ('failed', 'sta
 RETURNING status;
 
 -- name: cli_attempts_since
-SELECT job_name, outcome, error
+-- The attempts of one business date of a DAG since a moment: its plain key and the keys of
+-- its segments (a task mapped over segments records eu|2026-10-01, us|2026-10-01, ...).
+SELECT job_name, run_key, outcome, error
 FROM {schema}.job_run_attempts
-WHERE run_key = %(run_key)s AND dag_id = %(dag_id)s AND started_at >= %(since)s
+WHERE (run_key = %(run_key)s OR %(run_key)s = ANY (string_to_array(run_key, '|')))
+  AND dag_id = %(dag_id)s AND started_at >= %(since)s
 ORDER BY attempt_id;
 
 -- Read-only statements of the Run keys view in the Airflow UI (airflow_idempotency.ui).
