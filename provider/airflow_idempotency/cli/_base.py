@@ -1,6 +1,6 @@
 """What every command shares: exit codes, the common options and how a command is added.
 
-Nothing here imports Airflow unless ``--conn-id`` needs it.
+Nothing here imports Airflow.
 """
 
 from __future__ import annotations
