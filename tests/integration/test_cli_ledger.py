@@ -4,12 +4,15 @@ and the operator's two actions (mark-sent, resend), audited, refused when they d
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import psycopg
 import pytest
 
 from airflow_idempotency.cli import main
+from airflow_idempotency.exceptions import OutcomeUnknownError
+from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.schema import ensure_schema
 from support.effects import statuses
@@ -111,3 +114,65 @@ def test_resend_makes_it_pending_and_a_running_key_is_refused(
     with pytest.raises(SystemExit) as refused:  # --reason is required (argparse)
         main(["ledger", "resend", "finance_mail", "mail:1", "--dsn", pg_dsn])
     assert refused.value.code == 2
+
+
+class _HeldCall(BlockingEffectSender[None]):
+    """A remote that does not deduplicate whose call begins, then waits for ``release``, and
+    then loses its answer (the effect stays unknown)."""
+
+    kind = "email"
+    deduplicating = False
+    concurrency = 1
+    target = "smtp://held"
+
+    def __init__(self) -> None:
+        self.begun = threading.Event()
+        self.release = threading.Event()
+
+    def connect(self) -> None:
+        return None
+
+    def send(self, connection: None, effect: Effect) -> Confirmation:
+        self.begun.set()
+        self.release.wait(60)
+        raise OutcomeUnknownError("the answer was lost")
+
+
+def test_a_resolution_waits_while_a_call_of_a_worker_that_lost_its_lock_is_in_flight(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker whose lock session ended while its call was under way: the run lock is free, yet resend and mark-sent are refused (exit 75, nothing written) until that attempt has ended; then they apply."""
+    from airflow_idempotency import OutboundLedger, run_idempotently
+    from support.locks import terminate_lock_session
+
+    sender = _HeldCall()
+    ended: list[BaseException] = []
+
+    def work(run: Any) -> None:
+        OutboundLedger(run, "finance_mail").send_all([Effect("mail:1", {"to": "x"})], sender)
+
+    def worker() -> None:
+        try:
+            run_idempotently(connect=lambda: psycopg.connect(pg_dsn), job_name="job",
+                             run_key="2026-10-01", work=work)  # fmt: skip
+        except BaseException as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert sender.begun.wait(30)
+        terminate_lock_session(pg_dsn, "job", "2026-10-01")
+        for action in ("resend", "mark-sent"):
+            code, _, err = run(capsys, "ledger", action, "finance_mail", "mail:1", "--reason",
+                               "x", "--by", "ann", "--dsn", pg_dsn)  # fmt: skip
+            assert code == 75 and "may still be in flight" in err, err
+        assert statuses(pg_dsn)["mail:1"] == "unknown"
+    finally:
+        sender.release.set()
+        thread.join(60)
+    assert ended, "the worker that lost its lock must fail"
+    code, done, _ = run(capsys, "ledger", "resend", "finance_mail", "mail:1", "--reason",
+                        "not in the mailbox", "--by", "ann", "--dsn", pg_dsn)  # fmt: skip
+    assert code == 0 and done["action"] == "resend"
+    assert statuses(pg_dsn)["mail:1"] == "pending"
