@@ -176,3 +176,58 @@ def test_a_resolution_waits_while_a_call_of_a_worker_that_lost_its_lock_is_in_fl
                         "not in the mailbox", "--by", "ann", "--dsn", pg_dsn)  # fmt: skip
     assert code == 0 and done["action"] == "resend"
     assert statuses(pg_dsn)["mail:1"] == "pending"
+
+
+class _Remote(BlockingEffectSender[None]):
+    """A remote of one kind that does not deduplicate: records each delivery; its first
+    call of each key loses its answer (so the effect is left unknown)."""
+
+    deduplicating = False
+    concurrency = 1
+    target = "local"
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.delivered: list[str] = []
+
+    def connect(self) -> None:
+        return None
+
+    def send(self, connection: None, effect: Effect) -> Confirmation:
+        first = effect.idempotency_key not in self.delivered
+        self.delivered.append(effect.idempotency_key)
+        if first:
+            raise OutcomeUnknownError("the answer was lost")
+        return Confirmation("ok")
+
+
+@pytest.mark.parametrize("kind", ["http", "webhook", "email", "notification", "file"])
+def test_both_resolutions_work_for_every_kind(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """For an unknown effect of every kind, resend makes the next run of its key deliver it once more and confirm it; mark-sent confirms it and nothing more is sent."""
+    from airflow_idempotency import OutboundLedger, run_idempotently
+    from airflow_idempotency.exceptions import EffectsUnknownError
+
+    remote = _Remote(kind)
+    items = [Effect(f"{kind}:resend", {"n": 1}), Effect(f"{kind}:marked", {"n": 2})]
+
+    def work(run: Any) -> None:
+        OutboundLedger(run, "remote").send_all(items, remote)
+
+    def export() -> None:
+        run_idempotently(connect=lambda: psycopg.connect(pg_dsn), job_name="job",
+                         run_key="2026-10-01", work=work)  # fmt: skip
+
+    with pytest.raises(EffectsUnknownError):
+        export()
+    assert statuses(pg_dsn) == {f"{kind}:resend": "unknown", f"{kind}:marked": "unknown"}
+    for action, key in (("resend", f"{kind}:resend"), ("mark-sent", f"{kind}:marked")):
+        code, _, err = run(capsys, "ledger", action, "remote", key, "--reason", "checked",
+                           "--by", "ann", "--dsn", pg_dsn)  # fmt: skip
+        assert code == 0, err
+    export()
+    assert statuses(pg_dsn) == {f"{kind}:resend": "succeeded", f"{kind}:marked": "succeeded"}
+    assert sorted(remote.delivered) == sorted([f"{kind}:resend"] * 2 + [f"{kind}:marked"])
+    export()  # the key completed: a no-op, nothing sent
+    assert len(remote.delivered) == 3
