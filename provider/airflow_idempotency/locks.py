@@ -34,6 +34,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
+import select
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -110,6 +113,9 @@ class RunLock:
 # client waited query_wait_timeout for a server connection (it then closes the connection).
 _STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
 _POOL_WAIT = "query_wait_timeout"
+# What PostgreSQL answers a connection past max_connections (SQLSTATE 53300 when psycopg
+# knows it; the text when the refusal arrives as a plain connection failure).
+_TOO_MANY = "too many clients already"
 
 
 @contextlib.contextmanager
@@ -194,8 +200,9 @@ def _begin_and_try(
 def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
     """The error to raise when ``exc`` is a connection pooler refusing the provider's work,
     else ``None``: a pooler in statement mode refusing a transaction (a configuration that
-    cannot work), or PgBouncer's ``query_wait_timeout`` (its pool is exhausted: every server
-    connection was busy for that long)."""
+    cannot work), PgBouncer's ``query_wait_timeout`` (its pool is exhausted: every server
+    connection was busy for that long), or PostgreSQL itself refusing a connection past
+    ``max_connections`` (SQLSTATE 53300: the same sizing rule)."""
     text = str(exc).strip()
     if _STATEMENT_POOLING in text:
         return ConfigurationError(
@@ -213,6 +220,16 @@ def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
             "of idempotent tasks that run at once against this database (N tasks need at "
             "least N + 1; see docs/deploying.md, pool sizing). Nothing was committed by the "
             "waiting statement; a retry converges once the pool has room."
+        )
+    if isinstance(exc, psycopg.errors.TooManyConnections) or _TOO_MANY in text:
+        return PoolExhaustedError(
+            f"the job database refused a new connection (PostgreSQL said: {text}): it has no "
+            "connection slot left (max_connections, or a role's or database's CONNECTION "
+            "LIMIT). Each running idempotent task holds two connections for its whole run "
+            "(its lock transaction's and its work's) and a third while the outbound ledger "
+            "exports: max_connections must cover 3 per task running at once plus every other "
+            "client (see docs/deploying.md, pool sizing), or put PgBouncer in front. Nothing "
+            "was committed by the refused connection; a retry converges once slots are free."
         )
     return None
 
@@ -256,3 +273,40 @@ def lock_is_held(conn: psycopg.Connection, schema: str, lock: RunLock) -> bool:
     """Whether ``lock`` is still held by the session that took it (checked from any session)."""
     row = conn.execute(query("lock_is_held_by", schema), lock.params).fetchone()
     return bool(row and row[0])
+
+
+def session_ended(conn: psycopg.Connection) -> bool:
+    """Whether the server has ended ``conn``'s session, seen without a round trip (~3 us).
+
+    ``conn`` is idle (the lock connection while the work runs), so the server sends it
+    nothing unless the session ends: a terminated backend (``pg_terminate_backend``, a
+    restart, ``idle_in_transaction_session_timeout``) sends its FATAL error and closes the
+    socket. So the socket is polled, and what waits in it is peeked at, never read: the end
+    of the stream or an ``ErrorResponse`` (``E``) means the session ended; a notice or a
+    parameter report (never sent to an idle session in practice) does not. Over TLS the bytes
+    cannot be read, and anything that arrived counts as the end. A peer that vanished without
+    a word (a cut link) is not seen here: the database's own check and the dead-peer bound
+    (:data:`DEAD_PEER_DEFAULTS`) see that.
+
+    Safe from any thread while the connection's owner does not use it.
+    """
+    if conn.closed or conn.broken:
+        return True
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.OperationalError:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    if not poller.poll(0):
+        return False
+    if conn.pgconn.ssl_in_use:
+        return True
+    try:
+        with socket.socket(fileno=os.dup(fd)) as peek:
+            first = peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: the session is gone
+        return True
+    return first in (b"", b"E")

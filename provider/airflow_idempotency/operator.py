@@ -417,6 +417,8 @@ class IdempotentRunOperator(ReschedulingOperator):
             options.dry_run,
         )
         self._check_connection()
+        # A dry run notifies nothing, even when it fails (notify_once reads this).
+        self.last_run_outcome = RunOutcome.DRY_RUN.value if options.dry_run else None
         result = run_idempotently(
             connect=self.job_database.new_connection,
             job_name=job_name,

@@ -22,6 +22,7 @@ from airflow_idempotency.fence import Fence
 from airflow_idempotency.locks import (
     RunLock,
     lock_is_held,
+    session_ended,
 )
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.records import RunIdentity, RunOptions
@@ -115,6 +116,7 @@ class RunContext:
         lock: RunLock,
         connection: psycopg.Connection,
         log: RunLogger,
+        lock_connection: psycopg.Connection | None = None,
     ) -> None:
         self.job_name = spec.run.job_name
         self.run_key = spec.run.run_key
@@ -127,6 +129,7 @@ class RunContext:
         self.airflow_context = spec.environment.airflow_context
         self.metrics = spec.environment.metrics
         self._lock = lock
+        self._lock_conn = lock_connection
         self._fence = Fence(lock, attempt_id, self.schema, self.job_name, self.run_key)
         self._conn = connection
         self._connect = spec.connect
@@ -186,6 +189,12 @@ class RunContext:
     def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
         """Whether this run's lock session still holds the lock (checked from ``conn``)."""
         return lock_is_held(conn or self._conn, self.schema, self._lock)
+
+    def lock_session_ended(self) -> bool:
+        """Whether the lock session has visibly ended, without a round trip
+        (:func:`~airflow_idempotency.locks.session_ended`); ``False`` says only that no end was
+        seen: :meth:`lock_is_held` asks the database."""
+        return self._lock_conn is not None and session_ended(self._lock_conn)
 
     def assert_lock_held(self, conn: psycopg.Connection | None = None) -> None:
         """Raise :class:`LockLostError` if this run's lock session has ended."""

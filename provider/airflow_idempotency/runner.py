@@ -44,12 +44,14 @@ from airflow_idempotency import metrics, records
 from airflow_idempotency._sql import query, query_row
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
+    ConfigurationError,
     IdempotencyError,
     LockLostError,
     MissingPrivilegeError,
+    PoolExhaustedError,
     RunLockedError,
 )
-from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
+from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal, session_ended
 from airflow_idempotency.records import (
     AttemptOutcome,
     RunIdentity,
@@ -364,8 +366,11 @@ class _Run:
         try:
             counts = self._start_and_work(lock_conn, lock, existing)
         except BaseException as exc:
-            self._fail(lock_conn, exc)
-            raise
+            named = self._named(lock_conn, exc)
+            self._fail(lock_conn, named)
+            if named is exc:
+                raise
+            raise named from exc
         if self.options.dry_run:
             assert self.attempt_id is not None
             self.records.finish_attempt(
@@ -378,6 +383,28 @@ class _Run:
             )
         crash_point("runner.before_completion")
         return self._complete(lock_conn, lock, counts)
+
+    def _named(self, lock_conn: psycopg.Connection, exc: BaseException) -> BaseException:
+        """The provider's error for a database failure the work did not name: a connection
+        refused for want of slots (:func:`pooler_refusal`: the sizing rule), or a connection
+        the server ended while the lock session ended too (every session of this attempt
+        terminated at once: a failover, a restart, an operator) as :class:`LockLostError`.
+        Anything else is ``exc`` itself."""
+        if not isinstance(exc, psycopg.Error):
+            return exc
+        refusal = pooler_refusal(exc)
+        if refusal is not None:
+            return refusal
+        if isinstance(exc, psycopg.OperationalError) and session_ended(lock_conn):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return LockLostError(
+                f"job {self.job_name!r} run_key {self.run_key!r}: the job database ended this "
+                f"attempt's sessions, its lock session with them ({type(exc).__name__}: "
+                f"{first}): a failover, a restart or an operator's pg_terminate_backend. Its "
+                "lock is gone and its open transaction did not commit; what committed before "
+                "stays. A rerun converges."
+            )
+        return exc
 
     # -- 3. start and 4. work ---------------------------------------------------------------
 
@@ -400,7 +427,12 @@ class _Run:
                 stack.enter_context(conn.transaction(force_rollback=True))
             assert self.attempt_id is not None
             ctx = RunContext(
-                self.spec, attempt_id=self.attempt_id, lock=lock, connection=conn, log=self.log
+                self.spec,
+                attempt_id=self.attempt_id,
+                lock=lock,
+                connection=conn,
+                log=self.log,
+                lock_connection=lock_conn,
             )
             self._decided()
             started = time.monotonic()
@@ -487,7 +519,7 @@ class _Run:
     def _record_refused_start(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
         """A start that a pooler refused (its pool exhausted) is recorded as a failed attempt,
         in the lock transaction (which has its server connection), naming the cause."""
-        refusal = pooler_refusal(exc) if isinstance(exc, psycopg.Error) else None
+        refusal = exc if type(exc) in (PoolExhaustedError, ConfigurationError) else None
         if refusal is None or lock_conn.closed or lock_conn.broken:
             return
         self.log.error("%s", refusal)

@@ -20,13 +20,19 @@ from airflow_idempotency.effects.mail import (
     email_effect,
     message_id,
 )
-from airflow_idempotency.effects.resolutions import Action, resolutions, resolve_unknown
+from airflow_idempotency.effects.resolutions import (
+    IN_FLIGHT_BOUND,
+    Action,
+    resolutions,
+    resolve_unknown,
+)
 from airflow_idempotency.exceptions import (
     EffectsUnknownError,
     IdempotencyKeyConflictError,
     InvalidEffectError,
     LockLostError,
     RemoteCallError,
+    RunLockedError,
 )
 from airflow_idempotency.ledger import Retries
 from airflow_idempotency.ledger.pipeline import INTENTS_AHEAD
@@ -99,6 +105,20 @@ def operator_resolves(dsn: str, server: SmtpServer) -> dict[str, Action]:
             )  # fmt: skip
             actions[key] = action
     return actions
+
+
+def in_flight_bound_passes(dsn: str, server: SmtpServer) -> None:
+    """A killed worker cannot be told from a paused one that may still be inside a call: the
+    operator's resolution is refused until IN_FLIGHT_BOUND after the call began (issue 30);
+    then that much time passes (the intents are aged by as much)."""
+    with pytest.raises(RunLockedError, match="may still be in flight"):
+        operator_resolves(dsn, server)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE idempotency.outbound_ledger SET intent_at = intent_at"
+            " - make_interval(secs => %s) WHERE status = 'unknown'",
+            (IN_FLIGHT_BOUND,),
+        )
 
 
 def test_one_message_per_key_with_a_stable_message_id(pg_dsn: str, smtp: SmtpServer) -> None:
@@ -192,6 +212,7 @@ def test_worker_killed_between_intent_and_outcome_leaves_it_unknown(
     assert len(delivered) >= 7 and 1 <= len(unknown) <= 10 and unknown & delivered
     rerun = send(pg_dsn, smtp, emails(30), batch_size=10)
     assert isinstance(rerun, EffectsUnknownError)
+    in_flight_bound_passes(pg_dsn, smtp)
     assert all(n == 1 for n in smtp.deliveries_by_key().values())
     assert set(smtp.deliveries_by_key()) | unknown == {f"{KEYS}{i}" for i in range(30)}
     assert {k for k, s in statuses(pg_dsn, "smtp").items() if s == "unknown"} == unknown
@@ -222,6 +243,7 @@ def test_a_crash_mid_pipeline_leaves_at_most_the_bound_unknown(
     assert len(confirmed) < 120 <= len(confirmed) + len(unknown)  # 120 intents committed at least
     rerun = send(pg_dsn, smtp, emails(n), batch_size=500)
     assert isinstance(rerun, EffectsUnknownError)
+    in_flight_bound_passes(pg_dsn, smtp)
     assert max(smtp.deliveries_by_key().values()) == 1
     assert set(smtp.deliveries_by_key()) | unknown == {f"{KEYS}{i}" for i in range(n)}
     operator_resolves(pg_dsn, smtp)

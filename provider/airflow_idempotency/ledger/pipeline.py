@@ -197,6 +197,8 @@ class Pipeline:
             rollback_quietly(conn)
             watch.lost = True
             if outcomes:
+                if conn.closed or conn.broken:  # every session ended: their keys stay unknown
+                    raise lost from exc
                 with conn.transaction():
                     write_outcomes(conn, run, self.remote_system, outcomes)
             granted = set()

@@ -363,6 +363,22 @@ FROM {schema}.outbound_ledger
 WHERE remote_system = %(remote_system)s AND idempotency_key = %(key)s
 FOR UPDATE;
 
+-- name: ledger_call_in_flight
+-- The call of an unknown effect that may still be in flight: its intent is younger than
+-- %(bound)s seconds and the attempt that recorded it has not said it ended (a worker that
+-- lost its lock, or was paused, may still be calling; a callback's intent, with no attempt:
+-- its age alone). No row: no call of it can still be under way.
+SELECT l.intent_at, l.last_attempt_id, a.hostname, a.pid,
+       extract(epoch FROM statement_timestamp() - l.intent_at)::float8 AS age_seconds
+FROM {schema}.outbound_ledger AS l
+LEFT JOIN {schema}.job_run_attempts AS a ON a.attempt_id = l.last_attempt_id
+WHERE l.ledger_id = %(ledger_id)s
+  AND l.intent_at > statement_timestamp() - make_interval(secs => %(bound)s)
+  AND (a.attempt_id IS NULL OR a.outcome = 'running'
+       -- closed by a successor (start_attempt: "abandoned"), not by its own worker, which
+       -- adds its late outcome when it does end
+       OR (a.error LIKE 'abandoned:%%' AND NOT a.details ? 'late_outcome'));
+
 -- name: ledger_resolve_unknown
 -- An operator's explicit choice for an effect left unknown, audited in one statement: the row
 -- moves (mark_sent: succeeded; resend: pending, sent by the next run of its key) only if it is
