@@ -1,6 +1,7 @@
 """argparse types for the CLI's values, each refusing what it cannot take (exit 2).
 
-A refusal is a message argparse prints after the option's name (``argument --limit: ...``), exit 2, before anything connects.
+A refusal is a message argparse prints after the option's name (``argument --limit: ...``),
+exit 2, before anything connects.
 
 A refused value is quoted back (``repr``: a control character shows as ``\\x00``), but for
 a DSN: it may hold a password.
