@@ -1,8 +1,7 @@
 """The job database of a command: its connection string and the connections it opens.
 
 Its connection string comes from ``--dsn``, else ``AIRFLOW_IDEMPOTENCY_DSN``, else the Airflow
-connection ``--conn-id`` (the only case that
-imports Airflow), and the connections the commands open.
+connection ``--conn-id`` (the only case that imports Airflow).
 
 Connection strings are built by psycopg (:func:`psycopg.conninfo.make_conninfo`), which quotes
 every value: a password with a space or a quote works, and no message repeats it.
