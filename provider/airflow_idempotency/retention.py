@@ -8,6 +8,7 @@ import datetime as dt
 import psycopg
 
 from airflow_idempotency._sql import query_rows
+from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.exceptions import InvalidInputError
 
 
@@ -40,7 +41,7 @@ def prune_attempts(
     before = dt.datetime.now(dt.timezone.utc) - older_than
     total, after = 0, 0
     while True:
-        with conn.transaction():
+        with bounded_transaction(conn, schema):
             (row,) = query_rows(
                 conn,
                 "prune_attempts",

@@ -42,13 +42,16 @@ from psycopg.rows import dict_row
 
 from airflow_idempotency import metrics, records
 from airflow_idempotency._sql import query, query_row
+from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
     IdempotencyError,
     LockLostError,
+    LockWaitError,
     MissingPrivilegeError,
     RunLockedError,
 )
+from airflow_idempotency.fence import fence_sqlstate, lock_wait_refusal
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
 from airflow_idempotency.records import (
     AttemptOutcome,
@@ -327,12 +330,18 @@ class _Run:
         One round trip for the three statements.
         """
         params = {"job_name": self.job_name, "run_key": self.run_key}
-        with conn.pipeline():
-            conn.execute("SAVEPOINT read_run")
-            cursor = conn.cursor(row_factory=dict_row).execute(
-                query("get_run", self.schema), params
-            )
-            conn.execute("ROLLBACK TO SAVEPOINT read_run")
+        try:
+            with conn.pipeline():
+                conn.execute("SAVEPOINT read_run")
+                cursor = conn.cursor(row_factory=dict_row).execute(
+                    query("get_run", self.schema), params
+                )
+                conn.execute("ROLLBACK TO SAVEPOINT read_run")
+        except psycopg.Error as exc:
+            refusal = lock_wait_refusal(exc, f"reading the run record of {self._what()}")
+            if refusal is None:
+                raise
+            raise refusal from exc
         return records.run_record(cursor.fetchone())
 
     def _noop(self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord) -> RunResult:
@@ -407,6 +416,12 @@ class _Run:
             started = time.monotonic()
             try:
                 return _jsonable_counts(self.work(ctx))
+            except psycopg.Error as exc:
+                # the fence refused the COMMIT of a transaction of the work's own around a
+                # fenced one (or its PREPARE): say so, as run.transaction() does
+                if not fence_sqlstate(exc):
+                    raise
+                raise ctx.translate_error(exc, conn) from exc
             finally:
                 elapsed = time.monotonic() - started
                 metrics.run_timing(self.spec.environment.metrics, "work", elapsed, self.job_name)
@@ -422,6 +437,11 @@ class _Run:
         waiting.start()
         try:
             self.attempt_id, count, abandoned = self.records.start_attempt(conn, lock, self.options)
+        except psycopg.Error as exc:
+            refusal = lock_wait_refusal(exc, f"the start of {self._what()}")
+            if refusal is None:
+                raise
+            raise refusal from exc
         finally:
             waiting.cancel()
         self.log.attempt = self.attempt_id
@@ -435,6 +455,9 @@ class _Run:
         previous = existing.status if existing else "new"
         self.log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
         crash_point("runner.after_started")
+
+    def _what(self) -> str:
+        return f"job {self.job_name!r} run_key {self.run_key!r}"
 
     def _warn_start_waits(self) -> None:
         self.log.warning(
@@ -467,6 +490,11 @@ class _Run:
                     "mark it completed. Another attempt took over or the lock session ended; "
                     "rerun to converge."
                 )
+        except psycopg.errors.LockNotAvailable as exc:
+            waited = lock_wait_refusal(exc, f"the completion of {self._what()}")
+            assert waited is not None
+            self._fail(lock_conn, waited)
+            raise waited from exc
         except (psycopg.OperationalError, LockLostError) as exc:
             lost = (
                 exc
@@ -486,9 +514,12 @@ class _Run:
     # -- 6. failure -------------------------------------------------------------------------
 
     def _record_refused_start(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
-        """A start that a pooler refused (its pool exhausted) is recorded as a failed attempt,
-        in the lock transaction (which has its server connection), naming the cause."""
-        refusal = pooler_refusal(exc) if isinstance(exc, psycopg.Error) else None
+        """A start that a pooler refused (its pool exhausted) or whose bounded takeover ended
+        is recorded as a failed attempt, in the lock transaction (which has its server
+        connection), naming the cause."""
+        refusal: BaseException | None = exc if isinstance(exc, LockWaitError) else None
+        if isinstance(exc, psycopg.Error):
+            refusal = pooler_refusal(exc)
         if refusal is None or lock_conn.closed or lock_conn.broken:
             return
         self.log.error("%s", refusal)
@@ -531,7 +562,7 @@ class _Run:
                     write(lock_conn)
                     lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
                 else:  # the lock transaction already ended (a completion that found no row)
-                    with lock_conn.transaction():
+                    with bounded_transaction(lock_conn, self.schema):
                         write(lock_conn)
                 return
             except psycopg.Error:
@@ -540,7 +571,10 @@ class _Run:
                 with contextlib.suppress(psycopg.Error):
                     lock_conn.execute("ROLLBACK")
         try:
-            with autocommit_connection(self.spec.connect) as conn, conn.transaction():
+            with (
+                autocommit_connection(self.spec.connect) as conn,
+                bounded_transaction(conn, self.schema),
+            ):
                 write(conn)  # READ COMMITTED: autocommit_connection pins it
         except (psycopg.Error, IdempotencyError) as record_exc:
             self.log.warning(

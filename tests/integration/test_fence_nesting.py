@@ -1,0 +1,288 @@
+"""The fence however transactions nest or follow each other, on a real PostgreSQL (issue 30):
+the ledger inside ``run.transaction()`` of an attempt that lost its lock, a fenced transaction
+inside the work's own psycopg transaction, a COMMIT of the work's own inside the block, a lost
+attempt's later transactions, a holder whose pid was reused, and a bounded takeover."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_idempotency.exceptions import LockLostError, LockWaitError, TransactionMisuseError
+from airflow_idempotency.fence import Fence
+from airflow_idempotency.ledger import OutboundLedger
+from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
+from airflow_idempotency.locks import LOCK_WAIT_ENV, RunLock, run_lock_key
+from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
+from support.db import rows
+from support.locks import (
+    Background,
+    run_lock_holder,
+    terminate_lock_session,
+    wait_for,
+    waiting_backends,
+)
+
+JOB, KEY = "nested_job", "2026-10-01"
+FENCE_KEYS = 2  # pg_locks.objsubid of the fence keys (the (int4, int4) advisory space)
+
+
+@pytest.fixture
+def facts(pg_dsn: str) -> str:
+    """A table the work writes to."""
+    rows(pg_dsn, "CREATE TABLE public.facts (writer text NOT NULL)")
+    return pg_dsn
+
+
+def run(dsn: str, work: Callable[[RunContext], Any], **connect: Any) -> RunResult:
+    return run_idempotently(
+        connect=lambda: psycopg.connect(dsn, **connect), job_name=JOB, run_key=KEY, work=work
+    )
+
+
+def written(dsn: str) -> list[str]:
+    return [w for (w,) in rows(dsn, "SELECT writer FROM public.facts ORDER BY writer")]
+
+
+def outcomes(dsn: str) -> list[str]:
+    found = rows(dsn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id")
+    return [outcome for (outcome,) in found]
+
+
+def insert(cur: psycopg.Cursor[Any], name: str) -> None:
+    cur.execute("INSERT INTO public.facts VALUES (%s)", (name,))
+
+
+def writer(name: str) -> Callable[[RunContext], None]:
+    def work(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            insert(cur, name)
+
+    return work
+
+
+class Recorder(BlockingEffectSender[None]):
+    """A remote that keeps every call it receives."""
+
+    kind = "webhook"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def connect(self) -> None:
+        return None
+
+    def send(self, connection: None, effect: Effect) -> Confirmation:
+        self.calls.append(effect.idempotency_key)
+        return Confirmation(reference=effect.idempotency_key)
+
+
+def test_the_ledger_inside_a_lost_attempts_transaction_fails_at_once(facts: str) -> None:
+    """Defect 1: an attempt whose lock session ended while its run.transaction() is open, and
+    which then uses the ledger inside it while a successor's takeover waits for that
+    transaction: the ledger's claim is refused at once (it never queues behind the takeover),
+    nothing is called, and the successor then completes. Before the fix both hung for ever."""
+    inside, go = threading.Event(), threading.Event()
+    remote = Recorder()
+
+    def old_work(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            insert(cur, "old")
+            inside.set()
+            assert go.wait(30)
+            OutboundLedger(ctx, "remote").send_all([Effect("k1", {"n": 1})], remote)
+
+    old = Background(lambda: run(facts, old_work))
+    assert inside.wait(30)
+    terminate_lock_session(facts, JOB, KEY)
+    new = Background(lambda: run(facts, writer("new")))
+    wait_for("the successor's takeover to wait", lambda: bool(waiting_backends(facts, FENCE_KEYS)))
+    go.set()
+    assert isinstance(old.join(20).error, LockLostError), old.error
+    assert new.join(20).error is None and new.result.outcome is RunOutcome.COMPLETED
+    assert remote.calls == []
+    assert written(facts) == ["new"]
+    assert outcomes(facts) == ["lock_lost", "completed"]
+
+
+def test_a_fenced_transaction_inside_the_works_own_transaction_is_checked_at_its_commit(
+    facts: str,
+) -> None:
+    """Defect 2: run.transaction() inside the connection's own psycopg transaction (idiomatic
+    psycopg 3) is a savepoint whose check runs at that transaction's COMMIT: the lock lost
+    before it, nothing commits, and the attempt ends lock_lost."""
+
+    def work(ctx: RunContext) -> None:
+        with ctx.connection.transaction():
+            with ctx.transaction() as cur:
+                insert(cur, "old")
+            terminate_lock_session(facts, JOB, KEY)
+
+    with pytest.raises(LockLostError, match="was lost before this transaction"):
+        run(facts, work)
+    assert written(facts) == []
+    assert outcomes(facts) == ["lock_lost"]
+    assert run(facts, writer("rerun")).outcome is RunOutcome.COMPLETED
+    assert written(facts) == ["rerun"]
+
+
+def test_savepoints_inside_a_fenced_transaction_commit_only_under_the_lock(facts: str) -> None:
+    """Savepoints of the work's own inside run.transaction() (and one around a second
+    run.transaction()): what they keep commits with the fenced transaction, and nothing of it
+    once the lock is lost before the COMMIT."""
+
+    def work(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            with ctx.connection.transaction():
+                insert(cur, "kept")
+            with pytest.raises(ZeroDivisionError), ctx.connection.transaction():
+                insert(cur, "rolled back")
+                raise ZeroDivisionError
+            with ctx.transaction() as inner:
+                insert(inner, "nested")
+            terminate_lock_session(facts, JOB, KEY)
+
+    with pytest.raises(LockLostError):
+        run(facts, work)
+    assert written(facts) == []
+
+
+def test_a_commit_of_the_works_own_inside_the_block_is_fenced_and_refused(facts: str) -> None:
+    """A COMMIT the work sends itself inside run.transaction() is checked (the check is armed
+    when the transaction begins): after the lock is lost it does not commit. With the lock held
+    it commits, and the block then fails clearly: what follows it would run unfenced."""
+
+    def lost(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            insert(cur, "old")
+            terminate_lock_session(facts, JOB, KEY)
+            cur.execute("COMMIT")
+
+    with pytest.raises(LockLostError):
+        run(facts, lost)
+    assert written(facts) == []
+
+    def held(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            insert(cur, "committed by the work")
+            cur.execute("COMMIT")
+
+    with pytest.raises(TransactionMisuseError, match="ended its fenced transaction"):
+        run(facts, held)
+    assert written(facts) == ["committed by the work"]
+
+
+def test_every_later_transaction_of_a_lost_attempt_is_refused(facts: str) -> None:
+    """After its lock is lost and a successor has completed the key, the old attempt's second
+    and third fenced transactions (the work's, then the ledger's claim) are refused one after
+    the other; only its first, committed under the lock, and the successor's writes land."""
+    first_done, go = threading.Event(), threading.Event()
+    refused: list[str] = []
+    remote = Recorder()
+
+    def old_work(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            insert(cur, "old 1")
+        first_done.set()
+        assert go.wait(30)
+        for name in ("old 2", "old 3"):
+            with pytest.raises(LockLostError), ctx.transaction() as cur:
+                insert(cur, name)
+            refused.append(name)
+        with pytest.raises(LockLostError):
+            OutboundLedger(ctx, "remote").send_all([Effect("k1", {"n": 1})], remote)
+        refused.append("claim")
+
+    old = Background(lambda: run(facts, old_work))
+    assert first_done.wait(30)
+    terminate_lock_session(facts, JOB, KEY)
+    assert run(facts, writer("new")).outcome is RunOutcome.COMPLETED
+    go.set()
+    assert old.join(20).error is not None
+    assert refused == ["old 2", "old 3", "claim"] and remote.calls == []
+    assert written(facts) == ["new", "old 1"]
+
+
+def test_a_holder_whose_pid_was_reused_is_not_the_holder(facts: str) -> None:
+    """The fence names the lock transaction, not only its backend pid: a fence that names the
+    successor's pid (as after the operating system reused the lost session's pid) but the lost
+    lock transaction is refused, at its first statement and at COMMIT alike."""
+    lost: dict[str, Any] = {}
+    go = threading.Event()
+
+    def old_work(ctx: RunContext) -> None:
+        lost["lock"] = ctx._lock  # the attempt's own view of its lock (the test reads it)
+        lost["attempt"] = ctx.attempt_id
+        assert go.wait(30)
+
+    old = Background(lambda: run(facts, old_work))
+    wait_for("the old attempt's work", lambda: "lock" in lost)
+    terminate_lock_session(facts, JOB, KEY)
+    successor_started = threading.Event()
+    release = threading.Event()
+
+    def new_work(ctx: RunContext) -> None:
+        successor_started.set()
+        assert release.wait(30)
+
+    new = Background(lambda: run(facts, new_work))
+    assert successor_started.wait(30)
+    reused_pid = run_lock_holder(facts, JOB, KEY)
+    assert reused_pid is not None and lost["lock"].holder
+    forged = RunLock(run_lock_key(JOB, KEY), reused_pid, lost["lock"].holder)
+    fence = Fence(forged, lost["attempt"], "idempotency", JOB, KEY)
+    with psycopg.connect(facts, autocommit=True) as conn:
+        with pytest.raises(psycopg.Error) as refused, fence.transaction(conn):
+            conn.execute("INSERT INTO public.facts VALUES ('forged')")
+        assert isinstance(fence.translate_error(refused.value, conn), LockLostError)
+        with pytest.raises(psycopg.Error, match="was lost before"), conn.transaction():
+            conn.execute(
+                "INSERT INTO idempotency.fence_arms"
+                " (lock_key, lock_backend_pid, lock_holder, attempt_id) VALUES (%s, %s, %s, %s)",
+                (forged.lock_key, reused_pid, forged.holder, lost["attempt"]),
+            )
+            conn.execute("INSERT INTO public.facts VALUES ('forged at commit')")
+    release.set()
+    go.set()
+    assert new.join(20).error is None
+    assert isinstance(old.join(20).error, LockLostError)
+    assert written(facts) == []
+
+
+def test_a_takeover_waits_a_bounded_time_and_names_the_open_transaction(
+    facts: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A successor whose takeover waits for a transaction the lost attempt keeps open (its
+    worker busy outside the database) gives up after the bound (1 s here) with an error that
+    names the old backend's pid and application_name and what to do; its attempt is recorded
+    failed. The old transaction never commits."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "1")
+    inside, go = threading.Event(), threading.Event()
+    pids: list[int] = []
+
+    def old_work(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            insert(cur, "old")
+            pids.append(ctx.connection.info.backend_pid)
+            inside.set()
+            assert go.wait(30)
+
+    old = Background(lambda: run(facts, old_work, application_name="old-worker"))
+    assert inside.wait(30)
+    terminate_lock_session(facts, JOB, KEY)
+    with pytest.raises(LockWaitError) as waited:
+        run(facts, writer("new"))
+    message = str(waited.value)
+    assert f"backend pid {pids[0]}" in message and "'old-worker'" in message
+    assert "pg_terminate_backend" in message
+    go.set()
+    assert isinstance(old.join(20).error, LockLostError)
+    assert written(facts) == []
+    assert outcomes(facts) == ["lock_lost", "failed"]
+    ((error,),) = rows(facts, "SELECT error FROM idempotency.job_run_attempts WHERE attempt_id = 2")
+    assert f"backend pid {pids[0]}" in error
+    assert run(facts, writer("rerun")).outcome is RunOutcome.COMPLETED
