@@ -62,23 +62,34 @@ def fence_sqlstate(exc: BaseException) -> bool:
     return _sqlstate(exc) in (FENCE_SQLSTATE, FENCE_WAIT_SQLSTATE, FENCE_PREPARE_SQLSTATE)
 
 
-def lock_wait_refusal(exc: BaseException, waiter: str) -> LockWaitError | None:
+def lock_wait_refusal(
+    exc: BaseException, waiter: str, holders: list[str] | None = None
+) -> LockWaitError | None:
     """The error to raise when ``exc`` is a bounded lock wait of the provider's own statements
-    that ended (``waiter`` says whose), else ``None``."""
+    that ended (``waiter`` says whose; ``holders``: who held the bookkeeping tables then, see
+    :func:`bookkeeping_lock_holders`), else ``None``."""
     if _sqlstate(exc) == FENCE_WAIT_SQLSTATE:
         assert isinstance(exc, psycopg.Error)
         hint = exc.diag.message_hint or ""
         return LockWaitError(f"{waiter}: {_first_line(exc)}. {hint}".strip())
     if isinstance(exc, psycopg.errors.LockNotAvailable):
+        held_by = "; ".join(holders or []) or "another session, which has let go since"
         return LockWaitError(
-            f"{waiter} waited {lock_wait_ms()} ms for a lock on the bookkeeping tables held by "
-            f"another session ({_first_line(exc)}): a migration or an ALTER waiting behind a "
-            "long reader, a report or a dump holding a table, or an operator's reset of this "
+            f"{waiter} waited {lock_wait_ms()} ms for a lock on the bookkeeping tables "
+            f"({_first_line(exc)}), held by {held_by}: a migration or an ALTER waiting behind "
+            "a long reader, a report or a dump holding a table, or an operator's reset of this "
             "key. Nothing of this transaction was written; a retry converges. pg_stat_activity "
             "(wait_event_type Lock, pg_blocking_pids) names the holder; raise "
             f"{LOCK_WAIT_ENV} (seconds) if such waits are expected."
         )
     return None
+
+
+def bookkeeping_lock_holders(conn: psycopg.Connection, schema: str) -> list[str]:
+    """Who holds or awaits a lock on the bookkeeping tables that their statements queue
+    behind, one line each (pid, application_name, mode, table): for an error message."""
+    found = conn.execute(query("bookkeeping_lock_holders", schema), {"schema": schema})
+    return [str(holder) for (holder,) in found.fetchall()]
 
 
 _IDLE = psycopg.pq.TransactionStatus.IDLE

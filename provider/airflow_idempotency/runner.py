@@ -51,7 +51,7 @@ from airflow_idempotency.exceptions import (
     MissingPrivilegeError,
     RunLockedError,
 )
-from airflow_idempotency.fence import fence_sqlstate, lock_wait_refusal
+from airflow_idempotency.fence import bookkeeping_lock_holders, fence_sqlstate, lock_wait_refusal
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
 from airflow_idempotency.records import (
     AttemptOutcome,
@@ -338,7 +338,7 @@ class _Run:
                 )
                 conn.execute("ROLLBACK TO SAVEPOINT read_run")
         except psycopg.Error as exc:
-            refusal = lock_wait_refusal(exc, f"reading the run record of {self._what()}")
+            refusal = self._lock_wait(exc, "reading the run record of")
             if refusal is None:
                 raise
             raise refusal from exc
@@ -438,7 +438,7 @@ class _Run:
         try:
             self.attempt_id, count, abandoned = self.records.start_attempt(conn, lock, self.options)
         except psycopg.Error as exc:
-            refusal = lock_wait_refusal(exc, f"the start of {self._what()}")
+            refusal = self._lock_wait(exc, "the start of")
             if refusal is None:
                 raise
             raise refusal from exc
@@ -458,6 +458,18 @@ class _Run:
 
     def _what(self) -> str:
         return f"job {self.job_name!r} run_key {self.run_key!r}"
+
+    def _lock_wait(self, exc: psycopg.Error, step: str) -> LockWaitError | None:
+        """The error for a bounded lock wait of ``step`` that ended, naming who held the
+        bookkeeping tables (asked on a new connection: the waiting one is aborted)."""
+        holders: list[str] = []
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            with (
+                contextlib.suppress(psycopg.Error, IdempotencyError),
+                autocommit_connection(self.spec.connect) as conn,
+            ):
+                holders = bookkeeping_lock_holders(conn, self.schema)
+        return lock_wait_refusal(exc, f"{step} {self._what()}", holders)
 
     def _warn_start_waits(self) -> None:
         self.log.warning(
@@ -491,7 +503,7 @@ class _Run:
                     "rerun to converge."
                 )
         except psycopg.errors.LockNotAvailable as exc:
-            waited = lock_wait_refusal(exc, f"the completion of {self._what()}")
+            waited = self._lock_wait(exc, "the completion of")
             assert waited is not None
             self._fail(lock_conn, waited)
             raise waited from exc

@@ -6,7 +6,7 @@ attempt's later transactions, a holder whose pid was reused, and a bounded takeo
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -18,6 +18,7 @@ from airflow_idempotency.ledger import OutboundLedger
 from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
 from airflow_idempotency.locks import LOCK_WAIT_ENV, RunLock, run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
+from devtools.postgres import PostgresServer, private_embedded, temporary_database
 from support.db import rows
 from support.locks import (
     Background,
@@ -286,3 +287,47 @@ def test_a_takeover_waits_a_bounded_time_and_names_the_open_transaction(
     ((error,),) = rows(facts, "SELECT error FROM idempotency.job_run_attempts WHERE attempt_id = 2")
     assert f"backend pid {pids[0]}" in error
     assert run(facts, writer("rerun")).outcome is RunOutcome.COMPLETED
+
+
+@pytest.fixture(scope="module")
+def two_phase_server() -> Iterator[PostgresServer]:
+    """A private server that allows prepared transactions (max_prepared_transactions is 0, so
+    two-phase commit is off, by default)."""
+    with private_embedded("fence-2pc") as server:
+        rows(server.admin_dsn, "ALTER SYSTEM SET max_prepared_transactions = 4")
+        server.restart()
+        yield server
+
+
+@pytest.fixture
+def two_phase_dsn(two_phase_server: PostgresServer) -> Iterator[str]:
+    with temporary_database(two_phase_server, "fence_2pc") as dsn:
+        rows(dsn, "CREATE TABLE public.facts (writer text NOT NULL)")
+        yield dsn
+
+
+def prepare_inside(ctx: RunContext) -> None:
+    with ctx.transaction() as cur:
+        insert(cur, "prepared")
+        cur.execute("PREPARE TRANSACTION 'fenced'")
+
+
+def prepare_around(ctx: RunContext) -> None:
+    with ctx.connection.transaction():
+        with ctx.transaction() as cur:
+            insert(cur, "prepared")
+        ctx.connection.execute("PREPARE TRANSACTION 'around'")
+
+
+@pytest.mark.parametrize("work", [prepare_inside, prepare_around])
+def test_a_fenced_transaction_cannot_be_prepared(
+    two_phase_dsn: str, work: Callable[[RunContext], None]
+) -> None:
+    """PREPARE TRANSACTION of a fenced transaction (inside run.transaction(), or of the work's
+    own transaction around one) is refused: COMMIT PREPARED would run no check, and could land
+    after the lock is lost. Nothing is prepared or written, and the key is not blocked."""
+    with pytest.raises(TransactionMisuseError, match="two-phase commit"):
+        run(two_phase_dsn, work)
+    assert rows(two_phase_dsn, "SELECT gid FROM pg_prepared_xacts") == []
+    assert written(two_phase_dsn) == []
+    assert run(two_phase_dsn, writer("after")).outcome is RunOutcome.COMPLETED

@@ -10,7 +10,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
+from airflow_idempotency.connection import CONNECT_TIMEOUT
 from airflow_idempotency.exceptions import SchemaNotReadyError
 from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, require_readable
 
@@ -109,7 +111,13 @@ def dsn(args: argparse.Namespace) -> str:
 
 def connect(args: argparse.Namespace) -> psycopg.Connection:
     """A connection to the job database (no server-side prepared statements: see locks.py)."""
-    return psycopg.connect(dsn(args), autocommit=True, prepare_threshold=None)
+    conninfo = dsn(args)
+    timeout = (
+        {}
+        if "connect_timeout" in conninfo_to_dict(conninfo)
+        else {"connect_timeout": CONNECT_TIMEOUT}
+    )
+    return psycopg.connect(conninfo, autocommit=True, prepare_threshold=None, **timeout)
 
 
 def connect_read(args: argparse.Namespace) -> psycopg.Connection:

@@ -108,6 +108,23 @@ SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s),
 -- every lock wait in it ends after lock_wait_ms with lock_not_available (55P03).
 SELECT set_config('lock_timeout', %(lock_wait_ms)s, true);
 
+-- name: bookkeeping_lock_holders
+-- Who holds, or waits for, a lock on a table of the bookkeeping schema that a writer or a
+-- reader of it would queue behind (for the message of a lock wait that reached its bound): a
+-- migration's ALTER (granted or pending), an explicit table lock. Error paths only (percent signs
+-- doubled: psycopg's placeholders).
+SELECT format('backend pid %%s (application_name %%L, %%s %%s on %%s)', l.pid,
+              coalesce(a.application_name, ''), CASE WHEN l.granted THEN 'holds' ELSE 'awaits' END,
+              l.mode, c.relname) AS holder
+FROM pg_catalog.pg_locks AS l
+JOIN pg_catalog.pg_class AS c ON c.oid = l.relation
+JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+WHERE n.nspname = %(schema)s
+  AND l.pid <> pg_backend_pid()
+  AND l.mode IN ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
+ORDER BY l.pid, c.relname;
+
 -- name: get_run
 -- completed_counts: what the completing attempt's work returned (details also keeps what
 -- earlier attempts and resets added, e.g. last_error), the value a no-op passes on.
