@@ -12,11 +12,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_idempotency.exceptions import LockLostError, LockWaitError, TransactionMisuseError
+from airflow_idempotency.exceptions import LockLostError, TransactionMisuseError
 from airflow_idempotency.fence import Fence
 from airflow_idempotency.ledger import OutboundLedger
 from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
-from airflow_idempotency.locks import LOCK_WAIT_ENV, RunLock, run_lock_key
+from airflow_idempotency.locks import RunLock, run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
 from devtools.postgres import PostgresServer, private_embedded, temporary_database
 from support.db import rows
@@ -25,7 +25,6 @@ from support.locks import (
     run_lock_holder,
     terminate_lock_session,
     wait_for,
-    waiting_backends,
 )
 
 JOB, KEY = "nested_job", "2026-10-01"
@@ -80,34 +79,6 @@ class Recorder(BlockingEffectSender[None]):
     def send(self, connection: None, effect: Effect) -> Confirmation:
         self.calls.append(effect.idempotency_key)
         return Confirmation(reference=effect.idempotency_key)
-
-
-def test_the_ledger_inside_a_lost_attempts_transaction_fails_at_once(facts: str) -> None:
-    """Defect 1: an attempt whose lock session ended while its run.transaction() is open, and
-    which then uses the ledger inside it while a successor's takeover waits for that
-    transaction: the ledger's claim is refused at once (it never queues behind the takeover),
-    nothing is called, and the successor then completes. Before the fix both hung for ever."""
-    inside, go = threading.Event(), threading.Event()
-    remote = Recorder()
-
-    def old_work(ctx: RunContext) -> None:
-        with ctx.transaction() as cur:
-            insert(cur, "old")
-            inside.set()
-            assert go.wait(30)
-            OutboundLedger(ctx, "remote").send_all([Effect("k1", {"n": 1})], remote)
-
-    old = Background(lambda: run(facts, old_work))
-    assert inside.wait(30)
-    terminate_lock_session(facts, JOB, KEY)
-    new = Background(lambda: run(facts, writer("new")))
-    wait_for("the successor's takeover to wait", lambda: bool(waiting_backends(facts, FENCE_KEYS)))
-    go.set()
-    assert isinstance(old.join(20).error, LockLostError), old.error
-    assert new.join(20).error is None and new.result.outcome is RunOutcome.COMPLETED
-    assert remote.calls == []
-    assert written(facts) == ["new"]
-    assert outcomes(facts) == ["lock_lost", "completed"]
 
 
 def test_a_fenced_transaction_inside_the_works_own_transaction_is_checked_at_its_commit(
@@ -252,41 +223,6 @@ def test_a_holder_whose_pid_was_reused_is_not_the_holder(facts: str) -> None:
     assert new.join(20).error is None
     assert isinstance(old.join(20).error, LockLostError)
     assert written(facts) == []
-
-
-def test_a_takeover_waits_a_bounded_time_and_names_the_open_transaction(
-    facts: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A successor whose takeover waits for a transaction the lost attempt keeps open (its
-    worker busy outside the database) gives up after the bound (1 s here) with an error that
-    names the old backend's pid and application_name and what to do; its attempt is recorded
-    failed. The old transaction never commits."""
-    monkeypatch.setenv(LOCK_WAIT_ENV, "1")
-    inside, go = threading.Event(), threading.Event()
-    pids: list[int] = []
-
-    def old_work(ctx: RunContext) -> None:
-        with ctx.transaction() as cur:
-            insert(cur, "old")
-            pids.append(ctx.connection.info.backend_pid)
-            inside.set()
-            assert go.wait(30)
-
-    old = Background(lambda: run(facts, old_work, application_name="old-worker"))
-    assert inside.wait(30)
-    terminate_lock_session(facts, JOB, KEY)
-    with pytest.raises(LockWaitError) as waited:
-        run(facts, writer("new"))
-    message = str(waited.value)
-    assert f"backend pid {pids[0]}" in message and "'old-worker'" in message
-    assert "pg_terminate_backend" in message
-    go.set()
-    assert isinstance(old.join(20).error, LockLostError)
-    assert written(facts) == []
-    assert outcomes(facts) == ["lock_lost", "failed"]
-    ((error,),) = rows(facts, "SELECT error FROM idempotency.job_run_attempts WHERE attempt_id = 2")
-    assert f"backend pid {pids[0]}" in error
-    assert run(facts, writer("rerun")).outcome is RunOutcome.COMPLETED
 
 
 @pytest.fixture(scope="module")
