@@ -13,11 +13,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
+from airflow_idempotency.effects.outputs import OutputFile
 from airflow_idempotency.exceptions import LockLostError, LockWaitError
 from airflow_idempotency.ledger import OutboundLedger
 from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
@@ -81,9 +83,21 @@ class Recorder(BlockingEffectSender[None]):
         return Confirmation(reference=effect.idempotency_key)
 
 
-def test_the_ledger_inside_a_lost_attempts_transaction_fails_at_once(facts: str) -> None:
+def send_through_the_ledger(ctx: RunContext, remote: Recorder, folder: Path) -> None:
+    OutboundLedger(ctx, "remote").send_all([Effect("k1", {"n": 1})], remote)
+
+
+def write_an_output_file(ctx: RunContext, remote: Recorder, folder: Path) -> None:
+    with OutputFile(ctx, "export.csv", root=folder) as output:
+        output.write_text("old")
+
+
+@pytest.mark.parametrize("effect", [send_through_the_ledger, write_an_output_file])
+def test_an_effect_inside_a_lost_attempts_transaction_fails_at_once(
+    facts: str, tmp_path: Path, effect: Callable[[RunContext, Recorder, Path], None]
+) -> None:
     """Defect 1: an attempt whose lock session ended while its run.transaction() is open, and
-    which then uses the ledger inside it while a successor's takeover waits for that
+    which then uses the ledger (or an OutputFile) inside it while a successor's takeover waits for that
     transaction: the ledger's claim is refused at once (it never queues behind the takeover),
     nothing is called, and the successor then completes. Before the fix both hung for ever."""
     inside, go = threading.Event(), threading.Event()
@@ -94,7 +108,7 @@ def test_the_ledger_inside_a_lost_attempts_transaction_fails_at_once(facts: str)
             insert(cur, "old")
             inside.set()
             assert go.wait(30)
-            OutboundLedger(ctx, "remote").send_all([Effect("k1", {"n": 1})], remote)
+            effect(ctx, remote, tmp_path)
 
     old = Background(lambda: run(facts, old_work))
     assert inside.wait(30)
@@ -106,7 +120,7 @@ def test_the_ledger_inside_a_lost_attempts_transaction_fails_at_once(facts: str)
     assert isinstance(old.join(20).error, LockLostError), old.error
     refused_in = time.monotonic() - went
     assert new.join(20).error is None and new.result.outcome is RunOutcome.COMPLETED
-    assert remote.calls == []
+    assert remote.calls == [] and not (tmp_path / "export.csv").exists()
     assert written(facts) == ["new"]
     assert outcomes(facts) == ["lock_lost", "completed"]
     figures(
