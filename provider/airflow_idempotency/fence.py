@@ -73,7 +73,10 @@ def lock_wait_refusal(
         hint = exc.diag.message_hint or ""
         return LockWaitError(f"{waiter}: {_first_line(exc)}. {hint}".strip())
     if isinstance(exc, psycopg.errors.LockNotAvailable):
-        held_by = "; ".join(holders or []) or "another session, which has let go since"
+        if holders is None:
+            held_by = "another session"
+        else:
+            held_by = "; ".join(holders) or "another session, which has let go since"
         return LockWaitError(
             f"{waiter} waited {lock_wait_ms()} ms for a lock on the bookkeeping tables "
             f"({_first_line(exc)}), held by {held_by}: a migration or an ALTER waiting behind "

@@ -16,7 +16,7 @@ from psycopg import IsolationLevel
 
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
-from airflow_idempotency.fence import Fence
+from airflow_idempotency.fence import Fence, lock_wait_refusal
 from airflow_idempotency.locks import (
     RunLock,
     lock_is_held,
@@ -162,7 +162,7 @@ class RunContext:
                 yield cur
                 crash_point("transaction.before_commit")
         except psycopg.Error as exc:
-            raise self.translate_error(exc, conn) from exc
+            raise self._fence.translate_error(exc, conn) from exc
 
     def fenced_transaction(
         self,
@@ -185,7 +185,13 @@ class RunContext:
         )
 
     def translate_error(self, exc: psycopg.Error, conn: psycopg.Connection) -> BaseException:
-        """The error to raise for ``exc``, raised by a fenced transaction on ``conn``."""
+        """The error to raise for ``exc``, raised by a fenced transaction on ``conn`` of the
+        provider's own (:meth:`fenced_transaction`: its lock waits are bounded)."""
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            what = f"a transaction of job {self.job_name!r} run_key {self.run_key!r}"
+            waited = lock_wait_refusal(exc, what)
+            if waited is not None:
+                return waited
         return self._fence.translate_error(exc, conn)
 
     def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
