@@ -35,7 +35,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
@@ -94,6 +94,7 @@ START_WAIT_WARNING = 10
 """Seconds after which a start that is still waiting says why it may be waiting."""
 
 Work = Callable[[RunContext], Mapping[str, Any] | None]
+_T = TypeVar("_T")
 
 
 class RunOutcome(str, enum.Enum):
@@ -288,12 +289,16 @@ class _Run:
                 application_name=_application_name(),
             ) as lock:
                 if lock is None:
-                    refusal = self._record_lock_held(lock_conn)
+                    refusal = self._bounded(
+                        "recording the refusal of", self._record_lock_held, lock_conn
+                    )
                 else:
                     crash_point("runner.after_lock")
-                    existing = self._read(lock_conn)
+                    existing = self._bounded("reading the run record of", self._read, lock_conn)
                     if existing and existing.status == "completed" and not self.options.force:
-                        return self._noop(lock_conn, lock, existing)
+                        return self._bounded(
+                            "recording the no-op of", self._noop, lock_conn, lock, existing
+                        )
                     return self._run(lock_conn, lock, existing)
             raise refusal  # after the lock transaction committed the lock_held attempt
 
@@ -330,18 +335,12 @@ class _Run:
         One round trip for the three statements.
         """
         params = {"job_name": self.job_name, "run_key": self.run_key}
-        try:
-            with conn.pipeline():
-                conn.execute("SAVEPOINT read_run")
-                cursor = conn.cursor(row_factory=dict_row).execute(
-                    query("get_run", self.schema), params
-                )
-                conn.execute("ROLLBACK TO SAVEPOINT read_run")
-        except psycopg.Error as exc:
-            refusal = self._lock_wait(exc, "reading the run record of")
-            if refusal is None:
-                raise
-            raise refusal from exc
+        with conn.pipeline():
+            conn.execute("SAVEPOINT read_run")
+            cursor = conn.cursor(row_factory=dict_row).execute(
+                query("get_run", self.schema), params
+            )
+            conn.execute("ROLLBACK TO SAVEPOINT read_run")
         return records.run_record(cursor.fetchone())
 
     def _noop(self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord) -> RunResult:
@@ -436,12 +435,9 @@ class _Run:
         waiting.daemon = True
         waiting.start()
         try:
-            self.attempt_id, count, abandoned = self.records.start_attempt(conn, lock, self.options)
-        except psycopg.Error as exc:
-            refusal = self._lock_wait(exc, "the start of")
-            if refusal is None:
-                raise
-            raise refusal from exc
+            self.attempt_id, count, abandoned = self._bounded(
+                "the start of", self.records.start_attempt, conn, lock, self.options
+            )
         finally:
             waiting.cancel()
         self.log.attempt = self.attempt_id
@@ -456,8 +452,16 @@ class _Run:
         self.log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
         crash_point("runner.after_started")
 
-    def _what(self) -> str:
-        return f"job {self.job_name!r} run_key {self.run_key!r}"
+    def _bounded(self, step: str, call: Callable[..., _T], *args: Any) -> _T:
+        """``call(*args)``, one of the run's own steps: a bounded lock wait of it that ended is
+        raised as :class:`LockWaitError`, naming who held what."""
+        try:
+            return call(*args)
+        except psycopg.Error as exc:
+            refusal = self._lock_wait(exc, step)
+            if refusal is None:
+                raise
+            raise refusal from exc
 
     def _lock_wait(self, exc: psycopg.Error, step: str) -> LockWaitError | None:
         """The error for a bounded lock wait of ``step`` that ended, naming who held the
@@ -469,7 +473,8 @@ class _Run:
                 autocommit_connection(self.spec.connect) as conn,
             ):
                 holders = bookkeeping_lock_holders(conn, self.schema)
-        return lock_wait_refusal(exc, f"{step} {self._what()}", holders)
+        what = f"{step} job {self.job_name!r} run_key {self.run_key!r}"
+        return lock_wait_refusal(exc, what, holders)
 
     def _warn_start_waits(self) -> None:
         self.log.warning(
