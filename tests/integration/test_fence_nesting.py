@@ -1,7 +1,8 @@
 """The fence however transactions nest or follow each other, on a real PostgreSQL (issue 30):
-the ledger inside ``run.transaction()`` of an attempt that lost its lock, a fenced transaction
-inside the work's own psycopg transaction, a COMMIT of the work's own inside the block, a lost
-attempt's later transactions, a holder whose pid was reused, and a bounded takeover."""
+a fenced transaction inside the work's own psycopg transaction and around savepoints, a COMMIT
+of the work's own inside the block, a lost attempt's later transactions, a holder whose pid
+was reused, two-phase commit. (The ledger and OutputFile inside ``run.transaction()`` of a
+lost attempt, and the bounded takeover: tests/faults/test_faults_fence.py.)"""
 
 from __future__ import annotations
 
