@@ -13,11 +13,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_idempotency.exceptions import LockLostError, TransactionMisuseError
+from airflow_idempotency.exceptions import LockLostError, LockWaitError, TransactionMisuseError
 from airflow_idempotency.fence import Fence
 from airflow_idempotency.ledger import OutboundLedger
 from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
-from airflow_idempotency.locks import RunLock, run_lock_key
+from airflow_idempotency.locks import LOCK_WAIT_ENV, RunLock, run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
 from devtools.postgres import PostgresServer, private_embedded, temporary_database
 from support.db import rows
@@ -268,3 +268,25 @@ def test_a_fenced_transaction_cannot_be_prepared(
     assert rows(two_phase_dsn, "SELECT gid FROM pg_prepared_xacts") == []
     assert written(two_phase_dsn) == []
     assert run(two_phase_dsn, writer("after")).outcome is RunOutcome.COMPLETED
+
+
+def test_a_prepared_read_only_transaction_holds_a_successor_up_a_bounded_time(
+    two_phase_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only fenced transaction (it writes nothing to check) that the work prepares
+    makes its block fail, and the prepared transaction, which keeps the fence lock, holds the
+    next attempt's takeover up only for the bound, with an error that names it and says how
+    to end it."""
+
+    def prepare_read_only(ctx: RunContext) -> None:
+        with ctx.transaction(read_only=True) as cur:
+            cur.execute("PREPARE TRANSACTION 'read_only'")
+
+    with pytest.raises(TransactionMisuseError, match="ended its fenced transaction"):
+        run(two_phase_dsn, prepare_read_only)
+    monkeypatch.setenv(LOCK_WAIT_ENV, "1")
+    with pytest.raises(LockWaitError, match=r"a prepared transaction .*ROLLBACK PREPARED"):
+        run(two_phase_dsn, writer("blocked"))
+    rows(two_phase_dsn, "ROLLBACK PREPARED 'read_only'")
+    assert run(two_phase_dsn, writer("after")).outcome is RunOutcome.COMPLETED
+    assert written(two_phase_dsn) == ["after"]

@@ -79,7 +79,11 @@ AS $$
      AND l.database = (
          SELECT s.datid FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) AS s
      )
-    LEFT JOIN LATERAL pg_catalog.pg_stat_get_activity(l.pid) AS a ON true
+    -- pg_stat_get_activity(NULL) is every backend: a prepared transaction has no pid
+    LEFT JOIN LATERAL (
+        SELECT s.application_name, s.state, s.xact_start
+        FROM pg_catalog.pg_stat_get_activity(l.pid) AS s WHERE l.pid IS NOT NULL
+    ) AS a ON true
     WHERE l.mode = p_mode AND l.pid IS DISTINCT FROM pg_catalog.pg_backend_pid()
 $$;
 
@@ -196,8 +200,8 @@ BEGIN
                             fence_key_sessions(p_lock_key, 'ShareLock')
                 USING ERRCODE = 'IF002',
                       DETAIL = 'when the wait began: ' || blockers,
-                      HINT = 'That attempt lost its lock, so none of its transactions can '
-                             'commit any more; each ends when its worker next talks to the '
+                      HINT = 'That attempt no longer holds the lock, so none of its transactions '
+                             'can commit any more; each ends when its worker next talks to the '
                              'database or is cut off (the dead-peer bound). To go on at once, '
                              'end it: SELECT pg_terminate_backend(pid) (ROLLBACK PREPARED for '
                              'a prepared one). Nothing of this start was written; a retry '
