@@ -5,7 +5,7 @@ connection or waits for an advisory lock (found with ``ast``) must be listed in 
 with what bounds its waits; a new site that nobody looked at fails the test, and so does a
 listed site that is gone. In the SQL, every function the queries call that can wait for a
 lock sets ``lock_timeout`` before it waits. Real PostgreSQL proves the bounds themselves:
-tests/integration/test_fence_nesting.py and tests/integration/test_wait_bounds.py.
+tests/integration/test_fence_nesting.py and tests/integration/test_lock_wait_bounds.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from airflow_idempotency.connection import CONNECT_TIMEOUT
 from airflow_idempotency.exceptions import SchemaNotReadyError
@@ -112,12 +112,9 @@ def dsn(args: argparse.Namespace) -> str:
 def connect(args: argparse.Namespace) -> psycopg.Connection:
     """A connection to the job database (no server-side prepared statements: see locks.py)."""
     conninfo = dsn(args)
-    timeout = (
-        {}
-        if "connect_timeout" in conninfo_to_dict(conninfo)
-        else {"connect_timeout": CONNECT_TIMEOUT}
-    )
-    return psycopg.connect(conninfo, autocommit=True, prepare_threshold=None, **timeout)
+    if "connect_timeout" not in conninfo_to_dict(conninfo):
+        conninfo = make_conninfo(conninfo, connect_timeout=CONNECT_TIMEOUT)
+    return psycopg.connect(conninfo, autocommit=True, prepare_threshold=None)
 
 
 def connect_read(args: argparse.Namespace) -> psycopg.Connection:
