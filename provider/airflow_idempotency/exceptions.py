@@ -7,9 +7,9 @@ What each means for a task (mapped to Airflow's failures in one place,
   retry cannot help, so the task fails without retrying;
 - :class:`RunLockedError`: another execution holds the key; the operator's ``on_locked``
   policy decides (reschedule, fail or skip);
-- :class:`LockLostError`, :class:`WorkConflictError`, :class:`PoolExhaustedError` and
-  :class:`RemoteCallError`: this try could not finish; a retry (or a rerun) converges, so
-  Airflow's retries apply;
+- :class:`LockLostError`, :class:`WorkConflictError`, :class:`PoolExhaustedError`,
+  :class:`LockWaitError` and :class:`RemoteCallError`: this try could not finish; a retry
+  (or a rerun) converges, so Airflow's retries apply;
 - :class:`TransientRemoteError`, :class:`OutcomeUnknownError` and
   :class:`PermanentRemoteError`: raised by a ledger sender to classify one external call;
   the ledger handles them;
@@ -105,6 +105,15 @@ class LockLostError(IdempotencyError):
 
 class PoolExhaustedError(IdempotencyError):
     """A connection pooler had no server connection for the run in time: size its pool up."""
+
+
+class LockWaitError(IdempotencyError):
+    """A lock wait of the provider's own statements reached its bound (the message names what
+    it waited for): nothing of that transaction was written; a retry converges."""
+
+
+class TransactionMisuseError(InvalidInputError):
+    """The work ended or prepared (two-phase commit) a fenced transaction itself."""
 
 
 class WorkConflictError(IdempotencyError):

@@ -73,6 +73,33 @@ acknowledged). The hook sets them unless the Airflow connection's extra does; th
 transaction sets the same values on the server's side of its session (SET LOCAL).
 """
 
+LOCK_WAIT_ENV = "AIRFLOW_IDEMPOTENCY_LOCK_WAIT"
+"""Seconds any lock wait of the provider's own statements may last (default
+:data:`LOCK_WAIT_DEFAULT`): a takeover waiting for the previous attempt's transactions, a
+fenced transaction's enter, the run's records and the ledger's writes. The wait then ends
+with an error naming what it waited for."""
+
+LOCK_WAIT_DEFAULT = 60.0
+"""Longer than the dead-peer bound (about 30 s): a takeover outlasts a worker that was cut off."""
+
+
+def lock_wait_ms() -> str:
+    """The bound of every lock wait of the provider's statements, in ms (``lock_timeout``'s
+    unit), from :data:`LOCK_WAIT_ENV` or :data:`LOCK_WAIT_DEFAULT`."""
+    given = os.environ.get(LOCK_WAIT_ENV, "").strip()
+    try:
+        seconds = float(given) if given else LOCK_WAIT_DEFAULT
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= 86_400:
+        raise ConfigurationError(
+            f"{LOCK_WAIT_ENV}={given!r}: give the longest lock wait of the provider's "
+            "statements in seconds, more than 0 and at most 86400 (default "
+            f"{LOCK_WAIT_DEFAULT:g})"
+        )
+    return str(max(1, round(seconds * 1000)))
+
+
 _MIGRATION_PREFIX = b"airflow_idempotency.schema_migration\x00"
 _NAMED_PREFIX = b"airflow_idempotency.named\x00"
 
@@ -98,15 +125,22 @@ def named_lock_key(name: str) -> int:
 
 @dataclass(frozen=True)
 class RunLock:
-    """A held run lock: its key and the backend (session) that holds it."""
+    """A held run lock: its key, the backend (session) that holds it, and the lock
+    transaction itself (``holder``: its virtual transaction id, migration 0008). A pid alone
+    is reused by the operating system; the pair names one lock transaction."""
 
     lock_key: int
     backend_pid: int
+    holder: str | None = None
 
     @property
-    def params(self) -> dict[str, int]:
+    def params(self) -> dict[str, int | str | None]:
         """Query parameters naming this lock and its holder, for the fencing checks."""
-        return {"lock_key": self.lock_key, "lock_backend_pid": self.backend_pid}
+        return {
+            "lock_key": self.lock_key,
+            "lock_backend_pid": self.backend_pid,
+            "lock_holder": self.holder,
+        }
 
 
 # What PgBouncer answers a transaction block in pool_mode=statement, and what it says when a
@@ -170,6 +204,7 @@ def _begin_and_try(
     params = {
         "lock_key": lock_key,
         "application_name": application_name,
+        "lock_wait_ms": lock_wait_ms(),
         **server_keepalive_settings(conn),
     }
     try:
@@ -184,7 +219,7 @@ def _begin_and_try(
             raise
         raise refusal from exc
     assert row is not None
-    already_held, acquired, backend_pid = row[:3]
+    already_held, acquired, backend_pid, holder = row[:4]
     if already_held:
         _end(conn, "ROLLBACK")
         raise SharedSessionError(
@@ -194,7 +229,7 @@ def _begin_and_try(
             "pooler in transaction mode). Taking it again would exclude no one. Point that "
             "client at a direct connection or pool_mode = session, or upgrade it."
         )
-    return RunLock(lock_key, backend_pid) if acquired else None
+    return RunLock(lock_key, backend_pid, holder) if acquired else None
 
 
 def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:

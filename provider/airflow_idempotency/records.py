@@ -21,7 +21,12 @@ from psycopg.types.json import Jsonb
 
 from airflow_idempotency._sql import query, query_row
 from airflow_idempotency._transactions import in_one_transaction
-from airflow_idempotency.locks import RunLock, run_lock_key, server_keepalive_settings
+from airflow_idempotency.locks import (
+    RunLock,
+    lock_wait_ms,
+    run_lock_key,
+    server_keepalive_settings,
+)
 
 _HOSTNAME = socket.gethostname()
 
@@ -177,17 +182,19 @@ class RunRecords:
         the attempt), in one READ COMMITTED transaction (two round trips: its BEGIN, then the
         rest with the COMMIT).
 
-        It first takes the key over from the fence (``fence_take_over``, migration 0006): it
-        waits until every fenced transaction of an earlier attempt has ended, so no write of
-        a previous attempt can commit after this start. Any other attempt of the key still
-        marked running is closed as abandoned (the caller holds the lock, so its worker
-        died). Returns (attempt id, attempt count of the key, attempts closed as abandoned);
-        a dry run's count is 0.
+        It first takes the key over from the fence (``fence_take_over``, migrations 0006 and
+        0008): it waits until every fenced transaction of an earlier attempt has ended, so no
+        write of a previous attempt can commit after this start; at most
+        :func:`~airflow_idempotency.locks.lock_wait_ms` (then SQLSTATE ``IF002``, naming the
+        sessions it waited for), the bound of every lock wait of the transaction. Any other
+        attempt of the key still marked running is closed as abandoned (the caller holds the
+        lock, so its worker died). Returns (attempt id, attempt count of the key, attempts
+        closed as abandoned); a dry run's count is 0.
         """
         params = self._attempt_params(lock, options)
         take_over = (
             query("fence_take_over", self.schema),
-            {**params, **server_keepalive_settings(conn)},
+            {**params, "lock_wait_ms": lock_wait_ms(), **server_keepalive_settings(conn)},
         )
         if options.dry_run:
             params.update(outcome="running", dry_run=True, error=None, details=Jsonb({}))

@@ -11,6 +11,7 @@ import re
 import psycopg
 
 from airflow_idempotency._sql import query_rows
+from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.exceptions import InvalidInputError
 
 # Retention beyond a century is no retention: and an age must leave a cut-off date that
@@ -53,7 +54,7 @@ def prune_attempts(
     before = dt.datetime.now(dt.timezone.utc) - older_than
     total, after = 0, 0
     while True:
-        with conn.transaction():
+        with bounded_transaction(conn, schema):
             (row,) = query_rows(
                 conn,
                 "prune_attempts",

@@ -18,7 +18,7 @@ from psycopg import IsolationLevel
 
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
-from airflow_idempotency.fence import Fence
+from airflow_idempotency.fence import Fence, lock_wait_refusal
 from airflow_idempotency.locks import (
     RunLock,
     lock_is_held,
@@ -153,18 +153,21 @@ class RunContext:
         REPEATABLE READ and SERIALIZABLE work is safe, and a serialization failure (or a
         deadlock) raises :class:`~airflow_idempotency.exceptions.WorkConflictError`, which a
         retry resolves. ``read_only`` begins it READ ONLY. In a dry run the whole work is one
-        transaction, so these two have no effect there.
+        transaction, so these two have no effect there; inside a transaction of the work's own
+        on :attr:`connection` it is a savepoint, fenced at that transaction's COMMIT. The
+        block must not end the transaction itself (no COMMIT, ROLLBACK or PREPARE
+        TRANSACTION: :class:`~airflow_idempotency.exceptions.TransactionMisuseError`).
         """
         conn = self._conn
+        fenced = self._fence.transaction(
+            conn, isolation_level=isolation_level, read_only=read_only, bound_locks=False
+        )
         try:
-            with (
-                self.fenced_transaction(conn, isolation_level=isolation_level, read_only=read_only),
-                conn.cursor() as cur,
-            ):
+            with fenced, conn.cursor() as cur:
                 yield cur
                 crash_point("transaction.before_commit")
         except psycopg.Error as exc:
-            raise self.translate_error(exc, conn) from exc
+            raise self._fence.translate_error(exc, conn) from exc
 
     def fenced_transaction(
         self,
@@ -175,15 +178,25 @@ class RunContext:
     ) -> AbstractContextManager[None]:
         """A transaction on ``conn`` (a connection of this run) that is fenced: it commits
         only while this attempt holds the run lock, and a successor waits for it
-        (:meth:`airflow_idempotency.fence.Fence.transaction`; docs/fence.md).
+        (:meth:`airflow_idempotency.fence.Fence.transaction`; docs/fence.md). Every lock wait
+        in it is bounded (``AIRFLOW_IDEMPOTENCY_LOCK_WAIT``): the provider's own writes (the
+        ledger's) run in it.
 
         Raises psycopg errors; :meth:`translate_error` names them (the fence's refusal is
-        SQLSTATE ``IF001``). Inside a dry run's transaction it is a savepoint.
+        SQLSTATE ``IF001``). Inside an open transaction (a dry run's) it is a savepoint.
         """
-        return self._fence.transaction(conn, isolation_level=isolation_level, read_only=read_only)
+        return self._fence.transaction(
+            conn, isolation_level=isolation_level, read_only=read_only, bound_locks=True
+        )
 
     def translate_error(self, exc: psycopg.Error, conn: psycopg.Connection) -> BaseException:
-        """The error to raise for ``exc``, raised by a fenced transaction on ``conn``."""
+        """The error to raise for ``exc``, raised by a fenced transaction on ``conn`` of the
+        provider's own (:meth:`fenced_transaction`: its lock waits are bounded)."""
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            what = f"a transaction of job {self.job_name!r} run_key {self.run_key!r}"
+            waited = lock_wait_refusal(exc, what)
+            if waited is not None:
+                return waited
         return self._fence.translate_error(exc, conn)
 
     def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:

@@ -35,22 +35,25 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
 
 from airflow_idempotency import metrics, records
 from airflow_idempotency._sql import query, query_row
+from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
     ConfigurationError,
     IdempotencyError,
     LockLostError,
+    LockWaitError,
     MissingPrivilegeError,
     PoolExhaustedError,
     RunLockedError,
 )
+from airflow_idempotency.fence import bookkeeping_lock_holders, fence_sqlstate, lock_wait_refusal
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal, session_ended
 from airflow_idempotency.records import (
     AttemptOutcome,
@@ -93,6 +96,7 @@ START_WAIT_WARNING = 10
 """Seconds after which a start that is still waiting says why it may be waiting."""
 
 Work = Callable[[RunContext], Mapping[str, Any] | None]
+_T = TypeVar("_T")
 
 
 class RunOutcome(str, enum.Enum):
@@ -286,12 +290,16 @@ class _Run:
                 application_name=_application_name(),
             ) as lock:
                 if lock is None:
-                    refusal = self._record_lock_held(lock_conn)
+                    refusal = self._bounded(
+                        "recording the refusal of", self._record_lock_held, lock_conn
+                    )
                 else:
                     crash_point("runner.after_lock")
-                    existing = self._read(lock_conn)
+                    existing = self._bounded("reading the run record of", self._read, lock_conn)
                     if existing and existing.status == "completed" and not self.options.force:
-                        return self._noop(lock_conn, lock, existing)
+                        return self._bounded(
+                            "recording the no-op of", self._noop, lock_conn, lock, existing
+                        )
                     return self._run(lock_conn, lock, existing)
             raise refusal  # after the lock transaction committed the lock_held attempt
 
@@ -438,6 +446,12 @@ class _Run:
             started = time.monotonic()
             try:
                 return _jsonable_counts(self.work(ctx))
+            except psycopg.Error as exc:
+                # the fence refused the COMMIT of a transaction of the work's own around a
+                # fenced one (or its PREPARE): say so, as run.transaction() does
+                if not fence_sqlstate(exc):
+                    raise
+                raise ctx.translate_error(exc, conn) from exc
             finally:
                 elapsed = time.monotonic() - started
                 metrics.run_timing(self.spec.environment.metrics, "work", elapsed, self.job_name)
@@ -452,7 +466,9 @@ class _Run:
         waiting.daemon = True
         waiting.start()
         try:
-            self.attempt_id, count, abandoned = self.records.start_attempt(conn, lock, self.options)
+            self.attempt_id, count, abandoned = self._bounded(
+                "the start of", self.records.start_attempt, conn, lock, self.options
+            )
         finally:
             waiting.cancel()
         self.log.attempt = self.attempt_id
@@ -466,6 +482,30 @@ class _Run:
         previous = existing.status if existing else "new"
         self.log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
         crash_point("runner.after_started")
+
+    def _bounded(self, step: str, call: Callable[..., _T], *args: Any) -> _T:
+        """``call(*args)``, one of the run's own steps: a bounded lock wait of it that ended is
+        raised as :class:`LockWaitError`, naming who held what."""
+        try:
+            return call(*args)
+        except psycopg.Error as exc:
+            refusal = self._lock_wait(exc, step)
+            if refusal is None:
+                raise
+            raise refusal from exc
+
+    def _lock_wait(self, exc: psycopg.Error, step: str) -> LockWaitError | None:
+        """The error for a bounded lock wait of ``step`` that ended, naming who held the
+        bookkeeping tables (asked on a new connection: the waiting one is aborted)."""
+        holders: list[str] = []
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            with (
+                contextlib.suppress(psycopg.Error, IdempotencyError),
+                autocommit_connection(self.spec.connect) as conn,
+            ):
+                holders = bookkeeping_lock_holders(conn, self.schema)
+        what = f"{step} job {self.job_name!r} run_key {self.run_key!r}"
+        return lock_wait_refusal(exc, what, holders)
 
     def _warn_start_waits(self) -> None:
         self.log.warning(
@@ -498,6 +538,11 @@ class _Run:
                     "mark it completed. Another attempt took over or the lock session ended; "
                     "rerun to converge."
                 )
+        except psycopg.errors.LockNotAvailable as exc:
+            waited = self._lock_wait(exc, "the completion of")
+            assert waited is not None
+            self._fail(lock_conn, waited)
+            raise waited from exc
         except (psycopg.OperationalError, LockLostError) as exc:
             lost = (
                 exc
@@ -517,9 +562,14 @@ class _Run:
     # -- 6. failure -------------------------------------------------------------------------
 
     def _record_refused_start(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
-        """A start that a pooler refused (its pool exhausted) is recorded as a failed attempt,
-        in the lock transaction (which has its server connection), naming the cause."""
-        refusal = exc if type(exc) in (PoolExhaustedError, ConfigurationError) else None
+        """A start that a pooler refused (its pool exhausted) or whose bounded takeover ended
+        is recorded as a failed attempt, in the lock transaction (which has its server
+        connection), naming the cause."""
+        refusal: BaseException | None = None
+        if type(exc) in (PoolExhaustedError, ConfigurationError) or isinstance(exc, LockWaitError):
+            refusal = exc
+        elif isinstance(exc, psycopg.Error):
+            refusal = pooler_refusal(exc)
         if refusal is None or lock_conn.closed or lock_conn.broken:
             return
         self.log.error("%s", refusal)
@@ -562,7 +612,7 @@ class _Run:
                     write(lock_conn)
                     lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
                 else:  # the lock transaction already ended (a completion that found no row)
-                    with lock_conn.transaction():
+                    with bounded_transaction(lock_conn, self.schema):
                         write(lock_conn)
                 return
             except psycopg.Error:
@@ -571,7 +621,10 @@ class _Run:
                 with contextlib.suppress(psycopg.Error):
                     lock_conn.execute("ROLLBACK")
         try:
-            with autocommit_connection(self.spec.connect) as conn, conn.transaction():
+            with (
+                autocommit_connection(self.spec.connect) as conn,
+                bounded_transaction(conn, self.schema),
+            ):
                 write(conn)  # READ COMMITTED: autocommit_connection pins it
         except (psycopg.Error, IdempotencyError) as record_exc:
             self.log.warning(

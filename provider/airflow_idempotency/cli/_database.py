@@ -18,6 +18,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from airflow_idempotency.cli._arguments import check_dsn
 from airflow_idempotency.cli._base import DSN_ENV, EXIT_UNAVAILABLE, EXIT_USAGE, CommandError
+from airflow_idempotency.connection import CONNECT_TIMEOUT
 from airflow_idempotency.exceptions import MissingPrivilegeError, SchemaNotReadyError
 from airflow_idempotency.schema import ensure_schema, require_readable
 
@@ -72,6 +73,8 @@ def connect(args: argparse.Namespace) -> psycopg.Connection:
     """A connection to the job database (no server-side prepared statements: see locks.py);
     exit 69 naming the database when it cannot be reached."""
     conninfo = dsn(args)
+    if "connect_timeout" not in conninfo_to_dict(conninfo):  # a wait with a bound
+        conninfo = make_conninfo(conninfo, connect_timeout=CONNECT_TIMEOUT)
     try:
         return psycopg.connect(conninfo, autocommit=True, prepare_threshold=None)
     except psycopg.Error as exc:

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import psycopg
 
 from airflow_idempotency._sql import query_row
+from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.effects.mail import message_id
 from airflow_idempotency.exceptions import (
     IdempotencyError,
@@ -92,7 +93,8 @@ class _CallbackScope:
 
     @contextlib.contextmanager
     def fenced_transaction(self, conn: psycopg.Connection) -> Iterator[None]:
-        with conn.transaction():  # no run lock to fence against (READ COMMITTED: its own)
+        # no run lock to fence against (READ COMMITTED: its own); its lock waits bounded
+        with bounded_transaction(conn, self.schema):
             yield
 
     def translate_error(self, exc: psycopg.Error, conn: psycopg.Connection) -> BaseException:

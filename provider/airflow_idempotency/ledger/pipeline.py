@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 
 from airflow_idempotency._sql import query
-from airflow_idempotency._transactions import rollback_quietly
+from airflow_idempotency._transactions import bounded_transaction, rollback_quietly
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.ledger.calls import Calls
@@ -176,7 +176,8 @@ class Pipeline:
         fenced = bool(keys) and not watch.lost
         try:
             with pipelined(conn):
-                with run.fenced_transaction(conn) if fenced else conn.transaction():
+                bounded = bounded_transaction(conn, run.schema)
+                with run.fenced_transaction(conn) if fenced else bounded:
                     if outcomes:
                         write_outcomes(conn, run, self.remote_system, outcomes)
                     if fenced:  # no intent commits without the lock
@@ -199,7 +200,7 @@ class Pipeline:
             if outcomes:
                 if conn.closed or conn.broken:  # every session ended: their keys stay unknown
                     raise lost from exc
-                with conn.transaction():
+                with bounded_transaction(conn, run.schema):
                     write_outcomes(conn, run, self.remote_system, outcomes)
             granted = set()
         return granted

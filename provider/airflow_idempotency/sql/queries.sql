@@ -12,8 +12,11 @@
 -- vacuum however long the run, and its completion reads the start the work connection committed.
 -- It tries the run lock for the length of this transaction, names the session in
 -- pg_stat_activity, lifts idle_in_transaction_session_timeout and (PostgreSQL 17+)
--- transaction_timeout, and bounds a dead peer (bound_dead_peer, migration 6). Every setting is
--- transaction-local: nothing outlives it on a pooled server connection.
+-- transaction_timeout, bounds a dead peer (bound_dead_peer, migration 6) and every lock wait of
+-- the provider's statements in it (lock_timeout). Every setting is transaction-local: nothing
+-- outlives it on a pooled server connection. holder names the lock transaction itself (its
+-- virtual transaction id, migration 8): with the pid, what the fencing checks compare, since a
+-- pid alone is reused.
 -- already_held is read first (the MATERIALIZED CTE is scanned before the SELECT list runs):
 -- a session that already holds the key before this transaction tried it is shared with
 -- another client (a session-level lock left on a pooled server connection), and taking the
@@ -27,6 +30,9 @@ WITH before AS MATERIALIZED (
 SELECT before.already_held,
        pg_try_advisory_xact_lock(%(lock_key)s) AS acquired,
        pg_backend_pid() AS backend_pid,
+       (SELECT l.virtualtransaction FROM pg_catalog.pg_lock_status() AS l
+        WHERE l.pid = pg_backend_pid() AND l.locktype = 'virtualxid' LIMIT 1) AS holder,
+       set_config('lock_timeout', %(lock_wait_ms)s, true) AS lock_timeout,
        set_config('application_name', %(application_name)s, true) AS application_name,
        set_config('idle_in_transaction_session_timeout', '0', true) AS idle_timeout,
        -- CASE evaluates lazily: older servers do not know the setting and would refuse it
@@ -73,31 +79,54 @@ LEFT JOIN LATERAL (
 WHERE h.lock_key = %(lock_key)s;
 
 -- name: lock_is_held_by
--- Fencing check, from any session: does the backend that took the lock still hold it?
-SELECT EXISTS (
-    SELECT 1 FROM {schema}.held_run_locks() AS h
-    WHERE h.lock_key = %(lock_key)s AND h.pid = %(lock_backend_pid)s
-) AS held;
+-- Fencing check, from any session: does the lock transaction that took the lock still hold it?
+SELECT {schema}.run_lock_held_by(%(lock_key)s, %(lock_backend_pid)s, %(lock_holder)s) AS held;
 
 -- name: fence_enter
 -- The first statement of every fenced transaction (RunContext.transaction(), the ledger's claims):
--- see migration 6. Raises SQLSTATE IF001 when this attempt's lock session no longer holds the
--- run lock; bounds a dead peer for the rest of the transaction.
-SELECT {schema}.fence_enter(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s),
+-- see migrations 6 and 8. Raises SQLSTATE IF001 when this attempt's lock transaction no longer
+-- holds the run lock, IF002 when the fence was not free within lock_wait_ms; arms the check at
+-- COMMIT; bounds a dead peer for the rest of the transaction.
+SELECT {schema}.fence_enter(%(lock_key)s, %(lock_backend_pid)s, %(lock_holder)s,
+                            %(attempt_id)s, %(lock_wait_ms)s),
        {schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s,
                                 %(keepalives_count)s, %(tcp_user_timeout)s);
 
 -- name: fence_arm
 -- The last statement before COMMIT of a read-write fenced transaction (sent with the COMMIT):
--- arms the commit-time check of migration 6.
-SELECT {schema}.fence_arm(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s);
+-- arms the commit-time check of migration 6 again, so that it runs after the work's own deferred
+-- triggers (fence_enter armed it first).
+SELECT {schema}.fence_arm(%(lock_key)s, %(lock_backend_pid)s, %(lock_holder)s, %(attempt_id)s);
 
 -- name: fence_take_over
 -- The first statement of an attempt's start: waits until every fenced transaction of the key's
--- previous attempts has ended, and forgets their arms (migration 6).
-SELECT {schema}.fence_take_over(%(lock_key)s),
+-- previous attempts has ended (at most lock_wait_ms, then IF002 naming them), and forgets their
+-- arms (migrations 6 and 8). Every lock wait of the start's transaction is bounded by it.
+SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s),
        {schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s,
                                 %(keepalives_count)s, %(tcp_user_timeout)s);
+
+-- name: bound_lock_waits
+-- The first statement of a transaction of the provider's own (after fence_enter in a fenced one):
+-- every lock wait in it ends after lock_wait_ms with lock_not_available (55P03).
+SELECT set_config('lock_timeout', %(lock_wait_ms)s, true);
+
+-- name: bookkeeping_lock_holders
+-- Who holds, or waits for, a lock on a table of the bookkeeping schema that a writer or a
+-- reader of it would queue behind (for the message of a lock wait that reached its bound): a
+-- migration's ALTER (granted or pending), an explicit table lock. Error paths only (percent signs
+-- doubled: psycopg's placeholders).
+SELECT format('backend pid %%s (application_name %%L, %%s %%s on %%s)', l.pid,
+              coalesce(a.application_name, ''), CASE WHEN l.granted THEN 'holds' ELSE 'awaits' END,
+              l.mode, c.relname) AS holder
+FROM pg_catalog.pg_locks AS l
+JOIN pg_catalog.pg_class AS c ON c.oid = l.relation
+JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+WHERE n.nspname = %(schema)s
+  AND l.pid <> pg_backend_pid()
+  AND l.mode IN ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
+ORDER BY l.pid, c.relname;
 
 -- name: get_run
 -- completed_counts: what the completing attempt's work returned (details also keeps what
