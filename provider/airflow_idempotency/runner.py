@@ -49,6 +49,7 @@ from airflow_idempotency.exceptions import (
     MissingPrivilegeError,
     RunLockedError,
 )
+from airflow_idempotency.key_spelling import check_key_text, check_text
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
 from airflow_idempotency.records import (
     AttemptOutcome,
@@ -66,7 +67,6 @@ from airflow_idempotency.run_context import (
     RunSpec,
     autocommit_connection,
 )
-from airflow_idempotency.run_key import check_text
 from airflow_idempotency.schema import (
     ensure_schema,
     missing_privileges,
@@ -208,7 +208,7 @@ def run_idempotently(
         operator passes its own).
     """
     job_name = check_text(job_name, "job name")
-    run_key = check_text(run_key, "run key")
+    run_key = check_key_text(run_key, "run key")
     validate_schema_name(environment.schema)
     spec = RunSpec(RunIdentity(job_name, run_key, trigger), options, connect, environment)
     return _Run(spec, work).execute()
