@@ -262,10 +262,12 @@ class IdempotentRunOperator(ReschedulingOperator):
         conf: Mapping[str, Any],
         partition_key: str | None = None,
         timetable_name: str | None = None,
+        partition_date: dt.datetime | None = None,
     ) -> ResolvedRunKey:
         """The run key a run of ``kind`` (manual, scheduled, backfill) at ``logical_date``
-        (or for ``partition_key``) with ``conf`` would get, or the error it would get
-        (``airflow-idempotency explain``, ``plan``).
+        (or for ``partition_key``, whose exact instant is ``partition_date`` when known) with
+        ``conf`` would get, or the error it would get (``airflow-idempotency explain``,
+        ``plan``).
 
         The DAG's params are merged with ``conf`` as Airflow does. A callable rule is called
         with a context of those facts only (logical_date, partition_key, params, dag, dag_run).
@@ -278,10 +280,12 @@ class IdempotentRunOperator(ReschedulingOperator):
             logical_date=logical_date,
             run_after=logical_date,
             partition_key=partition_key,
+            partition_date=partition_date,
         )
         context = {
             "logical_date": logical_date,
             "partition_key": partition_key,
+            "partition_date": partition_date,
             "params": params,
             "dag": dag,
             "dag_run": run,
@@ -292,7 +296,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             conf=conf,
             params=params,
             context=context,
-            partition=(partition_key, None),
+            partition=(partition_key, partition_date),
             timetable_name=timetable_name,
         )
 
