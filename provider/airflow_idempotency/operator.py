@@ -348,7 +348,7 @@ class IdempotentRunOperator(ReschedulingOperator):
         tz = dag.timezone if dag else None
         return str(getattr(tz, "name", None) or tz or "UTC")
 
-    def _trigger(self, context: Context, run: AirflowRun) -> Trigger:
+    def _trigger(self, context: Context, run: AirflowRun, key_zone: str | None) -> Trigger:
         ti = context["ti"]
         return Trigger(
             triggered_by=run.triggered_by,
@@ -359,6 +359,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             try_number=ti.try_number,
             map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
             partition_key=run.partition_key,
+            key_zone=key_zone,
         )
 
     def execute(self, context: Context) -> dict[str, Any] | None:
@@ -390,7 +391,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             run_key=resolved.run_key,
             work=self.run,
             options=options,
-            trigger=self._trigger(context, run),
+            trigger=self._trigger(context, run, resolved.zone),
             environment=RunEnvironment(
                 schema=self.schema,
                 logger=self.log,

@@ -97,11 +97,15 @@ class RunKeyRule:
     :param offset: periods to add to the period containing the logical date; ``None`` picks
         -1 for trigger timetables (cron schedules in Airflow 3) and 0 for data-interval ones.
     :param allow_open_period: accept keys whose period has not ended yet (default: refuse).
+    :param timezone: the zone day, week and month keys are read in; ``None``: the DAG's
+        (a partition's wall-clock time is still read in its timetable's zone). Keeps a job's
+        keys in the zone they were made in when the DAG's own zone changes (the zone rule).
     """
 
     period: Period = "day"
     offset: int | None = None
     allow_open_period: bool = False
+    timezone: str | None = None
 
     def __post_init__(self) -> None:
         # Checked when the DAG file builds the rule: a mistake is the file's import error.
@@ -124,6 +128,19 @@ class RunKeyRule:
             raise InvalidInputError(
                 f"allow_open_period must be True or False, got {self.allow_open_period!r}"
             )
+        if self.timezone is not None:
+            try:
+                pendulum.timezone(self.timezone)
+            except (ValueError, TypeError):
+                raise InvalidInputError(
+                    f"timezone {self.timezone!r} is no timezone: give an IANA name such as "
+                    "'Europe/Amsterdam', or None for the DAG's"
+                ) from None
+
+    def zone_of_keys(self, timezone: str) -> str | None:
+        """The zone this rule's keys are made in for a DAG in ``timezone``: none for hour
+        keys (UTC), else the rule's own or the DAG's."""
+        return None if self.period == "hour" else (self.timezone or timezone)
 
     @property
     def format_hint(self) -> str:
@@ -283,6 +300,7 @@ class ResolvedRunKey:
     run_key: str
     source: Source
     explanation: str
+    zone: str | None = None  # the zone the key's period was read in (the zone rule)
 
 
 def resolve_run_key(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
@@ -296,6 +314,11 @@ def resolve_run_key(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> Resol
     than NFC is mapped to NFC and the explanation says so; any other spelling is refused.
     """
     facts, mapped = _in_nfc(facts)
+    # The zone of the keys: the rule's, else a partitioned DAG's timetable's, else the DAG's.
+    pinned = rule.timezone if isinstance(rule, RunKeyRule) else None
+    zone = pinned or facts.partition_spec.timezone or facts.timezone
+    if zone != facts.timezone:
+        facts = replace(facts, timezone=zone)
     resolved = _resolve_base(rule, facts)
     if facts.key_segment is not None:
         resolved = _with_segment(resolved, facts.key_segment)
@@ -328,11 +351,8 @@ def _with_segment(resolved: ResolvedRunKey, key_segment: str) -> ResolvedRunKey:
             f"{resolved.run_key.split(SEGMENT_DELIMITER)[-1]!r}), each mapped task adds its segment"
         )
     key = check_key_text(f"{segment}{SEGMENT_DELIMITER}{resolved.run_key}", "run key")
-    return ResolvedRunKey(
-        key,
-        resolved.source,
-        f"run_key {key!r}: this task's segment {segment!r} before {resolved.explanation}",
-    )
+    explanation = f"run_key {key!r}: this task's segment {segment!r} before {resolved.explanation}"
+    return replace(resolved, run_key=key, explanation=explanation)
 
 
 def _from_callable(rule: RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
@@ -378,14 +398,18 @@ def _explicit(
     else:
         key = _explicit_period_key(rule, explicit, facts.timezone, facts.now)
     explanation = f"run_key {key!r} given explicitly in the run's {source}"
-    if facts.partition_key is None or not isinstance(rule, RunKeyRule):
+    if not isinstance(rule, RunKeyRule):
         return ResolvedRunKey(key, source, explanation)
+    zone = rule.zone_of_keys(facts.timezone)
+    if facts.partition_key is None:
+        return ResolvedRunKey(key, source, explanation, zone)
     if facts.override_partition:
         return ResolvedRunKey(
             key,
             source,
             f"{explanation}, overriding the run's partition_key {facts.partition_key!r} "
             f"({OVERRIDE_FLAG} is set)",
+            zone,
         )
     from_partition = partition_run_key(rule, facts)
     if from_partition.run_key != key:
@@ -396,7 +420,8 @@ def _explicit(
             f"set to the period you mean, or, to process {key!r} in this run anyway, add "
             f'"{OVERRIDE_FLAG}": true to the conf.'
         )
-    return ResolvedRunKey(key, source, f"{explanation}; it agrees with the run's partition_key")
+    agreed = f"{explanation}; it agrees with the run's partition_key"
+    return ResolvedRunKey(key, source, agreed, zone)
 
 
 def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
@@ -436,7 +461,7 @@ def _from_logical_date(
             f"NOTE: this manual run has no explicit run_key, so {explanation}. If that is not "
             f"the business period you meant, trigger again with run_key set."
         )
-    return ResolvedRunKey(key, "logical_date", explanation)
+    return ResolvedRunKey(key, "logical_date", explanation, rule.zone_of_keys(timezone))
 
 
 def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
@@ -466,10 +491,11 @@ def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
             f"(run_offset=-1: the run at D+1 01:00 is for day D)."
         )
     spec = facts.partition_spec
-    timezone = spec.timezone or facts.timezone
+    timezone = facts.timezone  # the keys' zone (resolve_run_key): the timetable's if known
     segments = key.split(spec.delimiter)
-    out, times = _partition_segments(segments, spec, timezone, key)
+    out, times = _partition_segments(segments, spec, spec.timezone or timezone, key)
     how = "no time segment: the key is the same work whenever it runs again"
+    zone = rule.zone_of_keys(timezone) if times else None
     if times:
         index, parsed = times[0]
         parsed, note = _instant_of(rule, parsed, key, facts.partition_date)
@@ -486,6 +512,7 @@ def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
         run_key,
         "partition_key",
         f"run_key {run_key!r} from the run's partition_key {key!r} ({how})",
+        zone,
     )
 
 

@@ -3,8 +3,9 @@
 :func:`run_idempotently` executes ``work`` for one (job name, run key), in the steps of
 :class:`_Run`:
 
-1. **lock**: validate the job name and run key (nothing is written when they are
-   refused), then take the run lock in a transaction held open on a dedicated connection
+1. **lock**: validate the job name and run key, and the zone the key was made in against
+   the job's earlier keys (:mod:`~airflow_idempotency.key_zone`; nothing is written when
+   they are refused), then take the run lock in a transaction held open on a dedicated connection
    (:func:`~airflow_idempotency.locks.hold_run_lock`) for the whole run. If another session
    holds it, record a ``lock_held`` attempt naming the holder and raise
    :class:`~airflow_idempotency.exceptions.RunLockedError`;
@@ -50,6 +51,7 @@ from airflow_idempotency.exceptions import (
     RunLockedError,
 )
 from airflow_idempotency.key_spelling import check_key_text, check_text
+from airflow_idempotency.key_zone import check_key_zone
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
 from airflow_idempotency.records import (
     AttemptOutcome,
@@ -278,6 +280,8 @@ class _Run:
     def _execute(self) -> RunResult:
         with autocommit_connection(self.spec.connect) as lock_conn:
             ensure_schema(lock_conn, self.schema)
+            run = self.spec.run
+            check_key_zone(lock_conn, self.schema, run.job_name, run.run_key, run.trigger.key_zone)
             with hold_run_lock(
                 lock_conn,
                 self.spec.run.lock_key,
