@@ -156,19 +156,30 @@ def check_label(segment: object, what: str, key: str) -> str:
             f"(e.g. eu, all)"
         )
     refuse_foreign_spelling(segment, f"{what} of {key!r}")
+    _key_text(segment, what)
     if reads_as_time(segment):
         raise InvalidRunKeyError(
             f"{what} {segment!r} of {key!r} reads as a period or a time, so it cannot be a "
             f"label: a run key has exactly one period segment, the others are names (e.g. "
             f"eu|2026-10-01). Give the period once, in the job's period format"
         )
-    return check_text(segment, what)
+    return segment
+
+
+def _key_text(text: object, what: str) -> str:
+    """:func:`check_text`, its refusal an :class:`InvalidRunKeyError` (a key, not a name)."""
+    try:
+        return check_text(text, what)
+    except InvalidRunKeyError:
+        raise
+    except InvalidInputError as exc:
+        raise InvalidRunKeyError(str(exc)) from None
 
 
 def check_key_text(key: object, what: str = "run key") -> str:
     """A run key of any origin (a callable's, a script's): :func:`check_text`, then each
     segment: no marker, no period in foreign digits, and at most one period segment."""
-    text = check_text(key, what)
+    text = _key_text(key, what)
     segments = text.split(SEGMENT_DELIMITER)
     periods = [s for s in segments if reads_as_time(s)]
     if len(periods) > 1:
