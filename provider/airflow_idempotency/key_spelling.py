@@ -49,6 +49,17 @@ _TIME_PATTERNS = tuple(format_pattern(fmt) for fmt in DEFAULT_TIME_FORMATS)
 # Unicode categories refused anywhere in a key or a name: control, format (zero-width,
 # bidi), surrogate, private use, unassigned, line and paragraph separators.
 _REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+# Characters Unicode says to render as nothing though they are not format characters
+# (Default_Ignorable_Code_Point): the combining grapheme joiner, Hangul fillers, Khmer
+# inherent vowels, Mongolian and other variation selectors ('✓' + U+FE0F looks like '✓').
+IGNORABLE = frozenset(
+    [
+        *(0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFFA0),
+        *range(0x180B, 0x1810),
+        *range(0xFE00, 0xFE10),
+        *range(0xE0100, 0xE01F0),
+    ]
+)
 
 
 def check_text(value: object, what: str) -> str:
@@ -73,6 +84,11 @@ def check_text(value: object, what: str) -> str:
             f"{what} {value!r} contains invisible, control or unassigned characters ({names}): "
             f"text that looks the same without them would be another key; remove them"
         )
+    if unicodedata.category(value[0]).startswith("M"):
+        raise InvalidInputError(
+            f"{what} {value!r} starts with a combining mark (U+{ord(value[0]):04X}), which "
+            f"would be drawn on the character before it: start with a letter, digit or sign"
+        )
     normal = unicodedata.normalize("NFC", value)
     if normal != value:
         raise InvalidInputError(
@@ -84,7 +100,11 @@ def check_text(value: object, what: str) -> str:
 
 def _refused(char: str) -> bool:
     category = unicodedata.category(char)
-    return category in _REFUSED_CATEGORIES or (category == "Zs" and char != " ")
+    return (
+        category in _REFUSED_CATEGORIES
+        or (category == "Zs" and char != " ")
+        or ord(char) in IGNORABLE
+    )
 
 
 def folded(text: str) -> str:

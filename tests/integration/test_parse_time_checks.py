@@ -25,7 +25,7 @@ from airflow_idempotency.arguments import (
     is_templated,
 )
 from airflow_idempotency.exceptions import InvalidInputError
-from airflow_idempotency.key_spelling import folded, reads_as_time
+from airflow_idempotency.key_spelling import IGNORABLE, folded, reads_as_time
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, MAX_OFFSET, RunKeyRule, check_text
 
 # Deterministic: the same examples on every run (no seed to print), fast.
@@ -93,6 +93,8 @@ def test_a_job_name_that_is_not_text_is_refused(value: object) -> None:
 @example(segment="*")
 @example(segment="2026-10")
 @example(segment="e\u200bu")
+@example(segment="\u0301eu")
+@example(segment="eu\ufe0f")
 def test_a_key_segment_is_one_clean_label(segment: str) -> None:
     """A key_segment passes iff it is non-empty, unpadded, without '|' (in any width), in
     NFC, without invisible characters, and no period, time or '*' marker in any digits."""
@@ -104,6 +106,8 @@ def test_a_key_segment_is_one_clean_label(segment: str) -> None:
         and "|" not in fold
         and not any(unicodedata.category(c) in refused for c in segment)
         and not any(unicodedata.category(c) == "Zs" and c != " " for c in segment)
+        and not any(ord(c) in IGNORABLE for c in segment)
+        and not unicodedata.category(segment[:1] or "a").startswith("M")
         and unicodedata.normalize("NFC", segment) == segment
         and fold not in ("*", "{}")
         and not reads_as_time(fold)

@@ -98,7 +98,20 @@ def test_a_period_in_other_digits_is_refused_naming_its_spelling(digits: str) ->
 
 
 @pytest.mark.parametrize(
-    "invisible", ["\u200b", "\u200e", "\u200f", "\u202e", "\u2066", "\ufeff", "\u00ad", "\u00a0"]
+    "invisible",
+    [
+        "\u200b",
+        "\u200e",
+        "\u200f",
+        "\u202e",
+        "\u2066",
+        "\ufeff",
+        "\u00ad",
+        "\u00a0",
+        "\ufe0f",
+        "\u034f",
+        "\u3164",
+    ],
 )
 def test_invisible_characters_are_refused_in_labels_and_callable_keys(invisible: str) -> None:
     """Zero-width space, bidi marks and overrides, BOM, soft hyphen, no-break space: a key
@@ -114,6 +127,14 @@ def test_invisible_characters_are_refused_in_labels_and_callable_keys(invisible:
             resolve_run_key(
                 RunKeyRule(), facts(run_type="scheduled", partition_key=f"{text}|2026-10-01")
             )
+
+
+def test_a_key_or_label_starting_with_a_combining_mark_is_refused() -> None:
+    """A lone combining acute would be drawn on the delimiter before it: refused."""
+    with pytest.raises(InvalidInputError, match="combining mark"):
+        explicit(RunKeyRule(), "eu|\u0301|2026-10-01")
+    with pytest.raises(InvalidInputError, match="combining mark"):
+        check_text("\u0301job", "job name")
 
 
 def test_non_nfc_text_is_read_in_nfc_and_said_so() -> None:
