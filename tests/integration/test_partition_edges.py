@@ -19,6 +19,7 @@ from airflow_idempotency import IdempotentRunOperator, RunKeyRule, planning
 from airflow_idempotency.compat import AIRFLOW_V_3_2_PLUS
 from airflow_idempotency.exceptions import InvalidRunKeyError
 from airflow_idempotency.gaps import gaps as find_gaps
+from support import TESTS
 from support.cli import record
 
 pytestmark = pytest.mark.skipif(not AIRFLOW_V_3_2_PLUS, reason="partitioned runs: Airflow 3.2+")
@@ -166,3 +167,25 @@ def test_gaps_of_an_hourly_job_over_a_window_of_days(pg_dsn: str) -> None:
             conn, "idempotency", "edges_watch.work", "2026-10-25", "2026-10-25", due=due
         )
     assert [(g.run_key, g.kind) for g in found] == [("2026-10-25T01Z", "missing")]
+
+
+@pytest.mark.usefixtures("airflow_home")
+def test_the_watch_follows_when_a_partitions_run_fires(
+    airflow_pg_conn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """watch_problems over part_daily (run_offset=-1) at 10-08 00:30: the partition of 10-07
+    is not due (its run fires at 01:00), so only the missing 10-03 is a problem."""
+    from airflow_idempotency.watch import watch_problems
+
+    monkeypatch.setenv("AIRFLOW__CORE__DAGS_FOLDER", str(TESTS / "dags_partitions"))
+    for day in range(1, 7):
+        if day != 3:
+            record(airflow_pg_conn, "part_daily.work", f"2026-10-0{day}")
+    problems = watch_problems(
+        ["part_daily"],
+        ["part_daily.work"],
+        dt.date(2026, 10, 1),
+        dt.date(2026, 10, 7),
+        as_of=pendulum.datetime(2026, 10, 8, 0, 30, tz="UTC"),
+    )
+    assert problems == ["part_daily.work 2026-10-03: missing"]
