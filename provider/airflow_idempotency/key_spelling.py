@@ -142,6 +142,42 @@ def foreign_spelling(text: str) -> str | None:
     return fold if fold != text and reads_as_time(fold) else None
 
 
+_LENIENT: dict[str, re.Pattern[str]] = {
+    "hour": re.compile(
+        r"([0-9]{4})[-/.]?([0-9]{1,2})[-/.]?([0-9]{1,2})[T ]([0-9]{1,2})(?::00){0,2}(?:Z|\+00:?00)",
+        re.I,
+    ),
+    "day": re.compile(
+        r"([0-9]{4})[-/.]([0-9]{1,2})[-/.]([0-9]{1,2})|([0-9]{4})([0-9]{2})([0-9]{2})"
+    ),
+    "week": re.compile(r"([0-9]{4})-?W([0-9]{1,2})", re.I),
+    "month": re.compile(r"([0-9]{4})[-/.]([0-9]{1,2})|([0-9]{4})([0-9]{2})"),
+}
+
+
+def spelling_of(text: object, period: str) -> str | None:
+    """The one spelling of the ``period`` that ``text`` writes another way (``2026-10-1``,
+    ``2026/10/01``, ``20261001``, ``2026-w40``, ``2026-10-01T13:00Z``, other digits), if
+    it names a real one; else ``None``. For messages only: such text is refused."""
+    if not isinstance(text, str):
+        return None
+    match = _LENIENT[period].fullmatch(folded(text).strip())
+    if match is None:
+        return None
+    y, *rest = (int(g) for g in match.groups() if g is not None)
+    try:
+        if period == "week":
+            dt.date.fromisocalendar(y, rest[0], 1)
+            return f"{y:04d}-W{rest[0]:02d}"
+        day = rest[1] if len(rest) > 1 else 1
+        hour = rest[2] if len(rest) > 2 else 0
+        moment = dt.datetime(y, rest[0], day, hour)
+    except ValueError:
+        return None
+    formats = {"hour": "%Y-%m-%dT%HZ", "day": "%Y-%m-%d", "month": "%Y-%m"}
+    return moment.strftime(formats[period])
+
+
 def refuse_foreign_spelling(text: str, what: str) -> None:
     """Refuse ``text`` (a key or one of its segments) if it is a period written with other
     digits or characters than the canonical ones, naming the canonical spelling."""
@@ -177,6 +213,14 @@ def check_label(segment: object, what: str, key: str) -> str:
         )
     refuse_foreign_spelling(segment, f"{what} of {key!r}")
     _key_text(segment, what)
+    meant = [
+        m for m in (spelling_of(segment, p) for p in PERIOD_FORMATS) if m not in (None, segment)
+    ]
+    if meant and not fold.isdigit():  # a number (a store id) may be a label
+        raise InvalidRunKeyError(
+            f"{what} {segment!r} of {key!r} reads as the period {meant[0]!r} written another "
+            f"way, so it cannot be a label: give the period once, in its one spelling"
+        )
     if reads_as_time(segment):
         raise InvalidRunKeyError(
             f"{what} {segment!r} of {key!r} reads as a period or a time, so it cannot be a "

@@ -63,6 +63,7 @@ from airflow_idempotency.key_spelling import (
     check_key_text,
     check_label,
     refuse_foreign_spelling,
+    spelling_of,
 )
 from airflow_idempotency.key_spelling import KeyParts as KeyParts
 from airflow_idempotency.key_spelling import check_text as check_text
@@ -180,6 +181,9 @@ class RunKeyRule:
                     check_text(key, "run_key")
                 except InvalidInputError as exc:
                     raise InvalidRunKeyError(f"{exc}. Expected {hint}.") from None
+            meant = spelling_of(key, self.period)
+            if meant is not None:
+                hint = f"{hint}; its one spelling is {meant!r}"
             raise InvalidRunKeyError(
                 f"malformed run_key {key!r}: expected {hint}. Pass the business date the run "
                 f'is for, for example conf {{"run_key": "2026-10-01"}}.'

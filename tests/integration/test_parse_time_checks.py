@@ -25,8 +25,10 @@ from airflow_idempotency.arguments import (
     is_templated,
 )
 from airflow_idempotency.exceptions import InvalidInputError
-from airflow_idempotency.key_spelling import IGNORABLE, folded, reads_as_time
+from airflow_idempotency.key_spelling import IGNORABLE, folded, reads_as_time, spelling_of
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, MAX_OFFSET, RunKeyRule, check_text
+
+PERIODS = ("hour", "day", "week", "month")
 
 # Deterministic: the same examples on every run (no seed to print), fast.
 PROPERTY = settings(max_examples=400, deadline=None, database=None, derandomize=True)
@@ -95,6 +97,7 @@ def test_a_job_name_that_is_not_text_is_refused(value: object) -> None:
 @example(segment="e\u200bu")
 @example(segment="\u0301eu")
 @example(segment="eu\ufe0f")
+@example(segment="2026/1/1")
 def test_a_key_segment_is_one_clean_label(segment: str) -> None:
     """A key_segment passes iff it is non-empty, unpadded, without '|' (in any width), in
     NFC, without invisible characters, and no period, time or '*' marker in any digits."""
@@ -111,6 +114,7 @@ def test_a_key_segment_is_one_clean_label(segment: str) -> None:
         and unicodedata.normalize("NFC", segment) == segment
         and fold not in ("*", "{}")
         and not reads_as_time(fold)
+        and (fold.isdigit() or all(spelling_of(segment, p) is None for p in PERIODS))
     )
     if is_templated(segment) or ok:
         assert check_key_segment(segment) == segment

@@ -175,6 +175,31 @@ def test_labels_that_read_as_a_period_or_a_marker_are_refused(key: str, message:
         resolve_run_key(RunKeyRule(), facts(run_type="scheduled", partition_key=key))
 
 
+@pytest.mark.parametrize(
+    ("period", "typed", "canonical"),
+    [
+        ("day", "2026-10-1", "2026-10-01"),
+        ("day", "2026/10/01", "2026-10-01"),
+        ("day", "20261001", "2026-10-01"),
+        ("week", "2026-w40", "2026-W40"),
+        ("hour", "2026-10-01T13:00Z", "2026-10-01T13Z"),
+        ("hour", "2026-10-01t13z", "2026-10-01T13Z"),
+        ("month", "2026-1", "2026-01"),
+    ],
+)
+def test_a_period_written_another_way_is_refused_naming_its_spelling(
+    period: str, typed: str, canonical: str
+) -> None:
+    """A near miss is refused with the one spelling named; as a label it is no name either."""
+    with pytest.raises(InvalidRunKeyError, match=f"one spelling is '{canonical}'"):
+        explicit(RunKeyRule(period=period), typed)  # type: ignore[arg-type]
+    if not typed.isdigit():
+        with pytest.raises(InvalidRunKeyError, match=f"reads as the period '{canonical}'"):
+            resolve_run_key(RunKeyRule(), facts(run_type="scheduled", partition_key=f"eu|{typed}"))
+    else:  # a number may be a label (a store id): kept
+        assert explicit(RunKeyRule(), f"{typed}|2026-10-01") == f"{typed}|2026-10-01"
+
+
 def test_callable_keys_have_one_period_and_no_marker() -> None:
     """A callable's key may be any text, but not two periods, a marker or foreign digits."""
     assert resolve_run_key(lambda c: "batch-7", facts()).run_key == "batch-7"
