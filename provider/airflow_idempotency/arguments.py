@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.key_spelling import check_label
 from airflow_idempotency.partitions import SEGMENT_DELIMITER
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, RunKeyRule, check_text
 from airflow_idempotency.schema import validate_schema_name
@@ -88,7 +89,9 @@ def check_key_segment(value: object) -> str | None:
             f"blanks and without {SEGMENT_DELIMITER!r} (it is written before the period: "
             f"eu{SEGMENT_DELIMITER}2026-10-01)"
         )
-    return check_text(value, "key_segment")
+    # Its one spelling (key_spelling): NFC, no invisible characters, not read as a period
+    # or as the CLI's '*' marker.
+    return check_label(check_text(value, "key_segment"), "key_segment", value)
 
 
 def check_run_key_rule(value: object) -> RunKeyRule | Callable[..., Any]:

@@ -298,10 +298,12 @@ class IdempotentRunOperator(ReschedulingOperator):
         conf: Mapping[str, Any],
         partition_key: str | None = None,
         timetable_name: str | None = None,
+        partition_date: dt.datetime | None = None,
     ) -> ResolvedRunKey:
         """The run key a run of ``kind`` (manual, scheduled, backfill) at ``logical_date``
-        (or for ``partition_key``) with ``conf`` would get, or the error it would get
-        (``airflow-idempotency explain``, ``plan``).
+        (or for ``partition_key``, whose exact instant is ``partition_date`` when known) with
+        ``conf`` would get, or the error it would get (``airflow-idempotency explain``,
+        ``plan``).
 
         The DAG's params are merged with ``conf`` as Airflow does. A callable rule is called
         with a context of those facts only (logical_date, partition_key, params, dag, dag_run).
@@ -314,10 +316,12 @@ class IdempotentRunOperator(ReschedulingOperator):
             logical_date=logical_date,
             run_after=logical_date,
             partition_key=partition_key,
+            partition_date=partition_date,
         )
         context = {
             "logical_date": logical_date,
             "partition_key": partition_key,
+            "partition_date": partition_date,
             "params": params,
             "dag": dag,
             "dag_run": run,
@@ -328,7 +332,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             conf=conf,
             params=params,
             context=context,
-            partition=(partition_key, None),
+            partition=(partition_key, partition_date),
             timetable_name=timetable_name,
         )
 
@@ -380,7 +384,7 @@ class IdempotentRunOperator(ReschedulingOperator):
         tz = dag.timezone if dag else None
         return str(getattr(tz, "name", None) or tz or "UTC")
 
-    def _trigger(self, context: Context, run: AirflowRun) -> Trigger:
+    def _trigger(self, context: Context, run: AirflowRun, key_zone: str | None) -> Trigger:
         ti = context["ti"]
         return Trigger(
             triggered_by=run.triggered_by,
@@ -391,6 +395,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             try_number=ti.try_number,
             map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
             partition_key=run.partition_key,
+            key_zone=key_zone,
         )
 
     def execute(self, context: Context) -> dict[str, Any] | None:
@@ -425,7 +430,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             run_key=resolved.run_key,
             work=self.run,
             options=options,
-            trigger=self._trigger(context, run),
+            trigger=self._trigger(context, run, resolved.zone),
             environment=RunEnvironment(
                 schema=self.schema,
                 logger=self.log,

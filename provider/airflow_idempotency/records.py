@@ -48,6 +48,10 @@ class Trigger:
     try_number: int | None = None
     map_index: int | None = None
     partition_key: str | None = None  # the run's Airflow partition key (3.2+): details
+    # The timezone the run key's period was read in (a day, week or month key; None for
+    # hour keys, which are UTC, and keys of no period): job_runs.key_zone. A job whose
+    # earlier keys were made in another zone is refused (the runner's zone check).
+    key_zone: str | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ class RunRecords:
             "trigger_details": Jsonb(
                 {"partition_key": trigger.partition_key} if trigger.partition_key else {}
             ),
+            "key_zone": trigger.key_zone,
             "hostname": _HOSTNAME,
             "pid": os.getpid(),
             "lock_backend_pid": lock.backend_pid if lock else None,

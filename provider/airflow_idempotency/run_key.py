@@ -42,10 +42,9 @@ repeats when daylight saving time ends.
 from __future__ import annotations
 
 import datetime as dt
-import re
 import unicodedata
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import pendulum
@@ -58,6 +57,18 @@ from airflow_idempotency.exceptions import (
     RunKeyConflictError,
     RunKeyMissingError,
 )
+from airflow_idempotency.key_spelling import MAX_KEY_LENGTH as MAX_KEY_LENGTH
+from airflow_idempotency.key_spelling import (
+    PERIOD_FORMATS,
+    check_key_text,
+    check_label,
+    refuse_foreign_spelling,
+    spelling_of,
+)
+from airflow_idempotency.key_spelling import KeyParts as KeyParts
+from airflow_idempotency.key_spelling import check_text as check_text
+from airflow_idempotency.key_spelling import key_parts as key_parts
+from airflow_idempotency.key_spelling import segment_template as segment_template
 from airflow_idempotency.partitions import (
     DEFAULT_TIME_FORMATS,
     SEGMENT_DELIMITER,
@@ -67,47 +78,16 @@ from airflow_idempotency.partitions import (
 )
 
 Period = Literal["hour", "day", "week", "month"]
-MAX_KEY_LENGTH = 200
 MAX_OFFSET = 1000
 """The largest shift a :class:`RunKeyRule` offset may give (in periods, either way)."""
 
-# re.ASCII: \d and int() also take fullwidth, Arabic-Indic, Devanagari, ... digits, and
-# such a key would name the same period as another key (another lock and record).
-_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
-    "hour": (
-        re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2})Z", re.ASCII),
-        "YYYY-MM-DDTHHZ (UTC), e.g. 2026-10-01T13Z",
-    ),
-    "day": (re.compile(r"(\d{4})-(\d{2})-(\d{2})", re.ASCII), "YYYY-MM-DD, e.g. 2026-10-01"),
-    "week": (re.compile(r"(\d{4})-W(\d{2})", re.ASCII), "YYYY-Www (ISO week), e.g. 2026-W40"),
-    "month": (re.compile(r"(\d{4})-(\d{2})", re.ASCII), "YYYY-MM, e.g. 2026-10"),
-}
+_FORMATS = PERIOD_FORMATS
 
 # Timetables whose logical date is the moment the run fires (no data interval): the period
 # that just ended is the one before the logical date.
 _TRIGGER_TIMETABLES = frozenset(
     {"CronTriggerTimetable", "MultipleCronTriggerTimetable", "DeltaTriggerTimetable"}
 )
-
-
-def check_text(value: object, what: str) -> str:
-    """Validate free text used as a job name or run key; return it unchanged.
-
-    Any printable text is allowed (quotes and unicode included: it only ever travels as a
-    bound parameter); control characters, surrounding blanks and empty text are refused.
-    """
-    if not isinstance(value, str):
-        raise InvalidInputError(f"{what} must be text, got {type(value).__name__}: {value!r}")
-    if not value or value != value.strip():
-        raise InvalidInputError(f"{what} {value!r} is empty or has leading/trailing blanks")
-    if len(value) > MAX_KEY_LENGTH:
-        raise InvalidInputError(f"{what} is {len(value)} characters long; at most {MAX_KEY_LENGTH}")
-    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Cs", "Cn")]
-    if bad:
-        raise InvalidInputError(
-            f"{what} {value!r} contains control or unassigned characters {bad!r}"
-        )
-    return value
 
 
 @dataclass(frozen=True)
@@ -118,11 +98,15 @@ class RunKeyRule:
     :param offset: periods to add to the period containing the logical date; ``None`` picks
         -1 for trigger timetables (cron schedules in Airflow 3) and 0 for data-interval ones.
     :param allow_open_period: accept keys whose period has not ended yet (default: refuse).
+    :param timezone: the zone day, week and month keys are read in; ``None``: the DAG's
+        (a partition's wall-clock time is still read in its timetable's zone). Keeps a job's
+        keys in the zone they were made in when the DAG's own zone changes (the zone rule).
     """
 
     period: Period = "day"
     offset: int | None = None
     allow_open_period: bool = False
+    timezone: str | None = None
 
     def __post_init__(self) -> None:
         # Checked when the DAG file builds the rule: a mistake is the file's import error.
@@ -145,6 +129,19 @@ class RunKeyRule:
             raise InvalidInputError(
                 f"allow_open_period must be True or False, got {self.allow_open_period!r}"
             )
+        if self.timezone is not None:
+            try:
+                pendulum.timezone(self.timezone)
+            except (ValueError, TypeError):
+                raise InvalidInputError(
+                    f"timezone {self.timezone!r} is no timezone: give an IANA name such as "
+                    "'Europe/Amsterdam', or None for the DAG's"
+                ) from None
+
+    def zone_of_keys(self, timezone: str) -> str | None:
+        """The zone this rule's keys are made in for a DAG in ``timezone``: none for hour
+        keys (UTC), else the rule's own or the DAG's."""
+        return None if self.period == "hour" else (self.timezone or timezone)
 
     @property
     def format_hint(self) -> str:
@@ -178,6 +175,15 @@ class RunKeyRule:
         pattern, hint = _FORMATS[self.period]
         match = pattern.fullmatch(key) if isinstance(key, str) else None
         if match is None:
+            if isinstance(key, str):
+                refuse_foreign_spelling(key, "run_key")
+                try:
+                    check_text(key, "run_key")
+                except InvalidInputError as exc:
+                    raise InvalidRunKeyError(f"{exc}. Expected {hint}.") from None
+            meant = spelling_of(key, self.period)
+            if meant is not None:
+                hint = f"{hint}; its one spelling is {meant!r}"
             example = hint.rsplit("e.g. ", 1)[-1]
             raise InvalidRunKeyError(
                 f"malformed run_key {key!r}: expected {hint}. Pass the business period the "
@@ -299,6 +305,7 @@ class ResolvedRunKey:
     run_key: str
     source: Source
     explanation: str
+    zone: str | None = None  # the zone the key's period was read in (the zone rule)
 
 
 def resolve_run_key(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
@@ -307,18 +314,60 @@ def resolve_run_key(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> Resol
     The one place that decides, in the order of the module docstring. Scheduled, backfill
     and asset-triggered runs never take an explicit key: a run_key in a backfill's conf
     would map every date onto one key, so it is refused. An explicit key for a callable
-    rule is free text, checked like any key but not parsed as a period.
+    rule is free text, checked like any key but not parsed as a period. Every key has one
+    spelling (:mod:`airflow_idempotency.key_spelling`): text read in another Unicode form
+    than NFC is mapped to NFC and the explanation says so; any other spelling is refused.
     """
+    facts, mapped = _in_nfc(facts)
+    # The zone of the keys: the rule's, else a partitioned DAG's timetable's, else the DAG's.
+    pinned = rule.timezone if isinstance(rule, RunKeyRule) else None
+    zone = pinned or facts.partition_spec.timezone or facts.timezone
+    if zone != facts.timezone:
+        facts = replace(facts, timezone=zone)
     resolved = _resolve_base(rule, facts)
-    if facts.key_segment is None:
-        return resolved
-    segment = _check_label(facts.key_segment, "key_segment", facts.key_segment)
-    key = check_text(f"{segment}{SEGMENT_DELIMITER}{resolved.run_key}", "run key")
-    return ResolvedRunKey(
-        key,
-        resolved.source,
-        f"run_key {key!r}: this task's segment {segment!r} before {resolved.explanation}",
-    )
+    if facts.key_segment is not None:
+        resolved = _with_segment(resolved, facts.key_segment)
+    if mapped:
+        note = f"; read in Unicode NFC: {', '.join(mapped)} (the same text, composed)"
+        resolved = replace(resolved, explanation=resolved.explanation + note)
+    return resolved
+
+
+def _in_nfc(facts: RunFacts) -> tuple[RunFacts, list[str]]:
+    """``facts`` with its texts in NFC, and which were not."""
+    changes: dict[str, Any] = {}
+    for name in ("conf_run_key", "params_run_key", "partition_key", "key_segment"):
+        value = getattr(facts, name)
+        if isinstance(value, str) and unicodedata.normalize("NFC", value) != value:
+            changes[name] = unicodedata.normalize("NFC", value)
+    mapped = [
+        f"{name.replace('_run_key', ' run_key')} as {text!r}" for name, text in changes.items()
+    ]
+    return (replace(facts, **changes) if changes else facts), mapped
+
+
+def _with_segment(resolved: ResolvedRunKey, key_segment: str) -> ResolvedRunKey:
+    """The key of a mapped task's segment: its segment, then the key decided for the run."""
+    segment = check_label(key_segment, "key_segment", key_segment)
+    if resolved.source in ("conf", "params") and SEGMENT_DELIMITER in resolved.run_key:
+        raise InvalidRunKeyError(
+            f"run_key {resolved.run_key!r} has segments, but this task writes its own segment "
+            f"{segment!r} before the key: give run_key the period only (e.g. "
+            f"{resolved.run_key.split(SEGMENT_DELIMITER)[-1]!r}), each mapped task adds its segment"
+        )
+    key = check_key_text(f"{segment}{SEGMENT_DELIMITER}{resolved.run_key}", "run key")
+    explanation = f"run_key {key!r}: this task's segment {segment!r} before {resolved.explanation}"
+    return replace(resolved, run_key=key, explanation=explanation)
+
+
+def _from_callable(rule: RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
+    value = rule(facts.context)
+    note = ""
+    if isinstance(value, str) and unicodedata.normalize("NFC", value) != value:
+        value = unicodedata.normalize("NFC", value)
+        note = " (its text read in Unicode NFC)"
+    key = check_key_text(value, "run key from run_key_rule")
+    return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule{note}")
 
 
 def _resolve_base(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
@@ -327,8 +376,7 @@ def _resolve_base(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> Resolve
     if explicit not in (None, ""):
         return _explicit(rule, facts, explicit, source)
     if not isinstance(rule, RunKeyRule):
-        key = check_text(rule(facts.context), "run key from run_key_rule")
-        return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
+        return _from_callable(rule, facts)
     if facts.partition_key is not None:
         return partition_run_key(rule, facts)
     # A partitioned DAG's periods are its partitions: a run without one (the trigger form
@@ -351,18 +399,22 @@ def _explicit(
             "the run key from each run's partition or logical date."
         )
     if not isinstance(rule, RunKeyRule):
-        key = check_text(explicit, "run_key")
+        key = check_key_text(explicit, "run_key")
     else:
         key = _explicit_period_key(rule, explicit, facts.timezone, facts.now)
     explanation = f"run_key {key!r} given explicitly in the run's {source}"
-    if facts.partition_key is None or not isinstance(rule, RunKeyRule):
+    if not isinstance(rule, RunKeyRule):
         return ResolvedRunKey(key, source, explanation)
+    zone = rule.zone_of_keys(facts.timezone)
+    if facts.partition_key is None:
+        return ResolvedRunKey(key, source, explanation, zone)
     if facts.override_partition:
         return ResolvedRunKey(
             key,
             source,
             f"{explanation}, overriding the run's partition_key {facts.partition_key!r} "
             f"({OVERRIDE_FLAG} is set)",
+            zone,
         )
     from_partition = partition_run_key(rule, facts)
     if from_partition.run_key != key:
@@ -373,7 +425,8 @@ def _explicit(
             f"set to the period you mean, or, to process {key!r} in this run anyway, add "
             f'"{OVERRIDE_FLAG}": true to the conf.'
         )
-    return ResolvedRunKey(key, source, f"{explanation}; it agrees with the run's partition_key")
+    agreed = f"{explanation}; it agrees with the run's partition_key"
+    return ResolvedRunKey(key, source, agreed, zone)
 
 
 def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
@@ -414,7 +467,7 @@ def _from_logical_date(
             f"NOTE: this manual run has no explicit run_key, so {explanation}. If that is not "
             f"the business period you meant, trigger again with run_key set."
         )
-    return ResolvedRunKey(key, "logical_date", explanation)
+    return ResolvedRunKey(key, "logical_date", explanation, rule.zone_of_keys(timezone))
 
 
 def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
@@ -422,15 +475,20 @@ def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
     the one time segment written as the rule's period (``eu|2026-10-01T01:00:00`` ->
     ``eu|2026-10-01``), the other segments kept as they are.
 
+    The time segment is taken at the run's exact ``partition_date`` when it reads as the
+    segment's wall-clock time: Airflow writes both 02:00 hours of an autumn night in
+    Europe/Amsterdam as ``2026-10-25T02:00:00``, and their partition dates (00:00 and 01:00
+    UTC) make them the hours ``2026-10-25T00Z`` and ``2026-10-25T01Z``.
+
     Refused (nothing written): an empty, blank-padded, overlong or control-character key; an
-    empty or blank-padded segment, a ``|`` inside a segment of another delimiter; more than
-    one time segment; a time segment of a longer period than the rule's (``2026-10`` for a
-    daily job); a period that has not ended (unless ``allow_open_period``); an explicit
-    ``offset`` on the rule (a partition names its own period: use the timetable's
-    ``run_offset``).
+    empty or blank-padded segment, a ``|`` inside a segment of another delimiter; a label
+    that reads as a period; more than one time segment; a time segment of a longer period
+    than the rule's (``2026-10`` for a daily job); for an hourly job, a wall-clock hour that
+    happens twice with no partition date to say which, or never happens (the spring gap); a
+    period that has not ended (unless ``allow_open_period``); an explicit ``offset`` on the
+    rule (a partition names its own period: use the timetable's ``run_offset``).
     """
-    raw = facts.partition_key
-    key = check_text(raw, "partition_key")
+    key = check_text(facts.partition_key, "partition_key")
     if rule.offset not in (None, 0):
         raise ConfigurationError(
             f"RunKeyRule(offset={rule.offset}) moves keys derived from logical dates, but this "
@@ -439,57 +497,83 @@ def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
             f"(run_offset=-1: the run at D+1 01:00 is for day D)."
         )
     spec = facts.partition_spec
-    timezone = spec.timezone or facts.timezone
-    formats = (*spec.time_formats, *DEFAULT_TIME_FORMATS)
+    timezone = facts.timezone  # the keys' zone (resolve_run_key): the timetable's if known
     segments = key.split(spec.delimiter)
-    out: list[str] = []
-    times: list[tuple[int, TimeSegment, str]] = []
-    for index, segment in enumerate(segments, start=1):
-        parsed = parse_time_segment(segment, formats, timezone)
-        if parsed is None:
-            out.append(_check_label(segment, f"segment {index}", key))
-            continue
-        period_key = _period_of(rule, parsed, key, timezone, facts.now)
-        times.append((index, parsed, period_key))
-        out.append(period_key)
-    if len(times) > 1:
-        raise InvalidRunKeyError(
-            f"partition_key {key!r} has {len(times)} time segments "
-            f"({', '.join(repr(t.text) for _, t, _ in times)}); a run key has at most one "
-            f"period. Make the other segments labels (e.g. a region)."
-        )
-    run_key = check_text(SEGMENT_DELIMITER.join(out), "run key from partition_key")
+    out, times = _partition_segments(segments, spec, spec.timezone or timezone, key)
+    how = "no time segment: the key is the same work whenever it runs again"
+    zone = rule.zone_of_keys(timezone) if times else None
     if times:
-        index, parsed, period_key = times[0]
+        index, parsed = times[0]
+        parsed, note = _instant_of(rule, parsed, key, facts.partition_date)
+        period_key = _period_of(rule, parsed, key, timezone, facts.now)
+        out[index - 1] = period_key
         where = f"segment {index} " if len(segments) > 1 else ""
         how = (
-            f"{where}{parsed.text!r} is the {rule.period} {period_key} in {timezone}"
+            f"{where}{parsed.text!r} is the {rule.period} {period_key} in {timezone}{note}"
             if parsed.text != period_key
             else f"{where}{parsed.text!r} is a {rule.period}"
         )
-    else:
-        how = "no time segment: the key is the same work whenever it runs again"
+    run_key = check_key_text(SEGMENT_DELIMITER.join(out), "run key from partition_key")
     return ResolvedRunKey(
         run_key,
         "partition_key",
         f"run_key {run_key!r} from the run's partition_key {key!r} ({how})",
+        zone,
     )
 
 
-def _check_label(segment: str, what: str, key: str) -> str:
-    """A segment that is not a time: non-empty text, no blanks around it, no ``|``."""
-    if not isinstance(segment, str) or not segment or segment != segment.strip():
+def _partition_segments(
+    segments: list[str], spec: PartitionSpec, timezone: str, key: str
+) -> tuple[list[str], list[tuple[int, TimeSegment]]]:
+    """The segments with labels checked, and the time segments parsed (at most one)."""
+    formats = (*spec.time_formats, *DEFAULT_TIME_FORMATS)
+    out: list[str] = []
+    times: list[tuple[int, TimeSegment]] = []
+    for index, segment in enumerate(segments, start=1):
+        parsed = parse_time_segment(segment, formats, timezone)
+        if parsed is None:
+            out.append(check_label(segment, f"segment {index}", key))
+        else:
+            times.append((index, parsed))
+            out.append(segment)
+    if len(times) > 1:
         raise InvalidRunKeyError(
-            f"{what} {segment!r} of {key!r} is empty or has leading/trailing blanks: a run key's "
-            f"segments are non-empty text separated by {SEGMENT_DELIMITER!r}, at most one of "
-            f"them a period (e.g. eu|2026-10-01)"
+            f"partition_key {key!r} has {len(times)} time segments "
+            f"({', '.join(repr(t.text) for _, t in times)}); a run key has at most one "
+            f"period. Make the other segments labels (e.g. a region)."
         )
-    if SEGMENT_DELIMITER in segment:
+    return out, times
+
+
+def _instant_of(
+    rule: RunKeyRule, parsed: TimeSegment, key: str, partition_date: dt.datetime | None
+) -> tuple[TimeSegment, str]:
+    """The time segment at its exact instant, and a note for the log: the run's partition
+    date when it reads as the segment's wall-clock time; else the wall-clock time, refused
+    for an hourly job when it names two hours or none."""
+    exact = parsed.at(partition_date)
+    fault = parsed.wall_clock_fault()
+    wall = f"{parsed.wall:%Y-%m-%d %H:%M}" if parsed.wall else parsed.text
+    if exact is not None:
+        if fault != "ambiguous":
+            return exact, ""
+        instant = exact.start.in_timezone("UTC").to_iso8601_string()
+        return exact, f"; {wall} happens twice there, the run's partition date {instant} says which"
+    if fault is None or rule.period != "hour" or parsed.grain not in ("moment", "hour"):
+        return parsed, ""
+    if fault == "missing":
         raise InvalidRunKeyError(
-            f"{what} {segment!r} of {key!r} contains {SEGMENT_DELIMITER!r}, which separates "
-            f"the segments of a run key"
+            f"partition_key {key!r}: {wall} does not exist in {parsed.zone} (the clocks jump "
+            f"over it), so it names no hour. Give the partition of the hour you mean, or "
+            f"run_key in the format {rule.format_hint}."
         )
-    return check_text(segment, what)
+    first, second = (rule.key_for(i, "UTC", 0) for i in parsed.instants())
+    raise InvalidRunKeyError(
+        f"partition_key {key!r}: {wall} happens twice in {parsed.zone} (the clocks go back) "
+        f"and this run has no partition date that says which. Give run_key {first!r} for "
+        f"the first of the two hours or {second!r} for the second (hour keys are in UTC), "
+        f'with "{OVERRIDE_FLAG}": true if the run keeps this partition_key.'
+    )
 
 
 def _period_of(
@@ -510,7 +594,7 @@ def _explicit_period_key(
     rule: RunKeyRule, explicit: object, timezone: str, now: dt.datetime
 ) -> str:
     """An explicit key for a period rule: a well-formed period that has ended, optionally
-    with label segments (``eu|2026-10-01``)."""
+    with label segments (``eu|2026-10-01``), in its one spelling."""
     key = str(explicit) if isinstance(explicit, dt.date) else explicit
     if not isinstance(key, str):
         raise InvalidRunKeyError(
@@ -523,67 +607,14 @@ def _explicit_period_key(
         return check_text(key, "run_key")
     pattern = _FORMATS[rule.period][0]
     periods = [s for s in segments if pattern.fullmatch(s)]
+    for index, segment in enumerate(segments, start=1):
+        if segment not in periods:
+            check_label(segment, f"segment {index}", key)
     if len(periods) != 1:
         raise InvalidRunKeyError(
             f"malformed run_key {key!r}: a run key with segments has exactly one segment in "
             f"the format {rule.format_hint}, the others labels (e.g. eu|2026-10-01)"
         )
-    for index, segment in enumerate(segments, start=1):
-        if segment != periods[0]:
-            _check_label(segment, f"segment {index}", key)
     rule.period_bounds(periods[0], timezone)
     rule.check_ended(periods[0], timezone, now)
-    return check_text(key, "run_key")
-
-
-# -- reading keys back (gaps, the calendar) ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeyParts:
-    """A run key taken apart: its period segment and the labels around it.
-
-    ``eu|2026-10-01`` -> labels ``("eu", "{}")``, period ``2026-10-01``; a key without a
-    period segment has ``period`` ``None``.
-    """
-
-    template: tuple[str, ...]
-    period: str | None
-
-    @property
-    def segment(self) -> str:
-        """The labels with the period left out (``eu|*``), ``""`` for a plain period key."""
-        if self.template == ("{}",):
-            return ""
-        return SEGMENT_DELIMITER.join("*" if s == "{}" else s for s in self.template)
-
-    def with_period(self, period: str) -> str:
-        """This key's labels around another period: the key of the same segment then."""
-        return SEGMENT_DELIMITER.join(period if s == "{}" else s for s in self.template)
-
-
-def key_parts(key: str) -> KeyParts:
-    """Split a run key into its period segment (the first in a run-key period format) and
-    its label segments."""
-    segments = key.split(SEGMENT_DELIMITER)
-    for index, segment in enumerate(segments):
-        if any(pattern.fullmatch(segment) for pattern, _ in _FORMATS.values()):
-            template = (*segments[:index], "{}", *segments[index + 1 :])
-            return KeyParts(template, segment)
-    return KeyParts(tuple(segments), None)
-
-
-def segment_template(segment: str) -> KeyParts:
-    """The parts of a segment as users write it on the command line: ``eu`` or ``eu|*``
-    (the period after the labels), ``*|eu`` (before them); ``""``: plain period keys."""
-    if segment == "":
-        return KeyParts(("{}",), None)
-    labels = segment.split(SEGMENT_DELIMITER)
-    if "*" not in labels:
-        labels.append("*")
-    if labels.count("*") != 1:
-        raise InvalidInputError(f"segment {segment!r}: mark the period's place with one '*'")
-    for label in labels:
-        if label != "*":
-            _check_label(label, "segment", segment)
-    return KeyParts(tuple("{}" if s == "*" else s for s in labels), None)
+    return check_key_text(key, "run_key")

@@ -3,8 +3,9 @@
 :func:`run_idempotently` executes ``work`` for one (job name, run key), in the steps of
 :class:`_Run`:
 
-1. **lock**: validate the job name and run key (nothing is written when they are
-   refused), then take the run lock in a transaction held open on a dedicated connection
+1. **lock**: validate the job name and run key, and the zone the key was made in against
+   the job's earlier keys (:mod:`~airflow_idempotency.key_zone`; nothing is written when
+   they are refused), then take the run lock in a transaction held open on a dedicated connection
    (:func:`~airflow_idempotency.locks.hold_run_lock`) for the whole run. If another session
    holds it, record a ``lock_held`` attempt naming the holder and raise
    :class:`~airflow_idempotency.exceptions.RunLockedError`;
@@ -54,6 +55,8 @@ from airflow_idempotency.exceptions import (
     RunLockedError,
 )
 from airflow_idempotency.fence import bookkeeping_lock_holders, fence_sqlstate, lock_wait_refusal
+from airflow_idempotency.key_spelling import check_key_text, check_text
+from airflow_idempotency.key_zone import check_key_zone
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal, session_ended
 from airflow_idempotency.records import (
     AttemptOutcome,
@@ -71,7 +74,6 @@ from airflow_idempotency.run_context import (
     RunSpec,
     autocommit_connection,
 )
-from airflow_idempotency.run_key import check_text
 from airflow_idempotency.schema import (
     ensure_schema,
     missing_privileges,
@@ -213,7 +215,7 @@ def run_idempotently(
         operator passes its own).
     """
     job_name = check_text(job_name, "job name")
-    run_key = check_text(run_key, "run key")
+    run_key = check_key_text(run_key, "run key")
     validate_schema_name(environment.schema)
     spec = RunSpec(RunIdentity(job_name, run_key, trigger), options, connect, environment)
     return _Run(spec, work).execute()
@@ -283,6 +285,8 @@ class _Run:
     def _execute(self) -> RunResult:
         with autocommit_connection(self.spec.connect) as lock_conn:
             ensure_schema(lock_conn, self.schema)
+            run = self.spec.run
+            check_key_zone(lock_conn, self.schema, run.job_name, run.run_key, run.trigger.key_zone)
             with hold_run_lock(
                 lock_conn,
                 self.spec.run.lock_key,

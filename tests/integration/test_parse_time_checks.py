@@ -25,7 +25,10 @@ from airflow_idempotency.arguments import (
     is_templated,
 )
 from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.key_spelling import IGNORABLE, folded, reads_as_time, spelling_of
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, MAX_OFFSET, RunKeyRule, check_text
+
+PERIODS = ("hour", "day", "week", "month")
 
 # Deterministic: the same examples on every run (no seed to print), fast.
 PROPERTY = settings(max_examples=400, deadline=None, database=None, derandomize=True)
@@ -89,13 +92,29 @@ def test_a_job_name_that_is_not_text_is_refused(value: object) -> None:
 @given(segment=st.text(max_size=8))
 @example(segment="eu|us")
 @example(segment=" eu")
+@example(segment="*")
+@example(segment="2026-10")
+@example(segment="e\u200bu")
+@example(segment="\u0301eu")
+@example(segment="eu\ufe0f")
+@example(segment="2026/1/1")
 def test_a_key_segment_is_one_clean_label(segment: str) -> None:
-    """A key_segment passes iff it is non-empty, unpadded, without '|', and valid key text."""
+    """A key_segment passes iff it is non-empty, unpadded, without '|' (in any width), in
+    NFC, without invisible characters, and no period, time or '*' marker in any digits."""
+    refused = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
+    fold = folded(segment)
     ok = (
         segment != ""
         and segment == segment.strip()
-        and "|" not in segment
-        and not any(unicodedata.category(c) in ("Cc", "Cs", "Cn") for c in segment)
+        and "|" not in fold
+        and not any(unicodedata.category(c) in refused for c in segment)
+        and not any(unicodedata.category(c) == "Zs" and c != " " for c in segment)
+        and not any(ord(c) in IGNORABLE for c in segment)
+        and not unicodedata.category(segment[:1] or "a").startswith("M")
+        and unicodedata.normalize("NFC", segment) == segment
+        and fold not in ("*", "{}")
+        and not reads_as_time(fold)
+        and (fold.isdigit() or all(spelling_of(segment, p) is None for p in PERIODS))
     )
     if is_templated(segment) or ok:
         assert check_key_segment(segment) == segment

@@ -343,6 +343,8 @@ _TASK_MODULES = {
     "airflow_idempotency.locks",
     "airflow_idempotency.metrics",
     "airflow_idempotency.operator",
+    "airflow_idempotency.key_spelling",
+    "airflow_idempotency.key_zone",
     "airflow_idempotency.partitions",
     "airflow_idempotency.provider_info",
     "airflow_idempotency.records",

@@ -138,6 +138,16 @@ SELECT job_name, run_key, status, triggered_by, triggering_user, dag_id, run_id,
 FROM {schema}.job_runs AS r
 WHERE job_name = %(job_name)s AND run_key = %(run_key)s;
 
+-- name: key_zone_conflict
+-- The other zone the job's run keys were made in, if any (the DAG's timezone changed since):
+-- that zone, its latest key and how many keys it holds. job_runs_key_zone_idx serves it.
+SELECT key_zone, max(run_key) AS run_key, count(*) AS keys
+FROM {schema}.job_runs
+WHERE job_name = %(job_name)s AND key_zone IS NOT NULL AND key_zone <> %(key_zone)s
+GROUP BY key_zone
+ORDER BY keys DESC
+LIMIT 1;
+
 -- name: insert_attempt
 INSERT INTO {schema}.job_run_attempts (
     job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
@@ -196,14 +206,15 @@ abandoned AS (
 run AS (
     INSERT INTO {schema}.job_runs (
         job_name, run_key, lock_key, status, triggered_by, triggering_user, dag_id, run_id,
-        task_id, attempt_count, current_attempt_id, started_at, updated_at
+        task_id, attempt_count, current_attempt_id, started_at, updated_at, key_zone
     )
     SELECT %(job_name)s, %(run_key)s, %(lock_key)s, 'started', %(triggered_by)s,
            %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, 1, attempt.attempt_id,
-           statement_timestamp(), statement_timestamp()
+           statement_timestamp(), statement_timestamp(), %(key_zone)s
     FROM attempt
     ON CONFLICT (job_name, run_key) DO UPDATE
     SET status = 'started',
+        key_zone = coalesce(EXCLUDED.key_zone, job_runs.key_zone),
         triggered_by = EXCLUDED.triggered_by,
         triggering_user = EXCLUDED.triggering_user,
         dag_id = EXCLUDED.dag_id,
