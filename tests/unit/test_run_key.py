@@ -234,10 +234,10 @@ def test_a_run_key_in_other_digits_is_refused_not_a_second_key(
 ) -> None:
     """A manual run_key written in fullwidth, Arabic-Indic, Devanagari, ... digits names the
     same period as the ASCII key, but would be another key: another lock and record, the
-    period done twice. Refused, with the format, like any malformed key."""
+    period done twice. Refused, naming its one spelling."""
     period, key = period_key
     other = "".join(chr(ord(zero) + int(c)) if c.isdigit() else c for c in key)
-    with pytest.raises(InvalidRunKeyError, match="malformed run_key"):
+    with pytest.raises(InvalidRunKeyError, match="non-ASCII digits"):
         resolve(
             RunKeyRule(period=period),  # type: ignore[arg-type]
             run_type="manual",

@@ -47,14 +47,12 @@ SITES: dict[tuple[str, str, str], str] = {
     ("ui/database.py", "open_reader", "connection"): "the pool's timeout (PoolTimeout)",
     ("connection.py", "new_connection", "connect"): "connect_timeout (CONNECT_TIMEOUT unless set)",
     ("hook.py", "new_connection", "connect"): "connect_timeout (connection.connect_kwargs)",
-    ("cli/_base.py", "connect", "connect"): "connect_timeout (CONNECT_TIMEOUT unless the DSN "
+    ("cli/_database.py", "connect", "connect"): "connect_timeout (CONNECT_TIMEOUT unless the DSN "
     "sets one)",
     ("ledger/deduplicating.py", "__init__", "ConnectionPool"): "a pool of the remote's "
     "connections: no database wait; each call is bounded by its sender's timeout",
     ("ledger/pipeline.py", "_serve", "ConnectionPool"): "as above",
-    ("ledger/calls.py", "call", "connection"): "as above",
-    ("ledger/calls.py", "_retry", "connection"): "as above",
-    ("ledger/calls.py", "again", "connection"): "as above",
+    ("ledger/calls.py", "_try", "connection"): "as above",
 }
 
 KNOWN_UNBOUNDED: dict[tuple[str, str, str], str] = {
