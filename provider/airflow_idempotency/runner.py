@@ -17,7 +17,8 @@
 5. **fenced completion**: mark ``completed`` in the lock transaction (only this attempt,
    only while its session holds the lock), whose commit also releases the lock;
 6. **failure**: on an exception, mark the attempt and the run ``failed`` (in the lock
-   transaction when it is alive, else from a fresh connection) and re-raise.
+   transaction when it is alive, else from a fresh connection) and re-raise
+   (:mod:`~airflow_idempotency.run_failures`).
 
 ``dry_run`` runs ``work`` inside one transaction that is rolled back, leaves ``job_runs``
 alone and records a ``dry_run`` attempt.
@@ -33,7 +34,6 @@ import os
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -43,23 +43,19 @@ from psycopg.rows import dict_row
 
 from airflow_idempotency import metrics, records
 from airflow_idempotency._sql import query, query_row
-from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
-    ConfigurationError,
     IdempotencyError,
     LockLostError,
     LockWaitError,
     MissingPrivilegeError,
-    PoolExhaustedError,
     RunLockedError,
 )
 from airflow_idempotency.fence import bookkeeping_lock_holders, fence_sqlstate, lock_wait_refusal
 from airflow_idempotency.key_spelling import check_key_text, check_text
 from airflow_idempotency.key_zone import check_key_zone
-from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal, session_ended
+from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
 from airflow_idempotency.records import (
-    AttemptOutcome,
     RunIdentity,
     RunOptions,
     RunRecord,
@@ -74,6 +70,7 @@ from airflow_idempotency.run_context import (
     RunSpec,
     autocommit_connection,
 )
+from airflow_idempotency.run_failures import named_failure, record_failure
 from airflow_idempotency.schema import (
     ensure_schema,
     missing_privileges,
@@ -378,8 +375,8 @@ class _Run:
         try:
             counts = self._start_and_work(lock_conn, lock, existing)
         except BaseException as exc:
-            named = self._named(lock_conn, exc)
-            self._fail(lock_conn, named)
+            named = named_failure(lock_conn, exc, self.spec)
+            record_failure(lock_conn, named, self.spec, self.records, self.log, self.attempt_id)
             if named is exc:
                 raise
             raise named from exc
@@ -395,28 +392,6 @@ class _Run:
             )
         crash_point("runner.before_completion")
         return self._complete(lock_conn, lock, counts)
-
-    def _named(self, lock_conn: psycopg.Connection, exc: BaseException) -> BaseException:
-        """The provider's error for a database failure the work did not name: a connection
-        refused for want of slots (:func:`pooler_refusal`: the sizing rule), or a connection
-        the server ended while the lock session ended too (every session of this attempt
-        terminated at once: a failover, a restart, an operator) as :class:`LockLostError`.
-        Anything else is ``exc`` itself."""
-        if not isinstance(exc, psycopg.Error):
-            return exc
-        refusal = pooler_refusal(exc)
-        if refusal is not None:
-            return refusal
-        if isinstance(exc, psycopg.OperationalError) and session_ended(lock_conn):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return LockLostError(
-                f"job {self.job_name!r} run_key {self.run_key!r}: the job database ended this "
-                f"attempt's sessions, its lock session with them ({type(exc).__name__}: "
-                f"{first}): a failover, a restart or an operator's pg_terminate_backend. Its "
-                "lock is gone and its open transaction did not commit; what committed before "
-                "stays. A rerun converges."
-            )
-        return exc
 
     # -- 3. start and 4. work ---------------------------------------------------------------
 
@@ -545,7 +520,7 @@ class _Run:
         except psycopg.errors.LockNotAvailable as exc:
             waited = self._lock_wait(exc, "the completion of")
             assert waited is not None
-            self._fail(lock_conn, waited)
+            record_failure(lock_conn, waited, self.spec, self.records, self.log, self.attempt_id)
             raise waited from exc
         except (psycopg.OperationalError, LockLostError) as exc:
             lost = (
@@ -557,80 +532,8 @@ class _Run:
                     "completed and a rerun converges."
                 )
             )
-            self._fail(lock_conn, lost)
+            record_failure(lock_conn, lost, self.spec, self.records, self.log, self.attempt_id)
             raise lost from exc
         self.log.info("completed: %s", counts)
         self._count("completed")
         return RunResult(RunOutcome.COMPLETED, self.job_name, self.run_key, self.attempt_id, counts)
-
-    # -- 6. failure -------------------------------------------------------------------------
-
-    def _record_refused_start(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
-        """A start that a pooler refused (its pool exhausted) or whose bounded takeover ended
-        is recorded as a failed attempt, in the lock transaction (which has its server
-        connection), naming the cause."""
-        refusal: BaseException | None = None
-        if type(exc) in (PoolExhaustedError, ConfigurationError) or isinstance(exc, LockWaitError):
-            refusal = exc
-        elif isinstance(exc, psycopg.Error):
-            refusal = pooler_refusal(exc)
-        if refusal is None or lock_conn.closed or lock_conn.broken:
-            return
-        self.log.error("%s", refusal)
-        self._count("failed")
-        with contextlib.suppress(psycopg.Error):
-            self.log.attempt = self.records.insert_attempt(
-                lock_conn,
-                "failed",
-                lock=None,
-                options=self.options,
-                error=str(refusal),
-                and_commit=True,
-            )
-
-    def _fail(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
-        """Mark the attempt (and, unless dry run, the run) failed; never mask ``exc``.
-
-        Written in the lock transaction, which then commits: the failure is recorded and
-        the lock released at one instant. When the lock session is gone, it is written from
-        a fresh session instead; mark_failed only touches the run if this attempt still
-        owns it, so a successor is never overwritten.
-        """
-        if self.attempt_id is None:  # the start itself failed: nothing was recorded yet
-            self._record_refused_start(lock_conn, exc)
-            return
-        attempt_id = self.attempt_id
-        outcome: AttemptOutcome = "lock_lost" if isinstance(exc, LockLostError) else "failed"
-        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:4000]
-        self.log.error("%s: %s", outcome, error)
-        self._count(outcome)
-
-        def write(conn: psycopg.Connection) -> None:
-            self.records.finish_attempt(conn, attempt_id, outcome, error=error)
-            if not self.options.dry_run:
-                self.records.mark_failed(conn, attempt_id, error)
-
-        if not (lock_conn.closed or lock_conn.broken):
-            try:
-                if lock_conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
-                    write(lock_conn)
-                    lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
-                else:  # the lock transaction already ended (a completion that found no row)
-                    with bounded_transaction(lock_conn, self.schema):
-                        write(lock_conn)
-                return
-            except psycopg.Error:
-                # Terminated server-side (psycopg only learns it from a failed statement),
-                # or the lock transaction is aborted: give it up, write from a fresh one.
-                with contextlib.suppress(psycopg.Error):
-                    lock_conn.execute("ROLLBACK")
-        try:
-            with (
-                autocommit_connection(self.spec.connect) as conn,
-                bounded_transaction(conn, self.schema),
-            ):
-                write(conn)  # READ COMMITTED: autocommit_connection pins it
-        except (psycopg.Error, IdempotencyError) as record_exc:
-            self.log.warning(
-                "could not record the failure (%s); job_runs may still say started", record_exc
-            )

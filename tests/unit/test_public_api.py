@@ -349,7 +349,9 @@ _TASK_MODULES = {
     "airflow_idempotency.provider_info",
     "airflow_idempotency.records",
     "airflow_idempotency.run_context",
+    "airflow_idempotency.run_failures",
     "airflow_idempotency.run_key",
+    "airflow_idempotency.run_key_rule",
     "airflow_idempotency.runner",
     "airflow_idempotency.schema",
     "airflow_idempotency.ui",  # its route constants only (the operator's link)

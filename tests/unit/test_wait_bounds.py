@@ -37,7 +37,7 @@ SITES: dict[tuple[str, str, str], str] = {
     "lock_timeout for every statement (the ledger's)",
     ("runner.py", "_start_and_work", "transaction"): "the dry run's outer transaction: "
     "BEGIN only, the work's statements in it are the work's own",
-    ("runner.py", "_fail", "bounded_transaction"): _BOUNDED,
+    ("run_failures.py", "record_failure", "bounded_transaction"): _BOUNDED,
     ("ledger/pipeline.py", "_write_intents", "bounded_transaction"): _BOUNDED,
     ("effects/notifications.py", "fenced_transaction", "bounded_transaction"): _BOUNDED,
     ("retention.py", "prune_attempts", "bounded_transaction"): _BOUNDED,
