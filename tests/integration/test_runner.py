@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from airflow_idempotency import schema as schema_mod
-from airflow_idempotency.exceptions import LockLostError, RunLockedError, SchemaError
+from airflow_idempotency.exceptions import LockLostError, RunLockedError, SchemaTooNewError
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.run_context import RunEnvironment
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
@@ -356,7 +356,7 @@ def test_newer_schema_is_refused(pg_dsn: str) -> None:
             "INSERT INTO future.schema_version (version, name) VALUES (999, 'from the future')"
         )
         schema_mod._migrated.clear()
-        with pytest.raises(SchemaError, match="newer than this release"):
+        with pytest.raises(SchemaTooNewError, match="newer than this release"):
             schema_mod.ensure_schema(conn, "future")
 
 

@@ -169,7 +169,7 @@ def test_odd_text_is_taken_as_written_or_refused_naming_the_option(
     """Any text for a text option (NUL bytes, undecodable bytes, newlines, blanks, very long)
     is taken exactly as written, or refused with exit 2 and a message naming the option."""
     argv = [*before, f"{option}={value}"]
-    if is_storable(value):
+    if is_storable(value) and value != "--":  # "--": refused by main (argparse drops it)
         args = build_parser().parse_args(argv)
         dest = {"--from": "from_key", "--run-key": "run_key"}.get(option, option[2:])
         assert getattr(args, dest.replace("-", "_")) == value

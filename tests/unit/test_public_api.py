@@ -342,6 +342,7 @@ _TASK_MODULES = {
     "airflow_idempotency.links",
     "airflow_idempotency.locks",
     "airflow_idempotency.metrics",
+    "airflow_idempotency.migrator",
     "airflow_idempotency.operator",
     "airflow_idempotency.key_spelling",
     "airflow_idempotency.key_zone",

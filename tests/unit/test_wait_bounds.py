@@ -53,12 +53,17 @@ SITES: dict[tuple[str, str, str], str] = {
     "connections: no database wait; each call is bounded by its sender's timeout",
     ("ledger/pipeline.py", "_serve", "ConnectionPool"): "as above",
     ("ledger/calls.py", "_try", "connection"): "as above",
+    ("migrator.py", "_try", "BEGIN"): "lock_timeout and idle_in_transaction_session_timeout, "
+    "set by begin_migration, the try's first statement; tries end within "
+    "MigrationBounds.give_up_after (MigrationBlockedError)",
+    ("migrator.py", "_try", "transaction"): "as above",
+    ("migrator.py", "migration_blockers", "transaction"): "reads pg_locks and "
+    "pg_stat_activity only: no lock to wait for",
 }
 
 KNOWN_UNBOUNDED: dict[tuple[str, str, str], str] = {
-    # Outside this change: the migration runner is being bounded by issue 30, item 5.
-    ("schema.py", "_migrate", "transaction"): "the migration runner (issue 30, item 5)",
-    ("schema.py", "_migrate", "pg_advisory_xact_lock"): "the migration lock (issue 30, item 5)",
+    ("migrator.py", "applied_migrations", "transaction"): "a probe: reads schema_version only "
+    "(inside a migration's try, under its lock_timeout)",
     ("schema.py", "current_version", "transaction"): "a probe: reads schema_version only",
 }
 

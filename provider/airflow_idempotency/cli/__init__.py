@@ -80,8 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code (2 for bad usage, after argparse printed why)."""
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        for arg in sys.argv[1:] if argv is None else argv:
+            if arg.startswith("--") and arg.endswith("=--"):
+                # Python's argparse (before 3.12.7) drops a value "--" without a word.
+                parser.error(f"argument {arg[:-3]}: '--' is not a value this option takes")
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse's: bad usage (2), or --help / --version (0)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
