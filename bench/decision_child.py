@@ -188,7 +188,11 @@ def labeller() -> Callable[[str], str]:
     from airflow_idempotency import _sql
 
     known: list[tuple[str, str]] = []
-    for name, body in _sql._queries().items():
+    try:  # this checkout's loader takes the file's name; older checkouts read queries.sql
+        queries = _sql._queries("queries.sql")  # type: ignore[call-arg, unused-ignore]
+    except TypeError:
+        queries = _sql._queries()  # type: ignore[call-arg, unused-ignore]
+    for name, body in queries.items():
         text = _normal(body.replace("{schema}", '"idempotency"'))
         prefix = re.split(r"%\(|%s", text, maxsplit=1)[0][:120]
         if len(prefix) >= 12:

@@ -21,7 +21,7 @@ import pytest
 from devtools import airflow_env
 from devtools.accounting import AccountingService
 from devtools.postgres import PostgresServer, find_server, temporary_database
-from support.invoicing import InvoicingEnv
+from support.invoice_env import InvoicingEnv
 from support.workers import migrated_db
 
 _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="idem-airflow-"))

@@ -29,7 +29,7 @@ from devtools.airflow_stack import REDIS_URL, AirflowStack, airflow_stack
 from devtools.postgres import PostgresServer
 from support.db import rows
 from support.faults import figures
-from support.invoicing import InvoicingEnv
+from support.invoice_env import InvoicingEnv
 from support.locks import advisory_locks
 
 pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]

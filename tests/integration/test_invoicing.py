@@ -12,7 +12,7 @@ import pytest
 from devtools.airflow_env import DAGS_FOLDER
 from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date, task_states
 from support.db import rows
-from support.invoicing import InvoicingEnv
+from support.invoice_env import InvoicingEnv
 from support.locks import lock_held_attempts, run_lock_holders
 from support.workers import Until, race, start_worker
 

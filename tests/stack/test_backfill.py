@@ -13,7 +13,7 @@ import pytest
 from devtools.airflow_env import DAGS_FOLDER
 from devtools.airflow_stack import airflow_stack
 from support.db import rows
-from support.invoicing import InvoicingEnv
+from support.invoice_env import InvoicingEnv
 
 pytestmark = pytest.mark.slow
 
