@@ -88,7 +88,7 @@ def dag_policy(dag: Any) -> None:
         )
     for task in dag.tasks:
         if covered(task):
-            task.__class__ = _contract_class(type(task))
+            task.__class__ = _contract_class(type(task))  # type: ignore[arg-type]
 
 
 def covered(task: Any) -> bool:
@@ -98,12 +98,18 @@ def covered(task: Any) -> bool:
 
     if not isinstance(task, BaseOperator) or isinstance(task, IdempotentRunOperator):
         return False  # a mapped task, or one under the contract already
-    if getattr(type(task), "_idempotency_policy", False):
+    if protected(task):
         return False  # done already (a DAG parsed twice in one process)
     if any(c.__name__ == "BaseSensorOperator" for c in type(task).__mro__):
         return False
     params = task.params or {}
     return not (EXEMPT_PARAM in params and _truthy(params[EXEMPT_PARAM]))
+
+
+def protected(task: Any) -> bool:
+    """Whether the policy has put ``task`` under the contract (its DAG parsed with the tag
+    configured)."""
+    return bool(getattr(type(task), "_idempotency_policy", False))
 
 
 def _truthy(value: Any) -> bool:
@@ -159,8 +165,10 @@ def _contract_class(cls: type) -> type:
         },
     )
 
+    original = cls.execute  # type: ignore[attr-defined]
+
     def execute(self: Any, context: Any, **kwargs: Any) -> Any:
-        return run_under_policy(self, context, lambda: super(sub, self).execute(context, **kwargs))
+        return run_under_policy(self, context, lambda: original(self, context, **kwargs))
 
     sub.execute = execute  # type: ignore[attr-defined]
     return sub
@@ -221,4 +229,12 @@ def _work(task: Any, original: Any, returned: list[Any], ctx: Any) -> dict[str, 
     return {"return_value": value}
 
 
-__all__ = ["EXEMPT_PARAM", "covered", "dag_policy", "exempt", "key_refusal", "policy_tags"]
+__all__ = [
+    "EXEMPT_PARAM",
+    "covered",
+    "dag_policy",
+    "exempt",
+    "key_refusal",
+    "policy_tags",
+    "protected",
+]
