@@ -23,6 +23,7 @@ import pytest
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
 from devtools.airflow_env import connection_env
 from support import TESTS
+from support.cli import cli_process_with
 from support.db import rows
 from support.workers import private_airflow_env
 

@@ -58,6 +58,7 @@ def handle(args: argparse.Namespace) -> int:
     last = dt.datetime.fromisoformat(args.to_date).replace(tzinfo=dt.timezone.utc)
     dag = _dags.load_dag(args)
     try:
+        adoption.protected_tasks(dag)  # refused before anything is read or written
         runs = _succeeded(args, first, last + dt.timedelta(days=1))
         with connect_write(args) if args.apply else connect(args) as conn:
             recorded = conn if args.apply or current_version(conn, args.schema) else None
