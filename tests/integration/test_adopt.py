@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pendulum
 import psycopg
 import pytest
 
@@ -25,6 +26,12 @@ from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_d
 from support.db import rows
 
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
+
+
+def _fire(business_date: str) -> Any:
+    """The logical date of the scheduled run of ``business_date`` (0 1 * * *), this line's."""
+    return pendulum.parse(scheduled_logical_date(business_date))
+
 
 DAY = dt.timedelta(days=1)
 
@@ -55,7 +62,7 @@ def _history(folder: Path, days: list[str]) -> list[adoption.SucceededRun]:
     dag = _dag(folder)
     made = []
     for day in days:
-        run = run_dag(dag, scheduled_logical_date(day))
+        run = run_dag(dag, _fire(day))
         assert run.state == SUCCESS
         made.append(run)
     if not AIRFLOW_V_3_0_PLUS:
@@ -111,7 +118,7 @@ def test_adopted_history_is_left_alone_by_the_policy(
 
     work_log.write_text("")
     for day in ("2026-10-01", "2026-10-02"):
-        assert run_dag(dag, scheduled_logical_date(day)).state == SUCCESS
+        assert run_dag(dag, _fire(day)).state == SUCCESS
     # load adopted both days: no work; extract's failed key runs (once); notify is exempt.
     done = sorted(line.split()[0] for line in work_log.read_text().splitlines())
     assert done == ["extract", "notify", "notify"]

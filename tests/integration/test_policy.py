@@ -6,7 +6,9 @@ from __future__ import annotations
 import shutil
 import textwrap
 from pathlib import Path
+from typing import Any
 
+import pendulum
 import pytest
 
 from support import TESTS
@@ -14,6 +16,12 @@ from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_d
 from support.db import rows
 
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
+
+
+def _fire(business_date: str) -> Any:
+    """The logical date of the scheduled run of ``business_date`` (0 1 * * *), this line's."""
+    return pendulum.parse(scheduled_logical_date(business_date))
+
 
 POLICY_DAGS = TESTS / "dags_policy"
 
@@ -52,11 +60,11 @@ def test_a_tagged_dag_runs_its_work_once_per_date(
     run (load reads extract's return value); the exempt task runs both times; force reruns;
     a dry run executes nothing and leaves the records alone."""
     dag = _dag(tmp_path)
-    date = scheduled_logical_date("2026-10-01")
+    date = _fire("2026-10-01")
     for _ in range(2):
         run = run_dag(dag, date)
         assert run.state == SUCCESS, task_states(run)
-    ds = date[:10]
+    ds = date.date().isoformat()
     assert sorted(_lines(work_log)) == [
         f"extract {ds}",
         f"load {ds}",
@@ -97,7 +105,7 @@ def test_without_the_setting_the_policy_changes_nothing(
     monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__POLICY_DAG_TAGS", "other")
     dag = _dag(tmp_path)
     assert not any(getattr(type(t), "_idempotency_policy", False) for t in dag.tasks)
-    date = scheduled_logical_date("2026-10-02")
+    date = _fire("2026-10-02")
     for _ in range(2):
         assert run_dag(dag, date).state == SUCCESS
     assert len(_lines(work_log)) == 6
@@ -124,6 +132,7 @@ def test_a_tagged_dag_without_a_daily_key_is_refused_at_parse_time(
             f"""
             import datetime as dt
             import pendulum
+from typing import Any
             from airflow.providers.common.compat.sdk import DAG, task
 
             with DAG("refused", {schedule}, start_date=pendulum.datetime(2026, 9, 1),

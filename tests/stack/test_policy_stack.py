@@ -53,21 +53,7 @@ def work_done(work_log: Path, task: str) -> collections.Counter[str]:
 
 
 def adopt(env: dict[str, str], *args: str) -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "airflow_idempotency.cli",
-            "adopt",
-            "nightly_sales",
-            *args,
-            "--json",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = cli_process_with(env, "adopt", "nightly_sales", *args, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)  # type: ignore[no-any-return]
 
