@@ -132,7 +132,6 @@ def test_a_tagged_dag_without_a_daily_key_is_refused_at_parse_time(
             f"""
             import datetime as dt
             import pendulum
-from typing import Any
             from airflow.providers.common.compat.sdk import DAG, task
 
             with DAG("refused", {schedule}, start_date=pendulum.datetime(2026, 9, 1),
