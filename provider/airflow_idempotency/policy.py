@@ -141,13 +141,17 @@ def key_refusal(dag: Any) -> str | None:
 
 
 def _fire_days(expression: str, timezone: Any) -> list[dt.date]:
-    """The local days of the cron ``expression``'s next eight fire times from 2026-01-05."""
+    """The local days of the cron ``expression``'s first eight fire times from 2026-01-05
+    (Airflow's own cron timetable, the same on both lines)."""
     import pendulum
-    from croniter import croniter
+    from airflow.timetables.trigger import CronTriggerTimetable
+
+    from airflow_idempotency.planning import timetable_runs
 
     tz = pendulum.timezone(str(getattr(timezone, "name", None) or timezone or "UTC"))
-    cron = croniter(expression, dt.datetime(2026, 1, 5, tzinfo=tz))
-    return [cron.get_next(dt.datetime).astimezone(tz).date() for _ in range(8)]
+    start = pendulum.datetime(2026, 1, 5, tz=tz)
+    runs = timetable_runs(CronTriggerTimetable(expression, timezone=tz), start, start.add(days=40))
+    return [r.logical_date.in_timezone(tz).date() for r in runs[:8]]
 
 
 @functools.cache

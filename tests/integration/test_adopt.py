@@ -20,6 +20,7 @@ import pytest
 from airflow_idempotency import adoption
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
 from airflow_idempotency.locks import run_lock_key
+from airflow_idempotency.schema import ensure_schema
 from support import TESTS
 from support.cli import cli, record
 from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date
@@ -140,6 +141,7 @@ def test_a_locked_key_and_a_duplicate_run_are_not_adopted(
         psycopg.connect(airflow_pg_conn, autocommit=True) as conn,
         psycopg.connect(airflow_pg_conn, autocommit=True) as holder,
     ):
+        ensure_schema(conn, "idempotency")
         holder.execute(
             "SELECT pg_advisory_lock(%s)", (run_lock_key("nightly_sales.load", "2026-10-03"),)
         )

@@ -140,15 +140,21 @@ def test_policy_and_adopt_on_airflow2(pg_dsn: str, airflow_home: Path, tmp_path:
         )  # fmt: skip
         assert proc.returncode == 0, (args, proc.stdout[-3000:], proc.stderr[-3000:])
 
-    # Untagged: plain Airflow. On 2.11 the logical date of business day D is D.
-    airflow("dags", "backfill", "-s", "2026-10-01", "-e", "2026-10-02", "nightly_sales")
+    # Untagged: plain Airflow. On 2.11 the logical date of business day D is D 01:00 (a
+    # bare -e date is its midnight: the bounds name the runs' logical dates).
+    airflow(
+        "dags", "backfill", "-s", "2026-10-01", "-e", "2026-10-02T01:00:00+00:00", "nightly_sales"
+    )
     dags_folder(tmp_path, tagged=True)
     check_adoption(pg_dsn, env, "2026-10-01", "2026-10-02", ["2026-10-01", "2026-10-02"])
 
     for _ in range(2):  # triggered twice (dags test: a manual run, in this process)
-        airflow("dags", "test", "nightly_sales", "2026-10-04")
+        airflow("dags", "test", "nightly_sales", "2026-10-04T01:00:00+00:00")
     for flags in ((), ("--reset-dagruns", "-y")):  # backfilled twice, then really rerun
-        airflow("dags", "backfill", "-s", "2026-10-01", "-e", "2026-10-06", *flags, "nightly_sales")
+        airflow(
+            "dags", "backfill", "-s", "2026-10-01", "-e", "2026-10-06T01:00:00+00:00", *flags,
+            "nightly_sales",
+        )  # fmt: skip
     once = {f"2026-10-0{d}": 1 for d in (1, 2, 3, 4, 5, 6)}
     assert work_done(work_log, "extract") == once
     assert work_done(work_log, "load") == once

@@ -29,10 +29,11 @@ def _dag(timetable: object) -> object:
     separator=st.sampled_from([",", ", ", " ,"]),
 )
 def test_the_tags_are_the_setting_split_on_commas_and_trimmed(
-    tags: list[str], separator: str, monkeypatch: pytest.MonkeyPatch
+    tags: list[str], separator: str
 ) -> None:
-    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__POLICY_DAG_TAGS", separator.join(tags))
-    assert policy.policy_tags() == {t.strip() for t in tags if t.strip()}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIRFLOW__IDEMPOTENCY__POLICY_DAG_TAGS", separator.join(tags))
+        assert policy.policy_tags() == {t.strip() for t in tags if t.strip()}
 
 
 def test_without_the_setting_there_are_no_tags(monkeypatch: pytest.MonkeyPatch) -> None:
