@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One entry point for a fresh clone: `python3 dev.py demo` and `python3 dev.py test`.
 
-Needs only Python 3.10-3.12 (3.11 recommended) and git. Each command first makes sure the
+Needs only Python 3.11-3.12 (the lock files' Pythons) and git. Each command first makes sure the
 project's virtual environment exists and matches its lock (creating it, installing uv
 into it, syncing the locked packages, installing this checkout), then runs:
 
@@ -13,6 +13,7 @@ into it, syncing the locked packages, installing this checkout), then runs:
     python3 dev.py bench [ARGS]     the benchmarks (figures and ratios, BENCHMARKS.md)
     python3 dev.py faults [ARGS]    the fault scenarios and their report (FAULTS.md)
     python3 dev.py chaos [ARGS]     seeded random actions and faults, checked against invariants
+    python3 dev.py codemap [--check]  the code map of docs/development.md, from the docstrings
 
 Airflow: the main line, 3.3, by default (.venv/, requirements/lock.txt). `--airflow LINE`
 right after the command uses another line, each with its own venv and lock file:
@@ -83,10 +84,11 @@ def run(cmd: list[str], what: str, fix: str) -> None:
 
 def setup(line: Line) -> None:
     """Create or refresh the line's venv so that it holds exactly its locked packages."""
-    if not (3, 10) <= sys.version_info[:2] <= (3, 12):
+    if not (3, 11) <= sys.version_info[:2] <= (3, 12):
         fail(
-            f"Python {sys.version.split()[0]} is not supported (Airflow 3 and the embedded "
-            "PostgreSQL wheel need 3.10-3.12)",
+            f"Python {sys.version.split()[0]} is not supported (the lock files are compiled "
+            "for 3.11 and pin packages that need it; the embedded PostgreSQL wheel needs 3.12 "
+            "at most)",
             "run this script with python3.11, e.g. `python3.11 dev.py test`",
         )
     digest = hashlib.sha256(
@@ -205,7 +207,17 @@ def main(argv: list[str]) -> None:
     if command in ("help", "-h", "--help"):
         print(__doc__)
         return
-    if command not in ("setup", "test", "demo", "lint", "cli", "bench", "faults", "chaos"):
+    if command not in (
+        "setup",
+        "test",
+        "demo",
+        "lint",
+        "cli",
+        "bench",
+        "faults",
+        "chaos",
+        "codemap",
+    ):
         print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
         raise SystemExit(2)
     line = LINES["3.3"]
@@ -236,6 +248,8 @@ def main(argv: list[str]) -> None:
         exec_in_venv(line, ["-m", "devtools.fault_report", *rest])
     elif command == "chaos":
         exec_in_venv(line, ["-m", "devtools.chaos", *rest])
+    elif command == "codemap":
+        exec_in_venv(line, ["-m", "devtools.codemap", *rest])
 
 
 if __name__ == "__main__":

@@ -245,7 +245,8 @@ def _now(dsn: str) -> dt.datetime:
     with psycopg.connect(dsn) as conn:
         row = conn.execute("SELECT now()").fetchone()
     assert row is not None
-    return row[0]  # type: ignore[no-any-return]
+    now: dt.datetime = row[0]
+    return now
 
 
 def _complete_keys_in_process(dsn: str, first: dt.date, dates: int, offset: int = -1) -> None:

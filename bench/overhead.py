@@ -28,12 +28,12 @@ that every variant sees the same machine state:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
 from airflow_idempotency import run_idempotently
+from airflow_idempotency.run_context import ConnectionFactory
 from airflow_idempotency.runner import RunContext, RunOutcome
 from airflow_idempotency.schema import ensure_schema
 from bench.common import BenchResult, Size, at_most, database, median, percentile
@@ -112,11 +112,11 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
             ensure_schema(conn)
             conn.execute("CREATE TABLE public.bench_commit_probe (id bigserial PRIMARY KEY)")
 
-            def call(connect: Callable[[], object], key: str, expect: RunOutcome) -> float:
+            def call(connect: ConnectionFactory, key: str, expect: RunOutcome) -> float:
                 """One run_idempotently call, in ms; its thread CPU time goes to _cpu."""
                 c0 = time.thread_time_ns()
                 t0 = time.perf_counter_ns()
-                res = run_idempotently(connect=connect, job_name=JOB, run_key=key, work=noop)  # type: ignore[arg-type]
+                res = run_idempotently(connect=connect, job_name=JOB, run_key=key, work=noop)
                 wall = (time.perf_counter_ns() - t0) / 1e6
                 _cpu.setdefault(f"{key.split('-')[0]}_{expect.value}", []).append(
                     (time.thread_time_ns() - c0) / 1e6

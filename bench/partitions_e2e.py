@@ -1,5 +1,6 @@
-"""Airflow 3.3 end to end on partitioned runs: a backfill over completed partitions vs the
-fair baseline (issue 21's measure: 90 partitions at size full).
+"""Airflow 3.3 end to end on partitioned runs: a backfill over completed partitions.
+
+Against the fair baseline (issue 21's measure: 90 partitions at size full).
 
 The harness of bench/airflow_e2e.py (one devtools.airflow_stack, ``airflow backfill
 create``, the same figures) on two DAGs of three chained tasks on daily

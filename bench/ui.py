@@ -84,7 +84,7 @@ def child_plugin_load(with_plugin: bool) -> dict[str, Any]:
             if with_plugin or dist.metadata["Name"] != DIST:
                 yield entry_point, dist
 
-    module_loading.entry_points_with_dist = entry_points_with_dist  # type: ignore[assignment]
+    module_loading.entry_points_with_dist = entry_points_with_dist
     t0 = time.perf_counter()
     plugins_manager.integrate_macros_plugins()
     ms = (time.perf_counter() - t0) * 1000
@@ -252,7 +252,7 @@ def _register_dags(count: int) -> None:
     from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
     from airflow.providers.common.compat.sdk import DAG, BaseOperator
 
-    DagBundlesManager().sync_bundles_to_db()
+    DagBundlesManager().sync_bundles_to_db()  # type: ignore[no-untyped-call]
     bag = DagBag(dag_folder=os.devnull, collect_dags=False)
     for i in range(count):
         with DAG(f"dag_{i}", schedule=None) as dag:
@@ -399,7 +399,8 @@ def _measure_pages_airflow2(
 
     with create_session() as session:
         for i in range(dags):
-            session.add(DagModel(dag_id=f"dag_{i}", fileloc=f"/dags/dag_{i}.py", is_active=True))
+            dag = DagModel(dag_id=f"dag_{i}", fileloc=f"/dags/dag_{i}.py", is_active=True)  # type: ignore[no-untyped-call]
+            session.add(dag)
     app = create_app(testing=True)
     app.config["WTF_CSRF_ENABLED"] = False
     security = app.appbuilder.sm
@@ -545,7 +546,7 @@ def __getattr__(name: str) -> Any:
 
     denied = {f"dag_{i}" for i in range(denied_dags(int(os.environ["BENCH_UI_DAGS"])))}
 
-    class RestrictedAuthManager(SimpleAuthManager):  # type: ignore[misc]
+    class RestrictedAuthManager(SimpleAuthManager):
         """SimpleAuthManager where user ``restricted`` may not read the first fifth of the DAGs."""
 
         def is_authorized_dag(

@@ -40,7 +40,7 @@ JOBS_DB = "idempotency_default"  # job_runs, the ledger and the example tables s
 class ReconcileExportOperator(IdempotentRunOperator):
     """Runs only when the run's conf sets force_reconcile, and then always (force)."""
 
-    def execute(self, context: Context) -> dict[str, Any]:
+    def execute(self, context: Context) -> dict[str, Any] | None:
         if not conf_flag(context, "force_reconcile"):
             raise AirflowSkipException("force_reconcile is not set: nothing to reconcile")
         return super().execute(context)
@@ -63,7 +63,7 @@ class ConfiguredOperator(IdempotentRunOperator):
         super().__init__(**kwargs)
         self.needs = needs
 
-    def execute(self, context: Context) -> dict[str, Any]:
+    def execute(self, context: Context) -> dict[str, Any] | None:
         from airflow.providers.common.compat.sdk import BaseHook
 
         try:

@@ -1,5 +1,7 @@
-"""idempotency_watch: fail, so that Airflow's own alerting fires, when a watched job has a
-business date without a completed run in the last days, or work nobody is doing.
+"""idempotency_watch: fails when a watched job has a gap or stale work, so Airflow alerts.
+
+It fails, so that Airflow's own alerting fires, when a watched job has a business date without
+a completed run in the last days, or work nobody is doing.
 
 Runs daily at 06:00 UTC: by then every watched daily job should have completed yesterday.
 The window is the ``days`` days before this run's own date (its logical date, or when it

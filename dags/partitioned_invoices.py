@@ -1,5 +1,4 @@
-"""invoice_regions and regional_reconciliation: the invoice example on partitioned runs
-(Airflow 3.2+).
+"""invoice_regions and regional_reconciliation: the invoice example on partitioned runs (3.2+).
 
 ``invoice_regions`` runs daily at 01:00 UTC on a ``CronPartitionTimetable``: each run
 carries a partition key (``2026-10-01T01:00:00``) and no logical date; ``run_offset=-1``

@@ -1,7 +1,7 @@
 """The invoice example's date state and its invariants, in one place.
 
-The tests (``tests/conftest.py``), the fault scenarios (``tests/support/faults.py``), the
-demo (``devtools/demo_support.py``) and chaos (``devtools/chaos/``) all read the example's
+The tests (``tests/support/invoicing.py``), the fault scenarios (``tests/support/faults.py``), the
+demo (``devtools/demo/rig.py``) and chaos (``devtools/chaos/``) all read the example's
 state and judge it through this module; the SQL is in ``invariants.sql``, one named query
 per state read and per invariant. An invariant's query returns the rows that break it.
 

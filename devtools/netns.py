@@ -1,5 +1,7 @@
-"""A second "host" for tests: a network namespace joined to this one by a veth pair, and a
-private PostgreSQL server listening on this side of the link.
+"""A second "host" for tests: a network namespace behind a veth pair, with its own Postgres.
+
+A network namespace joined to this one by a veth pair, and a private PostgreSQL server
+listening on this side of the link.
 
 A worker started with :meth:`Link.run_prefix` reaches Postgres only over the veth pair, so
 :meth:`Link.cut` (the host side's link down) is a real network partition: packets are

@@ -1,5 +1,6 @@
-"""A real SMTP server (aiosmtpd) as a subprocess, counting what it delivers, for tests, the
-demo and the email benchmark.
+"""A real SMTP server (aiosmtpd) as a subprocess, counting what it delivers.
+
+For tests, the demo and the email benchmark.
 
     with run_smtp_server(tmp_path / "mail") as server:
         ...  # send to 127.0.0.1:server.port
@@ -41,9 +42,12 @@ MAILBOX = "mailbox.jsonl"
 class Mailbox:
     """The aiosmtpd handler: stores each message durably, then answers."""
 
-    def __init__(self, folder: Path, die_after: int | None, refuse: set[str], quiet: bool) -> None:
+    def __init__(
+        self, folder: Path, die_after: int | None, refuse: set[str], quiet: bool, delay: float
+    ) -> None:
         self.path = folder / MAILBOX
         self.die_after = die_after
+        self.delay = delay
         self.refuse = refuse
         self.quiet = quiet
         self.count = 0
@@ -74,6 +78,8 @@ class Mailbox:
             os.fsync(self._file.fileno())
         if self.die_after is not None and self.count >= self.die_after:
             os._exit(137)  # stored, never answered: the client cannot know it was delivered
+        if self.delay:
+            await asyncio.sleep(self.delay)  # a slow server: a batch takes a while
         return "250 2.0.0 OK: queued"
 
 
@@ -81,7 +87,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from aiosmtpd.smtp import SMTP
 
     folder = Path(args.folder)
-    handler = Mailbox(folder, args.die_after, set(args.refuse or ()), args.quiet)
+    handler = Mailbox(folder, args.die_after, set(args.refuse or ()), args.quiet, args.delay)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
         lambda: SMTP(handler, hostname="idempotency-test-smtp"), "127.0.0.1", args.port
@@ -102,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--die-after", type=int)
     parser.add_argument("--refuse", action="append", metavar="RCPT")
     parser.add_argument("--quiet", action="store_true", help="count only (no mailbox lines)")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds before each answer")
     asyncio.run(_serve(parser.parse_args(argv)))
 
 
@@ -124,10 +131,13 @@ class SmtpServer:
         self.quiet = quiet
         self.proc: subprocess.Popen[str] | None = None
 
-    def start(self, *, die_after: int | None = None, refuse: tuple[str, ...] = ()) -> None:
-        """Start the server (again) and wait until it accepts connections."""
+    def start(
+        self, *, die_after: int | None = None, refuse: tuple[str, ...] = (), delay: float = 0.0
+    ) -> None:
+        """Start the server (again) and wait until it accepts connections; ``delay``: seconds
+        it waits before answering each message (stored first)."""
         command = [sys.executable, "-m", "devtools.smtp_server", "--port", str(self.port)]
-        command += ["--folder", str(self.folder)]
+        command += ["--folder", str(self.folder), "--delay", str(delay)]
         if die_after is not None:
             command += ["--die-after", str(die_after)]
         for address in refuse:

@@ -1,5 +1,6 @@
-"""Airflow processes in a private Airflow home: ``airflow dags test`` workers of the tests and
-the demo, each in its own process group.
+"""Airflow processes in a private Airflow home: ``airflow dags test`` workers.
+
+The workers of the tests and the demo, each in its own process group.
 
 Two ``dags test`` runs of one date against one metadata DB delete each other's runs, so
 each worker gets a copy of a migrated SQLite metadata DB: workers share only the job

@@ -15,12 +15,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from devtools import airflow_env
+from devtools.accounting import AccountingService
 from devtools.postgres import PostgresServer, find_server, temporary_database
+from support.invoicing import InvoicingEnv
 from support.workers import migrated_db
 
 _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="idem-airflow-"))
@@ -122,42 +123,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = selected
 
 
-class InvoicingEnv:
-    """A job database seeded with orders, the accounting service, and Airflow connections."""
-
-    def __init__(self, dsn: str, service: Any) -> None:
-        self.dsn = dsn
-        self.service = service
-
-    def seed(self, start: str, end: str | None = None, orders: int = 120, seed: int = 7) -> int:
-        import datetime as dt
-
-        import psycopg
-
-        from invoicing.seed import seed_orders
-
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            return seed_orders(
-                conn,
-                dt.date.fromisoformat(start),
-                dt.date.fromisoformat(end or start),
-                orders,
-                seed,
-            )
-
-    def connection_env(self, **extra: Any) -> dict[str, str]:
-        """AIRFLOW_CONN_* variables for the job DB and the accounting service."""
-        from devtools.airflow_env import connection_env
-
-        return connection_env(self.dsn, self.service.url, **extra)
-
-    def state(self, business_date: str) -> dict[str, Any]:
-        """Everything a rerun must leave identical, for row-by-row comparisons."""
-        from devtools.invariants import date_state
-
-        return date_state(self.dsn, business_date)
-
-
 @pytest.fixture
 def invoicing(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[InvoicingEnv]:
     """The invoice example's world: seeded orders, a running accounting service process."""
@@ -171,7 +136,7 @@ def invoicing(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Invoicin
 
 
 @pytest.fixture
-def accounting(pg_dsn: str) -> Iterator[Any]:
+def accounting(pg_dsn: str) -> Iterator[AccountingService]:
     """The accounting service running as its own process on the test database."""
     from devtools.accounting import run_accounting_service
 

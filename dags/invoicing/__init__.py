@@ -12,6 +12,7 @@ import hashlib
 import re
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -27,6 +28,15 @@ def queries() -> dict[str, str]:
     parts = _NAME.split((HERE / "queries.sql").read_text(encoding="utf-8"))
     # parts = [preamble, name1, body1, name2, body2, ...]
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def one_row(cur: psycopg.Cursor[Any]) -> tuple[Any, ...]:
+    """The one row the statement just executed on ``cur`` returns (each of queries.sql's
+    counting statements returns exactly one)."""
+    row = cur.fetchone()
+    if row is None:
+        raise RuntimeError("the statement returned no row: queries.sql and the code disagree")
+    return tuple(row)
 
 
 def ensure_example_schema(conn: psycopg.Connection) -> None:

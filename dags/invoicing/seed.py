@@ -14,6 +14,7 @@ import argparse
 import datetime as dt
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -26,7 +27,9 @@ from invoicing import ensure_example_schema, queries
 STORES = 25
 
 
-def order_rows(day: dt.date, count: int, seed: int):  # type: ignore[no-untyped-def]
+def order_rows(
+    day: dt.date, count: int, seed: int
+) -> Iterator[tuple[int, int, int, int, str, dt.date]]:
     """The orders shipped on ``day``: ids are YYYYMMDD * 10^7 + n, so they never collide."""
     rng = random.Random(f"{seed}:{day.isoformat()}")
     base = int(day.strftime("%Y%m%d")) * 10_000_000

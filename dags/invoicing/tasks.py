@@ -21,7 +21,7 @@ from airflow_idempotency import (
     post_json,
 )
 from airflow_idempotency.crashpoints import crash_point
-from invoicing import ensure_example_schema, queries
+from invoicing import ensure_example_schema, one_row, queries
 
 KEY_PREFIX = "finalize_invoices"  # idempotency keys: finalize_invoices:<date>:order_<id>
 REMOTE_SYSTEM = "accounting"
@@ -91,7 +91,7 @@ def create_invoices(run: RunContext) -> dict[str, int]:
     with run.transaction() as cur:
         count_execution(cur, run, "create_invoices")  # the executions witness (schema.sql)
         cur.execute(queries()["create_invoices"], {"business_date": business_date(run)})
-        orders_seen, invoices_created, _marked = cur.fetchone()  # type: ignore[misc]
+        orders_seen, invoices_created, _marked = one_row(cur)
         crash_point("invoices.before_commit")
     crash_point("invoices.after_commit")
     run.log.info("orders shipped: %d, invoices created now: %d", orders_seen, invoices_created)
@@ -313,7 +313,7 @@ def reconcile_stores(run: RunContext) -> dict[str, int]:
         cur.execute(queries()["upsert_store_reconciliation"], params)
         stores = cur.rowcount
         cur.execute(queries()["upsert_reconciliation_summary"], params)
-        _stores, mismatched, runs = cur.fetchone()  # type: ignore[misc]
+        _stores, mismatched, runs = one_row(cur)
     return {"stores": stores, "mismatched_stores": mismatched, "summary_writes": runs}
 
 
@@ -324,7 +324,7 @@ def create_region_invoices(run: RunContext) -> dict[str, int]:
     ensure_example_schema(run.connection)
     with run.transaction() as cur:
         cur.execute(queries()["create_region_invoices"], {"business_date": day, "region": region})
-        orders_seen, invoices_created, _marked = cur.fetchone()  # type: ignore[misc]
+        orders_seen, invoices_created, _marked = one_row(cur)
     run.log.info(
         "%s %s: orders %d, invoices created now %d", region, day, orders_seen, invoices_created
     )
@@ -339,7 +339,7 @@ def reconcile_region(run: RunContext) -> dict[str, int]:
         cur.execute(
             queries()["upsert_region_reconciliation"], {"business_date": day, "region": region}
         )
-        orders, invoiced, difference, runs = cur.fetchone()  # type: ignore[misc]
+        orders, invoiced, difference, runs = one_row(cur)
     return {"orders": orders, "invoiced": invoiced, "difference_cents": difference, "runs": runs}
 
 

@@ -1,4 +1,4 @@
-"""A real Airflow 3 stack (api-server, scheduler, dag-processor) as background processes.
+"""The stack as callers use it (``AirflowStack``): start, stop, and Airflow's CLI and REST verbs.
 
 For end-to-end tests and the demo: ``airflow backfill create`` and ``airflow dags trigger``
 only make tasks run when a scheduler, an api-server (the task runner talks to its execution

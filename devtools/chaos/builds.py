@@ -110,23 +110,25 @@ FENCE_OFF = Build(
     " the ledger's claims) neither check the lock when they begin nor at COMMIT, and a"
     " takeover waits for none of them",
     patches=(
-        # Today's fence (migration 0006, sql/queries.sql): the live lock check and the shared
-        # fence lock as a fenced transaction's first statement ...
+        # Today's fence (migrations 0006 and 0008, sql/queries.sql): the live lock check and the
+        # shared fence lock as a fenced transaction's first statement ...
         Patch(
             "sql/queries.sql",
-            "SELECT {schema}.fence_enter(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s),\n",
+            "SELECT {schema}.fence_enter(%(lock_key)s, %(lock_backend_pid)s, %(lock_holder)s,\n"
+            "                            %(attempt_id)s, %(lock_wait_ms)s),\n",
             "SELECT -- broken build: fence-off\n",
         ),
         # ... the commit-time check armed as its last statement ...
         Patch(
             "sql/queries.sql",
-            "SELECT {schema}.fence_arm(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s);",
+            "SELECT {schema}.fence_arm(%(lock_key)s, %(lock_backend_pid)s, %(lock_holder)s, "
+            "%(attempt_id)s);",
             "SELECT 1;  -- broken build: fence-off",
         ),
         # ... and the successor's wait for every fenced transaction of the key to end.
         Patch(
             "sql/queries.sql",
-            "SELECT {schema}.fence_take_over(%(lock_key)s),\n",
+            "SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s),\n",
             "SELECT -- broken build: fence-off\n",
         ),
     ),

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from functools import cache
 from importlib.resources import files
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from psycopg import sql
 from psycopg.rows import dict_row
@@ -26,22 +27,23 @@ def named_queries(text: str) -> dict[str, str]:
 
 
 @cache
-def _queries() -> dict[str, str]:
-    text = files("airflow_idempotency").joinpath("sql", "queries.sql").read_text(encoding="utf-8")
+def _queries(file: str) -> dict[str, str]:
+    text = files("airflow_idempotency").joinpath("sql", file).read_text(encoding="utf-8")
     return named_queries(text)
 
 
 @cache
-def query(name: str, schema: str) -> str:
-    """The statement called ``name`` in sql/queries.sql, its names qualified with ``schema``.
+def query(name: str, schema: str, file: str = "queries.sql") -> str:
+    """The statement called ``name`` in sql/queries.sql (or sql/``file``), its names qualified
+    with ``schema``.
 
     ``{schema}`` in the file becomes the quoted identifier (psycopg.sql does the quoting;
     callers validate the name first). Cached: composed once per statement and schema.
     """
     try:
-        text = _queries()[name]
+        text = _queries(file)[name]
     except KeyError:
-        raise KeyError(f"no query named {name!r} in sql/queries.sql") from None
+        raise KeyError(f"no query named {name!r} in sql/{file}") from None
     return sql.SQL(text).format(schema=sql.Identifier(schema)).as_string()
 
 
@@ -81,10 +83,24 @@ def latest_migration() -> int:
     return _migration_files()[-1][0]
 
 
+class Migration(NamedTuple):
+    """One file of sql/migrations/: its number, its file name and its statements."""
+
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        """SHA-256 of the file's text (newlines as read: ``\\n``), hex: what the database
+        records when it applies the file, and compares with on every check."""
+        return hashlib.sha256(self.sql.encode("utf-8")).hexdigest()
+
+
 @cache
-def migrations() -> tuple[tuple[int, str, str], ...]:
-    """Return ``(version, file name, sql)`` for each file in sql/migrations/, in order."""
+def migrations() -> tuple[Migration, ...]:
+    """Each file in sql/migrations/, in order of its number."""
     return tuple(
-        (version, entry.name, entry.read_text(encoding="utf-8"))
+        Migration(version, entry.name, entry.read_text(encoding="utf-8"))
         for version, entry in _migration_files()
     )

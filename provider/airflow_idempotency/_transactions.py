@@ -17,6 +17,9 @@ from typing import Any
 import psycopg
 from psycopg import IsolationLevel
 
+from airflow_idempotency._sql import query
+from airflow_idempotency.locks import lock_wait_ms
+
 log = logging.getLogger(__name__)
 
 READ_COMMITTED = "BEGIN ISOLATION LEVEL READ COMMITTED"
@@ -82,16 +85,17 @@ def in_one_transaction(
 def explicit_transaction(
     conn: psycopg.Connection,
     begin: str,
-    first: tuple[str, Mapping[str, Any]],
+    first: Sequence[tuple[str, Mapping[str, Any]]],
     last: tuple[str, Mapping[str, Any]],
 ) -> Iterator[None]:
-    """A transaction begun with ``begin``: its ``first`` statement goes out with the BEGIN,
+    """A transaction begun with ``begin``: its ``first`` statements go out with the BEGIN,
     its ``last`` with the COMMIT (no round trip of their own). Committed when the block ends,
     rolled back when the block (or the COMMIT itself) raises."""
     try:
         with pipelined(conn):
             conn.execute(begin)
-            conn.execute(*first)
+            for statement, params in first:
+                conn.execute(statement, params)
         yield
         with pipelined(conn):
             conn.execute(*last)
@@ -99,3 +103,13 @@ def explicit_transaction(
     except BaseException:
         rollback_quietly(conn)
         raise
+
+
+@contextlib.contextmanager
+def bounded_transaction(conn: psycopg.Connection, schema: str) -> Iterator[None]:
+    """``conn.transaction()`` for the provider's own statements (a savepoint inside an open
+    transaction), every lock wait in it bounded by ``locks.lock_wait_ms`` (``lock_timeout``
+    for this transaction only)."""
+    with conn.transaction():
+        conn.execute(query("bound_lock_waits", schema), {"lock_wait_ms": lock_wait_ms()})
+        yield

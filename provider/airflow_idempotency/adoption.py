@@ -28,7 +28,8 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from airflow_idempotency._sql import query, query_rows
-from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.exceptions import ConfigurationError, InvalidInputError
+from airflow_idempotency.key_zone import check_key_zone
 from airflow_idempotency.locks import run_lock_key
 
 API_URL_ENV = "AIRFLOW_IDEMPOTENCY_API_URL"
@@ -185,6 +186,7 @@ class Adoption:
     would: str  # adopt | recorded | duplicate | refused
     status: str | None = None  # the key's job_runs status, if recorded
     reason: str = ""
+    key_zone: str | None = None  # the zone the key was made in (the zone rule)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -273,7 +275,7 @@ def _adoption(run: SucceededRun, job_name: str, keys: Any) -> Adoption:
         )
     except InvalidInputError as exc:
         return Adoption(run, keys.task_id, job_name, None, "refused", reason=str(exc))
-    return Adoption(run, keys.task_id, job_name, resolved.run_key, "adopt")
+    return Adoption(run, keys.task_id, job_name, resolved.run_key, "adopt", key_zone=resolved.zone)
 
 
 def _states(
@@ -287,8 +289,10 @@ def _states(
 
 
 def apply(conn: psycopg.Connection, schema: str, dag_id: str, rows: list[Adoption]) -> None:
-    """Record every ``adopt`` row as completed, one transaction per key; a key recorded or
-    locked meanwhile is left alone (its row then says ``recorded`` or ``locked``)."""
+    """Record every ``adopt`` row as completed, one transaction per key, with the zone its
+    key was made in; a key recorded or locked meanwhile is left alone (its row then says
+    ``recorded`` or ``locked``), and so is one made in another zone than the job's recorded
+    keys (``refused``: the zone rule, as a run would be refused)."""
     for row in rows:
         if row.would != "adopt" or row.run_key is None:
             continue
@@ -302,11 +306,17 @@ def apply(conn: psycopg.Connection, schema: str, dag_id: str, rows: list[Adoptio
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "details": Jsonb({"adopted_from": row.run.as_details()}),
+            "key_zone": row.key_zone,
         }
         with conn.transaction():
             (acquired,) = conn.execute(query("adopt_lock", schema), params).fetchone() or (False,)
             if not acquired:
                 row.would, row.reason = "locked", "another execution holds the key now"
+                continue
+            try:
+                check_key_zone(conn, schema, row.job_name, row.run_key, row.key_zone)
+            except ConfigurationError as exc:
+                row.would, row.reason = "refused", str(exc)
                 continue
             adopted = conn.execute(query("adopt_run", schema), params).fetchone()
         if adopted is None:

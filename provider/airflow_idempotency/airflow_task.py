@@ -1,6 +1,8 @@
-"""An Airflow task execution mapped to the contract: its run key, its switches, its trigger,
-the call of :func:`~airflow_idempotency.runner.run_idempotently`, and the Airflow exception
-that ends a refused try.
+"""An Airflow task execution mapped to the contract, for the operator and the policy.
+
+Its run key, its switches, its trigger, the call of
+:func:`~airflow_idempotency.runner.run_idempotently`, and the Airflow exception that ends a
+refused try.
 
 Shared by :class:`~airflow_idempotency.operator.IdempotentRunOperator` (whose own work is
 the contract's work) and the cluster policy (:mod:`airflow_idempotency.policy`, which puts
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pendulum
 
+from airflow_idempotency.arguments import unsegmented_mapped_task
 from airflow_idempotency.compat import (
     AIRFLOW_NOT_FOUND,
     AirflowException,
@@ -49,7 +52,7 @@ from airflow_idempotency.run_key import (
     RunKeyRule,
     resolve_run_key,
 )
-from airflow_idempotency.runner import RunResult, Work, run_idempotently
+from airflow_idempotency.runner import RunOutcome, RunResult, Work, run_idempotently
 
 if TYPE_CHECKING:
     from airflow_idempotency.connection import JobDatabase
@@ -157,10 +160,12 @@ def explained_run_key(
     conf: Mapping[str, Any],
     partition_key: str | None = None,
     timetable_name: str | None = None,
+    partition_date: dt.datetime | None = None,
 ) -> ResolvedRunKey:
-    """The run key a run of ``kind`` at ``logical_date`` (or for ``partition_key``) with
-    ``conf`` would get: the DAG's params merged with ``conf`` as Airflow does; a callable
-    rule gets a context of those facts only."""
+    """The run key a run of ``kind`` at ``logical_date`` (or for ``partition_key``, whose
+    exact instant is ``partition_date`` when known) with ``conf`` would get: the DAG's params
+    merged with ``conf`` as Airflow does; a callable rule gets a context of those facts
+    only."""
     params = {**(dag.params.dump() if dag else {}), **conf}
     run = types.SimpleNamespace(
         conf=dict(conf),
@@ -168,20 +173,42 @@ def explained_run_key(
         logical_date=logical_date,
         run_after=logical_date,
         partition_key=partition_key,
+        partition_date=partition_date,
     )
     context = {
         "logical_date": logical_date,
         "partition_key": partition_key,
+        "partition_date": partition_date,
         "params": params,
         "dag": dag,
         "dag_run": run,
     }
-    seen = RunSeen(kind, logical_date, conf, params, context, (partition_key, None), timetable_name)
+    partition = (partition_key, partition_date)
+    seen = RunSeen(kind, logical_date, conf, params, context, partition, timetable_name)
     return resolve(mapping, dag, seen)
 
 
-def trigger(context: Context, run: AirflowRun) -> Trigger:
-    """Who started this execution, and the Airflow ids it runs under."""
+def map_index(context: Context) -> int | None:
+    """The index of this execution when its task is mapped, else ``None`` (a context
+    without a ti, as the fuzz tests build, is not mapped)."""
+    index = getattr(context.get("ti"), "map_index", None)
+    return index if index is not None and index >= 0 else None
+
+
+def check_mapped_segment(mapping: KeyMapping, task: Any, context: Context) -> None:
+    """Refuse a mapped instance without its own segment of the key, unless a function
+    keys it (it may tell the instances apart): its siblings would share its key."""
+    index = map_index(context)
+    if index is None or mapping.key_segment is not None:
+        return
+    if isinstance(mapping.rule, RunKeyRule):
+        where = f"task {task.task_id!r} of DAG {task.dag_id!r} (map index {index})"
+        raise InvalidInputError(unsegmented_mapped_task(where))
+
+
+def trigger(context: Context, run: AirflowRun, key_zone: str | None) -> Trigger:
+    """Who started this execution, the Airflow ids it runs under, and the zone its key was
+    made in (``ResolvedRunKey.zone``: the key zone rule)."""
     ti = context["ti"]
     return Trigger(
         triggered_by=run.triggered_by,
@@ -192,6 +219,7 @@ def trigger(context: Context, run: AirflowRun) -> Trigger:
         try_number=ti.try_number,
         map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
         partition_key=run.partition_key,
+        key_zone=key_zone,
     )
 
 
@@ -220,9 +248,10 @@ class TaskRun:
 
 
 def run_task(
-    job_database: JobDatabase, task_run: TaskRun, work: Work, context: Context
+    job_database: JobDatabase, task_run: TaskRun, work: Work, context: Context, task: Any
 ) -> RunResult:
-    """Run ``work`` under the contract for ``task_run``, logging the key and its reason."""
+    """Run ``work`` under the contract for ``task_run``, logging the key and its reason;
+    ``task.last_run_outcome`` says how it ended (``notify_once`` callbacks read it)."""
     task_run.logger.info(
         "job=%s run_key=%s %s (force=%s, dry_run=%s)",
         task_run.job_name,
@@ -231,7 +260,9 @@ def run_task(
         task_run.options.force,
         task_run.options.dry_run,
     )
-    return run_idempotently(
+    # A dry run notifies nothing, even when it fails.
+    task.last_run_outcome = RunOutcome.DRY_RUN.value if task_run.options.dry_run else None
+    result = run_idempotently(
         connect=job_database.new_connection,
         job_name=task_run.job_name,
         run_key=task_run.resolved.run_key,
@@ -245,6 +276,8 @@ def run_task(
             airflow_context=context,
         ),
     )
+    task.last_run_outcome = result.outcome.value
+    return result
 
 
 @dataclass(frozen=True)

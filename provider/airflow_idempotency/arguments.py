@@ -13,10 +13,12 @@ No Airflow import here: the checks are plain functions of plain values.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.key_spelling import check_label
 from airflow_idempotency.partitions import SEGMENT_DELIMITER
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, RunKeyRule, check_text
 from airflow_idempotency.schema import validate_schema_name
@@ -87,7 +89,9 @@ def check_key_segment(value: object) -> str | None:
             f"blanks and without {SEGMENT_DELIMITER!r} (it is written before the period: "
             f"eu{SEGMENT_DELIMITER}2026-10-01)"
         )
-    return check_text(value, "key_segment")
+    # Its one spelling (key_spelling): NFC, no invisible characters, not read as a period
+    # or as the CLI's '*' marker.
+    return check_label(check_text(value, "key_segment"), "key_segment", value)
 
 
 def check_run_key_rule(value: object) -> RunKeyRule | Callable[..., Any]:
@@ -160,13 +164,67 @@ _CHECKS: dict[str, Callable[[object], object]] = {
 def check_arguments(
     where: str, given: Mapping[str, object], *, default_job_name: str | None
 ) -> None:
-    """Check the operator's arguments ``given`` (``job_name`` and every name of
-    :data:`_CHECKS`); raise :class:`InvalidInputError` naming ``where`` (the task, and its
-    DAG), the argument and what to give instead. ``default_job_name``: see
+    """Check the operator's arguments ``given`` (``job_name`` and the names of
+    :data:`_CHECKS` that it holds); raise :class:`InvalidInputError` naming ``where`` (the
+    task, and its DAG), the argument and what to give instead. ``default_job_name``: see
     :func:`check_job_name`."""
     try:
-        check_job_name(given["job_name"], default=default_job_name)
+        check_job_name(given.get("job_name"), default=default_job_name)
         for name, check in _CHECKS.items():
-            check(given[name])
+            if name in given:
+                check(given[name])
     except InvalidInputError as exc:
         raise InvalidInputError(f"{where}: {exc}") from None
+
+
+def unsegmented_mapped_task(where: str) -> str:
+    """The refusal of a mapped task without ``key_segment`` (a mapped ``@task.idempotent_run``
+    where the DAG file is parsed, any mapped instance when it runs)."""
+    return (
+        f"{where} is mapped, and without key_segment all its mapped instances share one run "
+        f"key (one lock, one record): the first would do its work and every other would be a "
+        f"no-op, its input never processed. Give each instance its own segment: "
+        f".partial(...).expand(key_segment=[...]) for the operator, or "
+        f"key_segment=\"{{{{ task.op_kwargs['region'] }}}}\" naming the mapped argument "
+        f"(templated); or a run_key_rule function of the context that tells them apart"
+    )
+
+
+def check_work_function(
+    function: Callable[..., Any], args: Sequence[object], kwargs: Mapping[str, object]
+) -> None:
+    """Raise unless ``function`` can be called as the operator calls it: with the
+    RunContext first, then ``args`` and ``kwargs`` (``op_args``, ``op_kwargs``; for
+    ``@task.idempotent_run``, the call's arguments). A function without a signature that
+    Python can read (some builtins) is not checked."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, *args, **kwargs)
+    except TypeError as exc:
+        name = getattr(function, "__name__", type(function).__name__)
+        parameters = signature.replace(return_annotation=inspect.Signature.empty)
+        raise InvalidInputError(
+            f"python_callable {name}{parameters} cannot take the RunContext as its first "
+            f"argument ({exc}): the operator calls it as {name}(run, *op_args, **op_kwargs); "
+            f"write it as def {name}(run: RunContext, ...)"
+        ) from None
+
+
+def check_mapped_arguments(
+    task_id: str, dag_id: str | None, given: Mapping[str, object], *, expanded: bool = False
+) -> None:
+    """Check the arguments a mapped task was given in the DAG file (``.partial(...)``, or
+    ``@task.idempotent_run(...)`` before ``.expand()``): the constructor runs only when each
+    mapped task is made, at run time, so these are checked here, as the constructor checks
+    them. The expanded ones, and the default job name, are checked then. ``expanded``: no
+    argument of the operator is mapped (a decorated task maps its function's), so a mapped
+    task without ``key_segment`` and without a ``run_key_rule`` function is refused too."""
+    where = f"task {task_id!r}" + (f" of DAG {dag_id!r}" if dag_id else "")
+    names = ("job_name", *_CHECKS)
+    check_arguments(where, {k: v for k, v in given.items() if k in names}, default_job_name=None)
+    rule = given.get("run_key_rule")
+    if expanded and given.get("key_segment") is None and not callable(rule):
+        raise InvalidInputError(unsegmented_mapped_task(where))

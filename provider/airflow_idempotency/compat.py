@@ -1,5 +1,7 @@
-"""Every difference between the Airflow lines this provider supports (2.11, 3.1 to 3.3):
-the version flags, the names each line keeps elsewhere, and the few version branches.
+"""The differences between the Airflow lines supported: flags, moved names, version branches.
+
+Every difference between the Airflow lines this provider supports (2.11, 3.1 to 3.3): the
+version flags, the names each line keeps elsewhere, and the few version branches.
 
 The official providers' ``version_compat.py`` habit: names come from
 ``airflow.providers.common.compat.sdk`` where it maps them, and the few things it does not

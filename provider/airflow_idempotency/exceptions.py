@@ -7,9 +7,12 @@ What each means for a task (mapped to Airflow's failures in one place,
   retry cannot help, so the task fails without retrying;
 - :class:`RunLockedError`: another execution holds the key; the operator's ``on_locked``
   policy decides (reschedule, fail or skip);
-- :class:`LockLostError`, :class:`WorkConflictError`, :class:`PoolExhaustedError` and
-  :class:`RemoteCallError`: this try could not finish; a retry (or a rerun) converges, so
-  Airflow's retries apply;
+- :class:`LockLostError`, :class:`WorkConflictError`, :class:`PoolExhaustedError`,
+  :class:`LockWaitError` and :class:`RemoteCallError`: this try could not finish; a retry
+  (or a rerun) converges, so Airflow's retries apply;
+- :class:`MigrationBlockedError` and :class:`SchemaTooNewError`: nothing was done, and a
+  retry succeeds once the blocking session has ended or this worker runs the newer release
+  (a rolling upgrade), so Airflow's retries apply;
 - :class:`TransientRemoteError`, :class:`OutcomeUnknownError` and
   :class:`PermanentRemoteError`: raised by a ledger sender to classify one external call;
   the ledger handles them;
@@ -64,7 +67,37 @@ class ConfigurationError(IdempotencyError):
 
 
 class SchemaError(ConfigurationError):
-    """The bookkeeping schema is newer than this code: upgrade the provider on this worker."""
+    """The bookkeeping schema does not match this release's migrations: fix it, a retry will not."""
+
+
+class MigrationMismatchError(SchemaError):
+    """An applied migration differs from this release's file of that number (another name, or
+    the file was edited after it was applied): the database and this build disagree."""
+
+
+class SchemaTooNewError(IdempotencyError):
+    """The bookkeeping schema was migrated by a newer release: this worker runs nothing on it.
+
+    ``version`` is the database's, ``expected`` this release's. Retryable: in a rolling
+    upgrade a retry runs on (or after) an upgraded worker.
+    """
+
+    def __init__(self, message: str, *, version: int, expected: int) -> None:
+        super().__init__(message)
+        self.version = version
+        self.expected = expected
+
+
+class MigrationBlockedError(IdempotencyError):
+    """A migration gave up waiting for a lock another session held; nothing was changed.
+
+    ``blockers`` describes the sessions that held the locks (pid, role, application_name,
+    state, transaction and query start), as named in the message.
+    """
+
+    def __init__(self, message: str, *, blockers: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.blockers = blockers or []
 
 
 class MissingPrivilegeError(ConfigurationError):
@@ -105,6 +138,15 @@ class LockLostError(IdempotencyError):
 
 class PoolExhaustedError(IdempotencyError):
     """A connection pooler had no server connection for the run in time: size its pool up."""
+
+
+class LockWaitError(IdempotencyError):
+    """A lock wait of the provider's own statements reached its bound (the message names what
+    it waited for): nothing of that transaction was written; a retry converges."""
+
+
+class TransactionMisuseError(InvalidInputError):
+    """The work ended or prepared (two-phase commit) a fenced transaction itself."""
 
 
 class WorkConflictError(IdempotencyError):

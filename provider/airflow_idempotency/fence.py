@@ -1,7 +1,9 @@
-"""The fence's Python side: a fenced transaction on a connection of one attempt, and what
-its errors mean (:class:`Fence`). The fence itself is SQL (migration 0006, the
-``fence_enter``/``fence_arm`` queries of ``sql/queries.sql``); docs/fence.md says what it
-guarantees."""
+"""The fence's Python: fenced transactions and their errors; its SQL is migrations 0006 and 0008.
+
+A fenced transaction on a connection of one attempt, and what its errors mean (:class:`Fence`).
+The fence itself is SQL (migrations 0006 and 0008, the ``fence_enter``/``fence_arm``/
+``fence_take_over`` queries of ``sql/queries.sql``); docs/fence.md says what it guarantees.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +16,27 @@ from psycopg import IsolationLevel
 
 from airflow_idempotency._sql import query
 from airflow_idempotency._transactions import begin_statement, explicit_transaction
-from airflow_idempotency.exceptions import InvalidInputError, LockLostError, WorkConflictError
-from airflow_idempotency.locks import RunLock, pooler_refusal, server_keepalive_settings
+from airflow_idempotency.exceptions import (
+    InvalidInputError,
+    LockLostError,
+    LockWaitError,
+    TransactionMisuseError,
+    WorkConflictError,
+)
+from airflow_idempotency.locks import (
+    LOCK_WAIT_ENV,
+    RunLock,
+    lock_wait_ms,
+    pooler_refusal,
+    server_keepalive_settings,
+)
 
 FENCE_SQLSTATE = "IF001"
 """What the fence raises (migration 0006): this attempt's run lock is no longer held."""
+FENCE_WAIT_SQLSTATE = "IF002"
+"""The fence's bounded wait ended (migration 0008): the message names the sessions."""
+FENCE_PREPARE_SQLSTATE = "IF003"
+"""A fenced transaction was to be prepared for a two-phase commit (migration 0008)."""
 
 
 def fence_refused(exc: BaseException) -> bool:
@@ -35,6 +53,51 @@ def fence_refused(exc: BaseException) -> bool:
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return exc.sqlstate if isinstance(exc, psycopg.Error) else None
+
+
+def fence_sqlstate(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of the fence's own errors (IF001, IF002, IF003)."""
+    return _sqlstate(exc) in (FENCE_SQLSTATE, FENCE_WAIT_SQLSTATE, FENCE_PREPARE_SQLSTATE)
+
+
+def lock_wait_refusal(
+    exc: BaseException, waiter: str, holders: list[str] | None = None
+) -> LockWaitError | None:
+    """The error to raise when ``exc`` is a bounded lock wait of the provider's own statements
+    that ended (``waiter`` says whose; ``holders``: who held the bookkeeping tables then, see
+    :func:`bookkeeping_lock_holders`), else ``None``."""
+    if _sqlstate(exc) == FENCE_WAIT_SQLSTATE:
+        assert isinstance(exc, psycopg.Error)
+        hint = exc.diag.message_hint or ""
+        return LockWaitError(f"{waiter}: {_first_line(exc)}. {hint}".strip())
+    if isinstance(exc, psycopg.errors.LockNotAvailable):
+        if holders is None:
+            held_by = "another session"
+        else:
+            held_by = "; ".join(holders) or "another session, which has let go since"
+        return LockWaitError(
+            f"{waiter} waited {lock_wait_ms()} ms for a lock on the bookkeeping tables "
+            f"({_first_line(exc)}), held by {held_by}: a migration or an ALTER waiting behind "
+            "a long reader, a report or a dump holding a table, or an operator's reset of this "
+            "key. Nothing of this transaction was written; a retry converges. pg_stat_activity "
+            "(wait_event_type Lock, pg_blocking_pids) names the holder; raise "
+            f"{LOCK_WAIT_ENV} (seconds) if such waits are expected."
+        )
+    return None
+
+
+def bookkeeping_lock_holders(conn: psycopg.Connection, schema: str) -> list[str]:
+    """Who holds or awaits a lock on the bookkeeping tables that their statements queue
+    behind, one line each (pid, application_name, mode, table): for an error message."""
+    found = conn.execute(query("bookkeeping_lock_holders", schema), {"schema": schema})
+    return [str(holder) for (holder,) in found.fetchall()]
+
+
+_IDLE = psycopg.pq.TransactionStatus.IDLE
 
 
 class Fence:
@@ -58,39 +121,68 @@ class Fence:
         *,
         isolation_level: IsolationLevel | None = None,
         read_only: bool = False,
+        bound_locks: bool = False,
     ) -> Iterator[None]:
         """A transaction on ``conn`` (a connection of this attempt) that is fenced:
 
         - its first statement (sent with its BEGIN: no extra round trip) checks that this
-          attempt's lock session still holds the run lock, and holds the key's fence lock
-          until the transaction ends, so a successor taking the key over waits for it;
+          attempt's lock transaction still holds the run lock, holds the key's fence lock
+          until the transaction ends (so a successor taking the key over waits for it), and
+          arms a check that runs at COMMIT. It never queues behind a takeover (the lock has
+          changed hands then: it fails at once), and any other wait is bounded;
         - its COMMIT fails (and nothing it wrote lands) if the run lock was lost meanwhile:
-          a statement sent with the COMMIT arms a check that runs at COMMIT, after the
-          transaction's own deferred triggers;
+          the check armed when it began, and again by a statement sent with the COMMIT (so
+          that it also runs after the transaction's own deferred triggers);
         - the server drops it within the dead-peer bound if this worker is cut off.
 
+        Inside a transaction already open on ``conn`` (the work's own psycopg transaction, a
+        dry run's) it is a savepoint, fenced the same way: the check runs at that
+        transaction's COMMIT. A transaction the block ended itself (a COMMIT, ROLLBACK or
+        PREPARE TRANSACTION of its own) raises :class:`TransactionMisuseError`; a PREPARE is
+        refused by the fence itself. ``bound_locks``: every lock wait of the transaction is
+        bounded (the provider's own statements), not only the fence's.
+
         Raises psycopg errors; :meth:`translate_error` names them (the fence's refusal is
-        SQLSTATE ``IF001``). Inside a dry run's transaction it is a savepoint.
+        SQLSTATE ``IF001``).
         """
         params = self._params(conn)
-        enter = (query("fence_enter", self.schema), params)
-        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        first = [(query("fence_enter", self.schema), params)]
+        if bound_locks:
+            first.append((query("bound_lock_waits", self.schema), params))
+        arm = (query("fence_arm", self.schema), params)
+        if conn.info.transaction_status == _IDLE:
             try:
                 begin = begin_statement(isolation_level, read_only)
             except ValueError as exc:
                 raise InvalidInputError(f"unknown isolation level {isolation_level!r}") from exc
-            arm = (query("fence_arm", self.schema), params)
-            with explicit_transaction(conn, begin, enter, arm):
+            with explicit_transaction(conn, begin, first, arm):
                 yield
-        else:  # a dry run's transaction, rolled back in the end: nothing to arm
+                self._still_open(conn)
+        else:
             with conn.transaction():
-                conn.execute(*enter)
+                for statement, statement_params in first:
+                    conn.execute(statement, statement_params)
                 yield
+                self._still_open(conn)
+                conn.execute(*arm)
+
+    def _still_open(self, conn: psycopg.Connection) -> None:
+        """Raise if the block ended its own transaction: what followed ran unfenced."""
+        if conn.closed or conn.info.transaction_status != _IDLE:
+            return
+        raise TransactionMisuseError(
+            f"job {self.job_name!r} run_key {self.run_key!r}: the work ended its fenced "
+            "transaction inside the block (a COMMIT, ROLLBACK or PREPARE TRANSACTION of its "
+            "own): its statements after that ran outside the fence, each committed at once. "
+            "Leave the block to commit (the fence commits it), raise to roll back, and use "
+            "savepoints (connection.transaction()) inside it."
+        )
 
     def _params(self, conn: psycopg.Connection) -> dict[str, Any]:
         return {
             **self.lock.params,
             "attempt_id": self.attempt_id,
+            "lock_wait_ms": lock_wait_ms(),
             **server_keepalive_settings(conn),
         }
 
@@ -99,12 +191,22 @@ class Fence:
         refusal = pooler_refusal(exc)
         if refusal is not None:
             return refusal
+        waited = lock_wait_refusal(exc, f"job {self.job_name!r} run_key {self.run_key!r}")
+        if _sqlstate(exc) == FENCE_WAIT_SQLSTATE and waited is not None:
+            return waited
+        if _sqlstate(exc) == FENCE_PREPARE_SQLSTATE:
+            return TransactionMisuseError(
+                f"job {self.job_name!r} run_key {self.run_key!r}: a fenced transaction may not "
+                f"be prepared for a two-phase commit ({_first_line(exc)}): COMMIT PREPARED runs "
+                "no check, so it could land after the run lock is lost. Nothing was prepared "
+                "or committed; commit the work's transactions directly (leave the block)."
+            )
         if fence_refused(exc):
             return LockLostError(
                 f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
-                f"attempt {self.attempt_id} (its session, backend pid {self.lock.backend_pid}, "
-                f"ended), so its transaction did not commit ({_first_line(exc)}). A rerun "
-                "will pick the key up again."
+                f"attempt {self.attempt_id} (its lock session, backend pid "
+                f"{self.lock.backend_pid}, ended), so its transaction did not commit "
+                f"({_first_line(exc)}). A rerun will pick the key up again."
             )
         if isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):
             return WorkConflictError(

@@ -1,5 +1,7 @@
-"""What is missing, for the on-call engineer: gaps (business periods without a completed
-run) and stale runs (work that stopped and nothing retried).
+"""What is missing, for the on-call engineer: gaps and stale runs.
+
+Gaps are business periods without a completed run; stale runs are work that stopped and that
+nothing retried.
 
 Airflow-free reads over the bookkeeping tables, shared by the CLI (``gaps``, ``runs
 --stale``) and the example watch DAG (:func:`problems`).
@@ -78,10 +80,12 @@ def gaps(
         raise InvalidInputError(f"{first} .. {last} is {len(periods):,} periods: narrow the range")
     wanted = segment_template(segment).template if segment is not None else None
     if due is not None:  # the schedule says which keys exist: a job never run has gaps too
-        in_range = set(periods)
+        # Due keys of any grain inside the window: the hours of an hourly partitioned job
+        # are checked by a window of days (the watch DAG's).
+        window = (rule.period_bounds(first, "UTC")[0], rule.period_bounds(last, "UTC")[1])
         keys = sorted(
-            (k for k in due if _wanted(key_parts(k), in_range, wanted)),
-            key=lambda k: (key_parts(k).period or "", k),
+            (k for k in due if _wanted(key_parts(k), window, wanted)),
+            key=lambda k: (_start(key_parts(k).period), k),
         )
     else:
         require_known_job(conn, schema, job)
@@ -108,8 +112,19 @@ def gaps(
     return result
 
 
-def _wanted(parts: KeyParts, periods: set[str], template: tuple[str, ...] | None) -> bool:
-    return parts.period in periods and (template is None or parts.template == template)
+def _start(period: str | None) -> dt.datetime:
+    """When the period of a key starts (in UTC, as gaps reads every key)."""
+    if period is None:
+        return dt.datetime.min.replace(tzinfo=dt.timezone.utc)
+    return RunKeyRule.for_key(period).period_bounds(period, "UTC")[0]
+
+
+def _wanted(
+    parts: KeyParts, window: tuple[dt.datetime, dt.datetime], template: tuple[str, ...] | None
+) -> bool:
+    if parts.period is None or not window[0] <= _start(parts.period) < window[1]:
+        return False
+    return template is None or parts.template == template
 
 
 def _segments(conn: psycopg.Connection, schema: str, job: str, rule: RunKeyRule) -> list[KeyParts]:

@@ -34,6 +34,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
+import select
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -70,6 +73,33 @@ acknowledged). The hook sets them unless the Airflow connection's extra does; th
 transaction sets the same values on the server's side of its session (SET LOCAL).
 """
 
+LOCK_WAIT_ENV = "AIRFLOW_IDEMPOTENCY_LOCK_WAIT"
+"""Seconds any lock wait of the provider's own statements may last (default
+:data:`LOCK_WAIT_DEFAULT`): a takeover waiting for the previous attempt's transactions, a
+fenced transaction's enter, the run's records and the ledger's writes. The wait then ends
+with an error naming what it waited for."""
+
+LOCK_WAIT_DEFAULT = 60.0
+"""Longer than the dead-peer bound (about 30 s): a takeover outlasts a worker that was cut off."""
+
+
+def lock_wait_ms() -> str:
+    """The bound of every lock wait of the provider's statements, in ms (``lock_timeout``'s
+    unit), from :data:`LOCK_WAIT_ENV` or :data:`LOCK_WAIT_DEFAULT`."""
+    given = os.environ.get(LOCK_WAIT_ENV, "").strip()
+    try:
+        seconds = float(given) if given else LOCK_WAIT_DEFAULT
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= 86_400:
+        raise ConfigurationError(
+            f"{LOCK_WAIT_ENV}={given!r}: give the longest lock wait of the provider's "
+            "statements in seconds, more than 0 and at most 86400 (default "
+            f"{LOCK_WAIT_DEFAULT:g})"
+        )
+    return str(max(1, round(seconds * 1000)))
+
+
 _MIGRATION_PREFIX = b"airflow_idempotency.schema_migration\x00"
 _NAMED_PREFIX = b"airflow_idempotency.named\x00"
 
@@ -95,21 +125,31 @@ def named_lock_key(name: str) -> int:
 
 @dataclass(frozen=True)
 class RunLock:
-    """A held run lock: its key and the backend (session) that holds it."""
+    """A held run lock: its key, the backend (session) that holds it, and the lock
+    transaction itself (``holder``: its virtual transaction id, migration 0008). A pid alone
+    is reused by the operating system; the pair names one lock transaction."""
 
     lock_key: int
     backend_pid: int
+    holder: str | None = None
 
     @property
-    def params(self) -> dict[str, int]:
+    def params(self) -> dict[str, int | str | None]:
         """Query parameters naming this lock and its holder, for the fencing checks."""
-        return {"lock_key": self.lock_key, "lock_backend_pid": self.backend_pid}
+        return {
+            "lock_key": self.lock_key,
+            "lock_backend_pid": self.backend_pid,
+            "lock_holder": self.holder,
+        }
 
 
 # What PgBouncer answers a transaction block in pool_mode=statement, and what it says when a
 # client waited query_wait_timeout for a server connection (it then closes the connection).
 _STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
 _POOL_WAIT = "query_wait_timeout"
+# What PostgreSQL answers a connection past max_connections (SQLSTATE 53300 when psycopg
+# knows it; the text when the refusal arrives as a plain connection failure).
+_TOO_MANY = "too many clients already"
 
 
 @contextlib.contextmanager
@@ -164,6 +204,7 @@ def _begin_and_try(
     params = {
         "lock_key": lock_key,
         "application_name": application_name,
+        "lock_wait_ms": lock_wait_ms(),
         **server_keepalive_settings(conn),
     }
     try:
@@ -178,7 +219,7 @@ def _begin_and_try(
             raise
         raise refusal from exc
     assert row is not None
-    already_held, acquired, backend_pid = row[:3]
+    already_held, acquired, backend_pid, holder = row[:4]
     if already_held:
         _end(conn, "ROLLBACK")
         raise SharedSessionError(
@@ -188,14 +229,15 @@ def _begin_and_try(
             "pooler in transaction mode). Taking it again would exclude no one. Point that "
             "client at a direct connection or pool_mode = session, or upgrade it."
         )
-    return RunLock(lock_key, backend_pid) if acquired else None
+    return RunLock(lock_key, backend_pid, holder) if acquired else None
 
 
 def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
     """The error to raise when ``exc`` is a connection pooler refusing the provider's work,
     else ``None``: a pooler in statement mode refusing a transaction (a configuration that
-    cannot work), or PgBouncer's ``query_wait_timeout`` (its pool is exhausted: every server
-    connection was busy for that long)."""
+    cannot work), PgBouncer's ``query_wait_timeout`` (its pool is exhausted: every server
+    connection was busy for that long), or PostgreSQL itself refusing a connection past
+    ``max_connections`` (SQLSTATE 53300: the same sizing rule)."""
     text = str(exc).strip()
     if _STATEMENT_POOLING in text:
         return ConfigurationError(
@@ -213,6 +255,16 @@ def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
             "of idempotent tasks that run at once against this database (N tasks need at "
             "least N + 1; see docs/deploying.md, pool sizing). Nothing was committed by the "
             "waiting statement; a retry converges once the pool has room."
+        )
+    if isinstance(exc, psycopg.errors.TooManyConnections) or _TOO_MANY in text:
+        return PoolExhaustedError(
+            f"the job database refused a new connection (PostgreSQL said: {text}): it has no "
+            "connection slot left (max_connections, or a role's or database's CONNECTION "
+            "LIMIT). Each running idempotent task holds two connections for its whole run "
+            "(its lock transaction's and its work's) and a third while the outbound ledger "
+            "exports: max_connections must cover 3 per task running at once plus every other "
+            "client (see docs/deploying.md, pool sizing), or put PgBouncer in front. Nothing "
+            "was committed by the refused connection; a retry converges once slots are free."
         )
     return None
 
@@ -256,3 +308,40 @@ def lock_is_held(conn: psycopg.Connection, schema: str, lock: RunLock) -> bool:
     """Whether ``lock`` is still held by the session that took it (checked from any session)."""
     row = conn.execute(query("lock_is_held_by", schema), lock.params).fetchone()
     return bool(row and row[0])
+
+
+def session_ended(conn: psycopg.Connection) -> bool:
+    """Whether the server has ended ``conn``'s session, seen without a round trip (~3 us).
+
+    ``conn`` is idle (the lock connection while the work runs), so the server sends it
+    nothing unless the session ends: a terminated backend (``pg_terminate_backend``, a
+    restart, ``idle_in_transaction_session_timeout``) sends its FATAL error and closes the
+    socket. So the socket is polled, and what waits in it is peeked at, never read: the end
+    of the stream or an ``ErrorResponse`` (``E``) means the session ended; a notice or a
+    parameter report (never sent to an idle session in practice) does not. Over TLS the bytes
+    cannot be read, and anything that arrived counts as the end. A peer that vanished without
+    a word (a cut link) is not seen here: the database's own check and the dead-peer bound
+    (:data:`DEAD_PEER_DEFAULTS`) see that.
+
+    Safe from any thread while the connection's owner does not use it.
+    """
+    if conn.closed or conn.broken:
+        return True
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.OperationalError:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    if not poller.poll(0):
+        return False
+    if conn.pgconn.ssl_in_use:
+        return True
+    try:
+        with socket.socket(fileno=os.dup(fd)) as peek:
+            first = peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: the session is gone
+        return True
+    return first in (b"", b"E")

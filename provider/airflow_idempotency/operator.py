@@ -10,7 +10,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from airflow_idempotency import airflow_task
 from airflow_idempotency.airflow_task import OnLocked
 from airflow_idempotency.airflow_task import conf_flag as conf_flag
-from airflow_idempotency.arguments import check_arguments
+from airflow_idempotency.arguments import (
+    check_arguments,
+    check_mapped_arguments,
+    check_work_function,
+)
 from airflow_idempotency.compat import (
     AirflowRun,
     AirflowSkipException,
@@ -119,6 +123,7 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     template_fields: Sequence[str] = ("job_name", "key_segment", "op_kwargs")
     ui_color = "#e8f4e8"
+    _check_callable = True  # that python_callable(run, *op_args, **op_kwargs) binds
     operator_extra_links = run_key_links()
 
     def __init__(
@@ -140,17 +145,13 @@ class IdempotentRunOperator(ReschedulingOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if python_callable is None and type(self).run is IdempotentRunOperator.run:
-            raise InvalidInputError(
-                f"task {self.task_id!r}: pass python_callable or override run() in a subclass"
-            )
-        if python_callable is not None and not callable(python_callable):
-            raise InvalidInputError(f"task {self.task_id!r}: python_callable must be callable")
         # Checked here, where the DAG file is parsed: a mistake is the file's import error in
         # Airflow's UI, not a task failing at 01:00 (templated values are checked at run time).
         in_dag = self.has_dag()  # type: ignore[no-untyped-call]
+        where = f"task {self.task_id!r}" + (f" of DAG {self.dag_id!r}" if in_dag else "")
+        self._check_work(where, python_callable, list(op_args or []), dict(op_kwargs or {}))
         check_arguments(
-            f"task {self.task_id!r}" + (f" of DAG {self.dag_id!r}" if in_dag else ""),
+            where,
             {
                 "job_name": job_name,
                 "postgres_conn_id": postgres_conn_id,
@@ -178,6 +179,40 @@ class IdempotentRunOperator(ReschedulingOperator):
         self.emit_on_noop = emit_on_noop
         self.op_args = list(op_args or [])
         self.op_kwargs = dict(op_kwargs or {})
+
+    def _check_work(
+        self,
+        where: str,
+        python_callable: Callable[..., Any] | None,
+        op_args: list[Any],
+        op_kwargs: dict[str, Any],
+    ) -> None:
+        """The work: a function that takes the RunContext first, or a subclass's run()."""
+        if python_callable is None and type(self).run is IdempotentRunOperator.run:
+            raise InvalidInputError(
+                f"task {self.task_id!r}: pass python_callable or override run() in a subclass"
+            )
+        if python_callable is not None and not callable(python_callable):
+            raise InvalidInputError(f"task {self.task_id!r}: python_callable must be callable")
+        if python_callable is not None and self._check_callable:
+            try:
+                check_work_function(python_callable, op_args, op_kwargs)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"{where}: {exc}") from None
+
+    @classmethod
+    def partial(cls, **kwargs: Any) -> Any:
+        """The mapped form, ``.partial(...).expand(...)``, with the arguments given here
+        checked where the DAG file is parsed, as the constructor checks them (it runs only
+        when each mapped task is made, at run time)."""
+        partial = super().partial(**kwargs)
+        dag = partial.kwargs.get("dag")
+        try:
+            check_mapped_arguments(partial.kwargs["task_id"], getattr(dag, "dag_id", None), kwargs)
+        except InvalidInputError:
+            partial._expand_called = True  # no "never expanded" warning on top of the error
+            raise
+        return partial
 
     @cached_property
     def hook(self) -> IdempotencyHook:
@@ -216,10 +251,12 @@ class IdempotentRunOperator(ReschedulingOperator):
         conf: Mapping[str, Any],
         partition_key: str | None = None,
         timetable_name: str | None = None,
+        partition_date: dt.datetime | None = None,
     ) -> ResolvedRunKey:
         """The run key a run of ``kind`` (manual, scheduled, backfill) at ``logical_date``
-        (or for ``partition_key``) with ``conf`` would get, or the error it would get
-        (``airflow-idempotency explain``, ``plan``).
+        (or for ``partition_key``, whose exact instant is ``partition_date`` when known) with
+        ``conf`` would get, or the error it would get (``airflow-idempotency explain``,
+        ``plan``).
 
         The DAG's params are merged with ``conf`` as Airflow does. A callable rule is called
         with a context of those facts only (logical_date, partition_key, params, dag, dag_run).
@@ -231,6 +268,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             logical_date=logical_date,
             conf=conf,
             partition_key=partition_key,
+            partition_date=partition_date,
             timetable_name=timetable_name,
         )
 
@@ -259,6 +297,7 @@ class IdempotentRunOperator(ReschedulingOperator):
     def _execute(self, context: Context) -> dict[str, Any] | None:
         self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
         job_name = check_text(self.effective_job_name, "job name")
+        airflow_task.check_mapped_segment(self._key_mapping, self, context)
         run = airflow_run(context)
         resolved = self.resolve_run_key(context, run)
         options = self.run_options(context)
@@ -266,10 +305,14 @@ class IdempotentRunOperator(ReschedulingOperator):
         setattr(self, LINK_TARGET_ATTRIBUTE, (job_name, resolved.run_key))
         self._check_connection()
         task_run = airflow_task.TaskRun(
-            job_name, resolved, options, airflow_task.trigger(context, run), self.schema, self.log
+            job_name,
+            resolved,
+            options,
+            airflow_task.trigger(context, run, resolved.zone),
+            self.schema,
+            self.log,
         )
-        result = airflow_task.run_task(self.job_database, task_run, self.run, context)
-        self.last_run_outcome = result.outcome.value
+        result = airflow_task.run_task(self.job_database, task_run, self.run, context, self)
         if result.outcome is RunOutcome.NOOP and self.on_completed == "skip":
             raise AirflowSkipException(
                 f"job={job_name} run_key={resolved.run_key}: already completed, skipping"

@@ -1,6 +1,8 @@
-"""Airflow's partitions (3.2+), as run keys read them: how a DAG writes its partition keys
-(:class:`PartitionSpec`, read from its timetable and partition mappers by
-:func:`dag_partitioning`), and the time segments of a key (:func:`parse_time_segment`).
+"""Airflow's partitions (3.2+), as run keys read them: partition specs and time segments.
+
+How a DAG writes its partition keys (:class:`PartitionSpec`, read from its timetable and
+partition mappers by :func:`dag_partitioning`), and the time segments of a key
+(:func:`parse_time_segment`).
 
 What a partition key's run key is, is decided with every other run key in
 :mod:`airflow_idempotency.run_key` (:func:`~airflow_idempotency.run_key.partition_run_key`).
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pendulum
@@ -40,27 +42,28 @@ DEFAULT_TIME_FORMATS = (
     "%Y-%m-%d (W%V)",
     "%Y-%m",
     "%Y-Q{quarter}",
-    "%Y-%m-%dT%HZ",
+    "%Y-%m-%dT%H%z",  # run_key's own hour keys (2026-10-01T13Z): UTC
     "%G-W%V",
 )
 
 _DIRECTIVES = {
-    "%Y": r"(?P<Y>\d{4})",
-    "%G": r"(?P<G>\d{4})",
-    "%m": r"(?P<m>\d{2})",
-    "%d": r"(?P<d>\d{2})",
-    "%H": r"(?P<H>\d{2})",
-    "%M": r"(?P<M>\d{2})",
-    "%S": r"(?P<S>\d{2})",
-    "%V": r"(?P<V>\d{2})",
-    "%z": r"(?P<z>Z|[+-]\d{2}:?\d{2})",
+    "%Y": r"(?P<Y>[0-9]{4})",
+    "%G": r"(?P<G>[0-9]{4})",
+    "%m": r"(?P<m>[0-9]{2})",
+    "%d": r"(?P<d>[0-9]{2})",
+    "%H": r"(?P<H>[0-9]{2})",
+    "%M": r"(?P<M>[0-9]{2})",
+    "%S": r"(?P<S>[0-9]{2})",
+    "%V": r"(?P<V>[0-9]{2})",
+    "%z": r"(?P<z>Z|[+-][0-9]{2}:?[0-9]{2})",
     "{quarter}": r"(?P<q>[1-4])",
 }
 
 
-def _format_pattern(fmt: str) -> re.Pattern[str]:
+def format_pattern(fmt: str) -> re.Pattern[str]:
     """A strptime-style format as an anchored regular expression with named groups (the
-    directives Airflow's partition formats use; anything else matches literally)."""
+    directives Airflow's partition formats use; anything else matches literally). Digits
+    are ASCII: ``int()`` would read fullwidth or Arabic-Indic ones as the same number."""
     parts, i = [], 0
     while i < len(fmt):
         token = next((t for t in _DIRECTIVES if fmt.startswith(t, i)), None)
@@ -89,16 +92,55 @@ def _grain(groups: dict[str, str]) -> str:
 
 @dataclass(frozen=True)
 class TimeSegment:
-    """A time segment of a partition key, parsed: its start and how long a period it names."""
+    """A time segment of a partition key, parsed: its start and how long a period it names.
+
+    ``wall`` and ``zone``: the wall-clock time the text names and the zone it was read in,
+    when the text carries no UTC offset (a wall-clock time may happen twice, or never,
+    where clocks change).
+    """
 
     text: str
     start: pendulum.DateTime
     grain: str
+    wall: dt.datetime | None = None
+    zone: str | None = None
 
     def longer_than(self, period: str) -> bool:
         """Whether the segment names a longer period than ``period`` (a run key's: ``hour``,
         ``day``, ``week`` or ``month``), so that it cannot be keyed by it."""
         return _GRAINS.index(self.grain) > _PERIOD_RANK[period]
+
+    def at(self, instant: dt.datetime | None) -> TimeSegment | None:
+        """This segment starting at ``instant`` (the run's partition date, an exact
+        instant) when ``instant`` reads as the segment's wall-clock time in its zone: it
+        says which of two 02:00 hours an autumn key means. ``None`` when it does not."""
+        if instant is None or self.wall is None or self.zone is None:
+            return None
+        local = pendulum.instance(instant).in_timezone(self.zone)
+        if local.naive() != self.wall:
+            return None
+        return replace(self, start=local)
+
+    def wall_clock_fault(self) -> str | None:
+        """``ambiguous`` when the wall-clock time happens twice in the zone (clocks go
+        back), ``missing`` when it never happens (clocks jump over it), else ``None``."""
+        if self.wall is None or self.zone is None:
+            return None
+        zone = pendulum.timezone(self.zone)
+        first, second = (self.wall.replace(tzinfo=zone, fold=f) for f in (0, 1))
+        if first.utcoffset() == second.utcoffset():
+            return None
+        back = first.astimezone(dt.timezone.utc).astimezone(zone).replace(tzinfo=None)
+        return "ambiguous" if back == self.wall else "missing"
+
+    def instants(self) -> tuple[dt.datetime, dt.datetime]:
+        """The two readings of the wall-clock time (fold 0 and 1), in UTC."""
+        assert self.wall is not None and self.zone is not None
+        zone = pendulum.timezone(self.zone)
+        first, second = (
+            self.wall.replace(tzinfo=zone, fold=f).astimezone(dt.timezone.utc) for f in (0, 1)
+        )
+        return first, second
 
 
 def parse_time_segment(text: str, formats: tuple[str, ...], timezone: str) -> TimeSegment | None:
@@ -110,16 +152,19 @@ def parse_time_segment(text: str, formats: tuple[str, ...], timezone: str) -> Ti
     """
     impossible: str | None = None
     for fmt in formats:
-        match = _format_pattern(fmt).fullmatch(text)
+        match = format_pattern(fmt).fullmatch(text)
         if match is None:
             continue
         groups = {k: v for k, v in match.groupdict().items() if v is not None}
         try:
-            start = _segment_start(groups, timezone)
+            wall = _segment_wall(groups)
+            start = _segment_start(wall, groups, timezone)
         except (ValueError, OverflowError) as exc:
             impossible = f"{exc} (format {fmt})"
             continue
-        return TimeSegment(text, start, _grain(groups))
+        if "z" in groups:
+            return TimeSegment(text, start, _grain(groups))
+        return TimeSegment(text, start, _grain(groups), wall, timezone)
     if impossible is not None:
         raise InvalidRunKeyError(
             f"partition key segment {text!r} is written like a time but is none: {impossible}"
@@ -127,7 +172,8 @@ def parse_time_segment(text: str, formats: tuple[str, ...], timezone: str) -> Ti
     return None
 
 
-def _segment_start(groups: dict[str, str], timezone: str) -> pendulum.DateTime:
+def _segment_wall(groups: dict[str, str]) -> dt.datetime:
+    """The naive wall-clock time a segment's fields name."""
     if "G" in groups and "V" in groups:
         monday = dt.date.fromisocalendar(int(groups["G"]), int(groups["V"]), 1)
         year, month, day = monday.year, monday.month, monday.day
@@ -136,7 +182,10 @@ def _segment_start(groups: dict[str, str], timezone: str) -> pendulum.DateTime:
         month = (int(groups["q"]) - 1) * 3 + 1 if "q" in groups else int(groups.get("m", 1))
         day = int(groups.get("d", 1))
     hour, minute, second = (int(groups.get(k, 0)) for k in ("H", "M", "S"))
-    naive = dt.datetime(year, month, day, hour, minute, second)
+    return dt.datetime(year, month, day, hour, minute, second)
+
+
+def _segment_start(naive: dt.datetime, groups: dict[str, str], timezone: str) -> pendulum.DateTime:
     zone = groups.get("z")
     if zone is None:
         return pendulum.instance(naive, tz=timezone)

@@ -1,8 +1,9 @@
-"""What a run would do, read from the DAG itself: the runs a backfill command would create
-(:func:`backfill_runs`, either line's command), the run keys of its idempotent tasks
-(``airflow-idempotency explain``), the runs a backfill would create with the state of each
-key (``airflow-idempotency plan``), and the keys a DAG's schedule has made due (``gaps
---dag`` and the watch DAG: a weekday-only job's weekends are no gaps).
+"""What a run would do, read from the DAG itself: backfill runs, run keys, due keys.
+
+The runs a backfill command would create (:func:`backfill_runs`, either line's command), the
+run keys of its idempotent tasks (``airflow-idempotency explain``), the runs a backfill would
+create with the state of each key (``airflow-idempotency plan``), and the keys a DAG's schedule
+has made due (``gaps --dag`` and the watch DAG: a weekday-only job's weekends are no gaps).
 
 Imports Airflow (it parses the DAG file); the CLI imports this module only for the
 commands that need it.
@@ -65,6 +66,7 @@ class PlannedRun:
     partition_key: str | None
     timetable_name: str
     fires_at: dt.datetime | None = None  # when the scheduler would start it
+    partition_date: dt.datetime | None = None  # the partition's exact instant (3.2+)
 
 
 def _fires_at(info: Any) -> dt.datetime | None:
@@ -101,7 +103,8 @@ def backfill_runs(
     for info in infos:
         partition_key = getattr(info, "partition_key", None)
         if partition_key is not None and info.run_after <= now:
-            runs.append(PlannedRun(None, partition_key, name, _fires_at(info)))
+            date = getattr(info, "partition_date", None)
+            runs.append(PlannedRun(None, partition_key, name, _fires_at(info), date))
         elif info.logical_date is not None and info.data_interval and info.data_interval.end < now:
             runs.append(PlannedRun(info.logical_date, None, name, _fires_at(info)))
     return runs
@@ -206,10 +209,12 @@ def explain(
     conf: Mapping[str, Any],
     partition_key: str | None = None,
     timetable_name: str | None = None,
+    partition_date: dt.datetime | None = None,
 ) -> list[Explained]:
     """The run key of each idempotent task of a ``kind`` run at ``logical_date`` (or of the
-    partition ``partition_key``); ``timetable_name``: as if the DAG had that timetable (the
-    other Airflow line's for a cron string)."""
+    partition ``partition_key``, at the instant ``partition_date`` when known: it tells the
+    two 02:00 hours of an autumn night apart); ``timetable_name``: as if the DAG had that
+    timetable (the other Airflow line's for a cron string)."""
     result = []
     for task in require_idempotent(dag):
         try:
@@ -219,6 +224,7 @@ def explain(
                 conf=conf,
                 partition_key=partition_key,
                 timetable_name=timetable_name,
+                partition_date=partition_date,
             )
         except InvalidInputError as exc:
             result.append(Explained(task.task_id, task.effective_job_name, None, str(exc)))
@@ -256,10 +262,12 @@ def plan(
             conf={},
             partition_key=run.partition_key,
             timetable_name=run.timetable_name,
+            partition_date=run.partition_date,
         )
         for item in explained:
             rows.append(
                 {"logical_date": run.logical_date, "partition_key": run.partition_key}
+                | {"partition_date": run.partition_date}
                 | item.as_dict()
             )
     keyed = [r for r in rows if r["run_key"] is not None]
@@ -279,21 +287,56 @@ def due_keys(dag: Any, first: dt.datetime, as_of: dt.datetime) -> dict[str, set[
     """Per job of ``dag``, the run keys of the runs its schedule had started between
     ``first`` and ``as_of`` (a run that fires after ``as_of`` is not due yet). A
     weekday-only cron has no weekend keys; nothing before the DAG's start_date is due.
-    Keys that only a manual run or a data-driven segment makes are not known here."""
+    A partitioned DAG's keys follow when each partition's run fires (its cron tick; the
+    partition is that tick moved by ``run_offset``). Keys that only a manual run or a
+    data-driven segment makes are not known here."""
     due: dict[str, set[str]] = {}
-    for run in backfill_runs(dag, first, as_of):
-        if run.fires_at is not None and run.fires_at > as_of:
-            continue
+    for run in scheduled_runs(dag, first, as_of):
         for item in explain(
             dag,
             kind="scheduled",
             logical_date=run.logical_date,
             conf={},
             partition_key=run.partition_key,
+            partition_date=run.partition_date,
         ):
             if item.run_key is not None:
                 due.setdefault(item.job_name, set()).add(item.run_key)
     return due
+
+
+def scheduled_runs(dag: Any, first: dt.datetime, as_of: dt.datetime) -> list[PlannedRun]:
+    """The runs the scheduler starts for ``dag`` from ``first`` (or its start_date, if
+    later) to ``as_of`` (or its end_date), each with when it fires.
+
+    A partitioned timetable is walked on its scheduling path (``next_dagrun_info_v2``):
+    there a run fires at its cron tick and carries the partition of that tick moved by
+    ``run_offset``, while a backfill's run of the same partition says it runs at the
+    partition date (:func:`backfill_runs`).
+    """
+    start = getattr(dag, "start_date", None)
+    end = getattr(dag, "end_date", None)
+    earliest = max(first, start) if start is not None else first
+    latest = min(as_of, end) if end is not None else as_of
+    partitioned, _ = dag_partitioning(dag)
+    if not partitioned:
+        runs = backfill_runs(dag, earliest, latest) if earliest <= latest else []
+        return [r for r in runs if r.fires_at is None or r.fires_at <= as_of]
+    import pendulum
+    from airflow.timetables.base import TimeRestriction
+
+    timetable = scheduler_dag(dag).timetable
+    restriction = TimeRestriction(
+        earliest=pendulum.instance(earliest), latest=pendulum.instance(latest), catchup=True
+    )
+    name = type(dag.timetable).__name__
+    runs, info = [], None
+    while len(runs) < 100_000:
+        info = timetable.next_dagrun_info_v2(last_dagrun_info=info, restriction=restriction)
+        if info is None or info.partition_key is None:
+            return runs
+        runs.append(PlannedRun(None, info.partition_key, name, info.run_after, info.partition_date))
+    raise InvalidInputError(f"{first} .. {as_of} is more than 100,000 runs: narrow the range")
 
 
 def _states(

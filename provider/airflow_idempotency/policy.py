@@ -192,7 +192,9 @@ def run_under_policy(task: Any, context: Any, original: Any) -> Any:
     # 2.x reschedules only tasks made for it (sensors): a locked key fails the try there,
     # and Airflow's retries try again.
     wait = airflow_task.LockWait("reschedule" if AIRFLOW_V_3_0_PLUS else "fail")
+    task.last_run_outcome = None  # read by notify_once callbacks (this process)
     try:
+        _check_not_mapped(task, context)
         run = airflow_run(context)
         mapping = airflow_task.KeyMapping(RunKeyRule())
         resolved = airflow_task.context_run_key(mapping, task.dag, context, run)
@@ -200,7 +202,7 @@ def run_under_policy(task: Any, context: Any, original: Any) -> Any:
             job_name=f"{task.dag_id}.{task.task_id}",
             resolved=resolved,
             options=airflow_task.run_options(context),
-            trigger=airflow_task.trigger(context, run),
+            trigger=airflow_task.trigger(context, run, resolved.zone),
             schema=_setting("policy_schema", DEFAULT_SCHEMA),
             logger=task.log,
         )
@@ -208,13 +210,30 @@ def run_under_policy(task: Any, context: Any, original: Any) -> Any:
         airflow_task.check_connection(database, conn_id, "set [idempotency] policy_conn_id")
         returned: list[Any] = []
         result = airflow_task.run_task(
-            database, task_run, functools.partial(_work, task, original, returned), context
+            database, task_run, functools.partial(_work, task, original, returned), context, task
         )
     except IdempotencyError as exc:
         raise airflow_task.airflow_failure(context, exc, wait, task.log) from exc
     if result.outcome is RunOutcome.COMPLETED:
         return returned[0] if returned else None
     return (result.counts or {}).get("return_value")  # a no-op: what the first run returned
+
+
+def _check_not_mapped(task: Any, context: Any) -> None:
+    """Refuse an instance of a mapped task group's task: the policy keys a task by its day
+    alone, so its instances would share one key and all but the first would be no-ops."""
+    from airflow_idempotency import airflow_task
+    from airflow_idempotency.exceptions import InvalidInputError
+
+    index = airflow_task.map_index(context)
+    if index is not None:
+        raise InvalidInputError(
+            f"task {task.task_id!r} of DAG {task.dag_id!r} (map index {index}) is mapped (a "
+            "mapped task group), and the policy gives all its instances one run key: the "
+            "first would do its work and every other would be a no-op. Leave it out of the "
+            f'policy (params={{"{EXEMPT_PARAM}": True}}), or use IdempotentRunOperator '
+            "with a key_segment per instance"
+        )
 
 
 def _work(task: Any, original: Any, returned: list[Any], ctx: Any) -> dict[str, Any]:

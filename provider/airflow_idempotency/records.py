@@ -1,6 +1,8 @@
-"""The durable run records: ``job_runs`` (one row per job and run key) and
-``job_run_attempts`` (one row per execution, whatever it did), and the values that name a run:
-:class:`RunIdentity` (job, run key, lock key, trigger) and :class:`RunOptions`.
+"""The durable run records: ``job_runs``, ``job_run_attempts`` and the values naming a run.
+
+``job_runs`` has one row per job and run key, ``job_run_attempts`` one row per execution,
+whatever it did; :class:`RunIdentity` (job, run key, lock key, trigger) and :class:`RunOptions`
+name a run.
 
 :class:`RunRecords` writes the records of one run in the bookkeeping ``schema`` (validated by
 the caller); every statement names its tables with it, so no connection's search_path matters.
@@ -19,7 +21,12 @@ from psycopg.types.json import Jsonb
 
 from airflow_idempotency._sql import query, query_row
 from airflow_idempotency._transactions import in_one_transaction
-from airflow_idempotency.locks import RunLock, run_lock_key, server_keepalive_settings
+from airflow_idempotency.locks import (
+    RunLock,
+    lock_wait_ms,
+    run_lock_key,
+    server_keepalive_settings,
+)
 
 _HOSTNAME = socket.gethostname()
 
@@ -41,6 +48,10 @@ class Trigger:
     try_number: int | None = None
     map_index: int | None = None
     partition_key: str | None = None  # the run's Airflow partition key (3.2+): details
+    # The timezone the run key's period was read in (a day, week or month key; None for
+    # hour keys, which are UTC, and keys of no period): job_runs.key_zone. A job whose
+    # earlier keys were made in another zone is refused (the runner's zone check).
+    key_zone: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,7 @@ class RunRecords:
             "trigger_details": Jsonb(
                 {"partition_key": trigger.partition_key} if trigger.partition_key else {}
             ),
+            "key_zone": trigger.key_zone,
             "hostname": _HOSTNAME,
             "pid": os.getpid(),
             "lock_backend_pid": lock.backend_pid if lock else None,
@@ -175,17 +187,19 @@ class RunRecords:
         the attempt), in one READ COMMITTED transaction (two round trips: its BEGIN, then the
         rest with the COMMIT).
 
-        It first takes the key over from the fence (``fence_take_over``, migration 0006): it
-        waits until every fenced transaction of an earlier attempt has ended, so no write of
-        a previous attempt can commit after this start. Any other attempt of the key still
-        marked running is closed as abandoned (the caller holds the lock, so its worker
-        died). Returns (attempt id, attempt count of the key, attempts closed as abandoned);
-        a dry run's count is 0.
+        It first takes the key over from the fence (``fence_take_over``, migrations 0006 and
+        0008): it waits until every fenced transaction of an earlier attempt has ended, so no
+        write of a previous attempt can commit after this start; at most
+        :func:`~airflow_idempotency.locks.lock_wait_ms` (then SQLSTATE ``IF002``, naming the
+        sessions it waited for), the bound of every lock wait of the transaction. Any other
+        attempt of the key still marked running is closed as abandoned (the caller holds the
+        lock, so its worker died). Returns (attempt id, attempt count of the key, attempts
+        closed as abandoned); a dry run's count is 0.
         """
         params = self._attempt_params(lock, options)
         take_over = (
             query("fence_take_over", self.schema),
-            {**params, **server_keepalive_settings(conn)},
+            {**params, "lock_wait_ms": lock_wait_ms(), **server_keepalive_settings(conn)},
         )
         if options.dry_run:
             params.update(outcome="running", dry_run=True, error=None, details=Jsonb({}))

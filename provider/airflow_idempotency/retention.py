@@ -1,23 +1,37 @@
-"""Retention: old attempt rows deleted (``airflow-idempotency prune``), never what keeps a
-rerun a no-op or a confirmed effect from being sent again."""
+"""Retention: old attempt rows deleted (``airflow-idempotency prune``).
+
+Never what keeps a rerun a no-op or a confirmed effect from being sent again.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import psycopg
 
 from airflow_idempotency._sql import query_rows
+from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.exceptions import InvalidInputError
+
+# Retention beyond a century is no retention: and an age must leave a cut-off date that
+# exists (``now - age``), which an unbounded number of days would not.
+MAX_AGE_DAYS = 36_500
+_AGE = re.compile(r"([0-9]+)d")  # ASCII digits: str.isdigit() also takes fullwidth ones
 
 
 def parse_age(text: str) -> dt.timedelta:
-    """``400d`` -> 400 days (whole days only: retention is a matter of days)."""
-    if not (
-        isinstance(text, str) and text.endswith("d") and text[:-1].isdigit() and int(text[:-1]) > 0
-    ):
+    """``400d`` -> 400 days (whole days only: retention is a matter of days), from 1 day to
+    :data:`MAX_AGE_DAYS`."""
+    match = _AGE.fullmatch(text) if isinstance(text, str) else None
+    if not match:
         raise InvalidInputError(f"{text!r} is not an age in days: write it like 400d")
-    return dt.timedelta(days=int(text[:-1]))
+    days = int(match[1]) if len(match[1]) <= len(str(MAX_AGE_DAYS)) else MAX_AGE_DAYS + 1
+    if not 1 <= days <= MAX_AGE_DAYS:
+        raise InvalidInputError(
+            f"{text!r}: an age from 1d to {MAX_AGE_DAYS}d (a hundred years), e.g. 400d"
+        )
+    return dt.timedelta(days=days)
 
 
 def prune_attempts(
@@ -40,7 +54,7 @@ def prune_attempts(
     before = dt.datetime.now(dt.timezone.utc) - older_than
     total, after = 0, 0
     while True:
-        with conn.transaction():
+        with bounded_transaction(conn, schema):
             (row,) = query_rows(
                 conn,
                 "prune_attempts",

@@ -1,6 +1,8 @@
-"""What the work of one run receives: :class:`RunContext`, and its logger :class:`RunLogger`;
-and what its caller says about where runs keep their records and report,
-:class:`RunEnvironment`."""
+"""What the work of one run receives (``RunContext``, ``RunLogger``) and ``RunEnvironment``.
+
+The work gets a :class:`RunContext` and its logger :class:`RunLogger`; its caller says where
+runs keep their records and report with a :class:`RunEnvironment`.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from psycopg import IsolationLevel
 
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
-from airflow_idempotency.fence import Fence
+from airflow_idempotency.fence import Fence, lock_wait_refusal
 from airflow_idempotency.locks import (
     RunLock,
     lock_is_held,
+    session_ended,
 )
 from airflow_idempotency.metrics import NO_METRICS, Metrics
 from airflow_idempotency.records import RunIdentity, RunOptions
@@ -113,6 +116,7 @@ class RunContext:
         lock: RunLock,
         connection: psycopg.Connection,
         log: RunLogger,
+        lock_connection: psycopg.Connection | None = None,
     ) -> None:
         self.job_name = spec.run.job_name
         self.run_key = spec.run.run_key
@@ -125,6 +129,7 @@ class RunContext:
         self.airflow_context = spec.environment.airflow_context
         self.metrics = spec.environment.metrics
         self._lock = lock
+        self._lock_conn = lock_connection
         self._fence = Fence(lock, attempt_id, self.schema, self.job_name, self.run_key)
         self._conn = connection
         self._connect = spec.connect
@@ -148,18 +153,21 @@ class RunContext:
         REPEATABLE READ and SERIALIZABLE work is safe, and a serialization failure (or a
         deadlock) raises :class:`~airflow_idempotency.exceptions.WorkConflictError`, which a
         retry resolves. ``read_only`` begins it READ ONLY. In a dry run the whole work is one
-        transaction, so these two have no effect there.
+        transaction, so these two have no effect there; inside a transaction of the work's own
+        on :attr:`connection` it is a savepoint, fenced at that transaction's COMMIT. The
+        block must not end the transaction itself (no COMMIT, ROLLBACK or PREPARE
+        TRANSACTION: :class:`~airflow_idempotency.exceptions.TransactionMisuseError`).
         """
         conn = self._conn
+        fenced = self._fence.transaction(
+            conn, isolation_level=isolation_level, read_only=read_only, bound_locks=False
+        )
         try:
-            with (
-                self.fenced_transaction(conn, isolation_level=isolation_level, read_only=read_only),
-                conn.cursor() as cur,
-            ):
+            with fenced, conn.cursor() as cur:
                 yield cur
                 crash_point("transaction.before_commit")
         except psycopg.Error as exc:
-            raise self.translate_error(exc, conn) from exc
+            raise self._fence.translate_error(exc, conn) from exc
 
     def fenced_transaction(
         self,
@@ -170,20 +178,36 @@ class RunContext:
     ) -> AbstractContextManager[None]:
         """A transaction on ``conn`` (a connection of this run) that is fenced: it commits
         only while this attempt holds the run lock, and a successor waits for it
-        (:meth:`airflow_idempotency.fence.Fence.transaction`; docs/fence.md).
+        (:meth:`airflow_idempotency.fence.Fence.transaction`; docs/fence.md). Every lock wait
+        in it is bounded (``AIRFLOW_IDEMPOTENCY_LOCK_WAIT``): the provider's own writes (the
+        ledger's) run in it.
 
         Raises psycopg errors; :meth:`translate_error` names them (the fence's refusal is
-        SQLSTATE ``IF001``). Inside a dry run's transaction it is a savepoint.
+        SQLSTATE ``IF001``). Inside an open transaction (a dry run's) it is a savepoint.
         """
-        return self._fence.transaction(conn, isolation_level=isolation_level, read_only=read_only)
+        return self._fence.transaction(
+            conn, isolation_level=isolation_level, read_only=read_only, bound_locks=True
+        )
 
     def translate_error(self, exc: psycopg.Error, conn: psycopg.Connection) -> BaseException:
-        """The error to raise for ``exc``, raised by a fenced transaction on ``conn``."""
+        """The error to raise for ``exc``, raised by a fenced transaction on ``conn`` of the
+        provider's own (:meth:`fenced_transaction`: its lock waits are bounded)."""
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            what = f"a transaction of job {self.job_name!r} run_key {self.run_key!r}"
+            waited = lock_wait_refusal(exc, what)
+            if waited is not None:
+                return waited
         return self._fence.translate_error(exc, conn)
 
     def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
         """Whether this run's lock session still holds the lock (checked from ``conn``)."""
         return lock_is_held(conn or self._conn, self.schema, self._lock)
+
+    def lock_session_ended(self) -> bool:
+        """Whether the lock session has visibly ended, without a round trip
+        (:func:`~airflow_idempotency.locks.session_ended`); ``False`` says only that no end was
+        seen: :meth:`lock_is_held` asks the database."""
+        return self._lock_conn is not None and session_ended(self._lock_conn)
 
     def assert_lock_held(self, conn: psycopg.Connection | None = None) -> None:
         """Raise :class:`LockLostError` if this run's lock session has ended."""

@@ -42,22 +42,29 @@ repeats when daylight saving time ends.
 from __future__ import annotations
 
 import datetime as dt
-import re
 import unicodedata
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import pendulum
 
 from airflow_idempotency.exceptions import (
     ConfigurationError,
-    InvalidInputError,
     InvalidRunKeyError,
-    PeriodNotEndedError,
     RunKeyConflictError,
     RunKeyMissingError,
 )
+from airflow_idempotency.key_spelling import MAX_KEY_LENGTH as MAX_KEY_LENGTH
+from airflow_idempotency.key_spelling import (
+    PERIOD_FORMATS,
+    check_key_text,
+    check_label,
+)
+from airflow_idempotency.key_spelling import KeyParts as KeyParts
+from airflow_idempotency.key_spelling import check_text as check_text
+from airflow_idempotency.key_spelling import key_parts as key_parts
+from airflow_idempotency.key_spelling import segment_template as segment_template
 from airflow_idempotency.partitions import (
     DEFAULT_TIME_FORMATS,
     SEGMENT_DELIMITER,
@@ -65,179 +72,11 @@ from airflow_idempotency.partitions import (
     TimeSegment,
     parse_time_segment,
 )
+from airflow_idempotency.run_key_rule import MAX_OFFSET as MAX_OFFSET
+from airflow_idempotency.run_key_rule import Period as Period
+from airflow_idempotency.run_key_rule import RunKeyRule as RunKeyRule
 
-Period = Literal["hour", "day", "week", "month"]
-MAX_KEY_LENGTH = 200
-MAX_OFFSET = 1000
-"""The largest shift a :class:`RunKeyRule` offset may give (in periods, either way)."""
-
-_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
-    "hour": (
-        re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2})Z"),
-        "YYYY-MM-DDTHHZ (UTC), e.g. 2026-10-01T13Z",
-    ),
-    "day": (re.compile(r"(\d{4})-(\d{2})-(\d{2})"), "YYYY-MM-DD, e.g. 2026-10-01"),
-    "week": (re.compile(r"(\d{4})-W(\d{2})"), "YYYY-Www (ISO week), e.g. 2026-W40"),
-    "month": (re.compile(r"(\d{4})-(\d{2})"), "YYYY-MM, e.g. 2026-10"),
-}
-
-# Timetables whose logical date is the moment the run fires (no data interval): the period
-# that just ended is the one before the logical date.
-_TRIGGER_TIMETABLES = frozenset(
-    {"CronTriggerTimetable", "MultipleCronTriggerTimetable", "DeltaTriggerTimetable"}
-)
-
-
-def check_text(value: object, what: str) -> str:
-    """Validate free text used as a job name or run key; return it unchanged.
-
-    Any printable text is allowed (quotes and unicode included: it only ever travels as a
-    bound parameter); control characters, surrounding blanks and empty text are refused.
-    """
-    if not isinstance(value, str):
-        raise InvalidInputError(f"{what} must be text, got {type(value).__name__}: {value!r}")
-    if not value or value != value.strip():
-        raise InvalidInputError(f"{what} {value!r} is empty or has leading/trailing blanks")
-    if len(value) > MAX_KEY_LENGTH:
-        raise InvalidInputError(f"{what} is {len(value)} characters long; at most {MAX_KEY_LENGTH}")
-    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Cs", "Cn")]
-    if bad:
-        raise InvalidInputError(
-            f"{what} {value!r} contains control or unassigned characters {bad!r}"
-        )
-    return value
-
-
-@dataclass(frozen=True)
-class RunKeyRule:
-    """How a run's logical date becomes a run key.
-
-    :param period: the business period a run covers: ``hour``, ``day``, ``week`` or ``month``.
-    :param offset: periods to add to the period containing the logical date; ``None`` picks
-        -1 for trigger timetables (cron schedules in Airflow 3) and 0 for data-interval ones.
-    :param allow_open_period: accept keys whose period has not ended yet (default: refuse).
-    """
-
-    period: Period = "day"
-    offset: int | None = None
-    allow_open_period: bool = False
-
-    def __post_init__(self) -> None:
-        # Checked when the DAG file builds the rule: a mistake is the file's import error.
-        if not isinstance(self.period, str) or self.period not in _FORMATS:
-            raise InvalidInputError(
-                f"unknown period {self.period!r}: use one of {sorted(_FORMATS)}"
-            )
-        offset = self.offset
-        if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool)):
-            raise InvalidInputError(
-                f"offset must be a whole number of {self.period}s (or None for the "
-                f"timetable's default), got {type(offset).__name__}: {offset!r}"
-            )
-        if offset is not None and abs(offset) > MAX_OFFSET:
-            raise InvalidInputError(
-                f"offset {offset} moves keys more than {MAX_OFFSET} {self.period}s: use an "
-                "offset of a few periods (-1: the period before the logical date's)"
-            )
-        if not isinstance(self.allow_open_period, bool):
-            raise InvalidInputError(
-                f"allow_open_period must be True or False, got {self.allow_open_period!r}"
-            )
-
-    @property
-    def format_hint(self) -> str:
-        """The expected format of a key, for error messages."""
-        return _FORMATS[self.period][1]
-
-    def effective_offset(self, timetable_name: str | None) -> int:
-        """The offset in force for a DAG whose timetable class is ``timetable_name``."""
-        if self.offset is not None:
-            return self.offset
-        return -1 if timetable_name in _TRIGGER_TIMETABLES else 0
-
-    def key_for(self, logical_date: dt.datetime, timezone: str, offset: int) -> str:
-        """The key of the period ``offset`` periods after the one holding ``logical_date``."""
-        if logical_date.tzinfo is None:
-            raise InvalidInputError(f"logical date {logical_date!r} has no timezone")
-        if self.period == "hour":
-            utc = pendulum.instance(logical_date).in_timezone("UTC").add(hours=offset)
-            return utc.format("YYYY-MM-DD[T]HH[Z]")
-        local = pendulum.instance(logical_date).in_timezone(timezone).date()
-        if self.period == "day":
-            return local.add(days=offset).isoformat()
-        if self.period == "week":
-            year, week, _ = local.add(weeks=offset).isocalendar()
-            return f"{year:04d}-W{week:02d}"
-        month = local.start_of("month").add(months=offset)
-        return f"{month.year:04d}-{month.month:02d}"
-
-    def period_bounds(self, key: str, timezone: str) -> tuple[pendulum.DateTime, pendulum.DateTime]:
-        """Parse ``key`` (raising if malformed); return its [start, end) in ``timezone``."""
-        pattern, hint = _FORMATS[self.period]
-        match = pattern.fullmatch(key) if isinstance(key, str) else None
-        if match is None:
-            raise InvalidRunKeyError(
-                f"malformed run_key {key!r}: expected {hint}. Pass the business date the run "
-                f'is for, for example conf {{"run_key": "2026-10-01"}}.'
-            )
-        numbers = [int(g) for g in match.groups()]
-        try:
-            if self.period == "hour":
-                year, month, day, hour = numbers
-                start = pendulum.datetime(year, month, day, hour, tz="UTC")
-                return start, start.add(hours=1)
-            if self.period == "day":
-                year, month, day = numbers
-                start = pendulum.datetime(year, month, day, tz=timezone)
-                return start, start.add(days=1)
-            if self.period == "week":
-                monday = dt.date.fromisocalendar(numbers[0], numbers[1], 1)
-                start = pendulum.datetime(monday.year, monday.month, monday.day, tz=timezone)
-                return start, start.add(weeks=1)
-            start = pendulum.datetime(numbers[0], numbers[1], 1, tz=timezone)
-            return start, start.add(months=1)
-        except (ValueError, OverflowError) as exc:  # Feb 30; a period ending after 9999
-            raise InvalidRunKeyError(
-                f"run_key {key!r} is not a real {self.period}: {exc}. Expected {hint}."
-            ) from None
-
-    def keys_between(self, first: str, last: str, timezone: str = "UTC") -> list[str]:
-        """Every key from ``first`` to ``last``, both included, in order (both validated)."""
-        start, _ = self.period_bounds(first, timezone)
-        end, _ = self.period_bounds(last, timezone)
-        if end < start:
-            raise InvalidInputError(
-                f"the range {first} .. {last} is empty: the first key comes after the last"
-            )
-        keys = []
-        key = first
-        while True:
-            keys.append(key)
-            if key == last:
-                return keys
-            _, period_end = self.period_bounds(key, timezone)
-            key = self.key_for(period_end, timezone, 0)
-
-    @classmethod
-    def for_key(cls, key: str) -> RunKeyRule:
-        """The rule whose period ``key`` is written in (``2026-10`` -> month, ...)."""
-        for period, (pattern, _) in _FORMATS.items():
-            if isinstance(key, str) and pattern.fullmatch(key):
-                return cls(period=period)  # type: ignore[arg-type]
-        hints = "; ".join(hint for _, hint in _FORMATS.values())
-        raise InvalidRunKeyError(f"{key!r} is not a run key of any period: expected {hints}")
-
-    def check_ended(self, key: str, timezone: str, now: dt.datetime) -> None:
-        """Refuse ``key`` when its period has not ended at ``now`` (unless allowed)."""
-        _, end = self.period_bounds(key, timezone)
-        if not self.allow_open_period and end > now:
-            raise PeriodNotEndedError(
-                f"run_key {key!r} names a {self.period} that has not ended yet in {timezone} "
-                f"(it ends {end.to_iso8601_string()}). If you clicked Trigger in the UI, the "
-                f"logical date was pre-filled with the current time: set run_key to the "
-                f"business date you mean (for example yesterday's date), or let the DAG "
-                f"author set allow_open_period=True if running an open period is intended."
-            )
+_FORMATS = PERIOD_FORMATS
 
 
 RunKeyCallable = Callable[[Any], str]
@@ -296,6 +135,7 @@ class ResolvedRunKey:
     run_key: str
     source: Source
     explanation: str
+    zone: str | None = None  # the zone the key's period was read in (the zone rule)
 
 
 def resolve_run_key(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
@@ -304,18 +144,60 @@ def resolve_run_key(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> Resol
     The one place that decides, in the order of the module docstring. Scheduled, backfill
     and asset-triggered runs never take an explicit key: a run_key in a backfill's conf
     would map every date onto one key, so it is refused. An explicit key for a callable
-    rule is free text, checked like any key but not parsed as a period.
+    rule is free text, checked like any key but not parsed as a period. Every key has one
+    spelling (:mod:`airflow_idempotency.key_spelling`): text read in another Unicode form
+    than NFC is mapped to NFC and the explanation says so; any other spelling is refused.
     """
+    facts, mapped = _in_nfc(facts)
+    # The zone of the keys: the rule's, else a partitioned DAG's timetable's, else the DAG's.
+    pinned = rule.timezone if isinstance(rule, RunKeyRule) else None
+    zone = pinned or facts.partition_spec.timezone or facts.timezone
+    if zone != facts.timezone:
+        facts = replace(facts, timezone=zone)
     resolved = _resolve_base(rule, facts)
-    if facts.key_segment is None:
-        return resolved
-    segment = _check_label(facts.key_segment, "key_segment", facts.key_segment)
-    key = check_text(f"{segment}{SEGMENT_DELIMITER}{resolved.run_key}", "run key")
-    return ResolvedRunKey(
-        key,
-        resolved.source,
-        f"run_key {key!r}: this task's segment {segment!r} before {resolved.explanation}",
-    )
+    if facts.key_segment is not None:
+        resolved = _with_segment(resolved, facts.key_segment)
+    if mapped:
+        note = f"; read in Unicode NFC: {', '.join(mapped)} (the same text, composed)"
+        resolved = replace(resolved, explanation=resolved.explanation + note)
+    return resolved
+
+
+def _in_nfc(facts: RunFacts) -> tuple[RunFacts, list[str]]:
+    """``facts`` with its texts in NFC, and which were not."""
+    changes: dict[str, Any] = {}
+    for name in ("conf_run_key", "params_run_key", "partition_key", "key_segment"):
+        value = getattr(facts, name)
+        if isinstance(value, str) and unicodedata.normalize("NFC", value) != value:
+            changes[name] = unicodedata.normalize("NFC", value)
+    mapped = [
+        f"{name.replace('_run_key', ' run_key')} as {text!r}" for name, text in changes.items()
+    ]
+    return (replace(facts, **changes) if changes else facts), mapped
+
+
+def _with_segment(resolved: ResolvedRunKey, key_segment: str) -> ResolvedRunKey:
+    """The key of a mapped task's segment: its segment, then the key decided for the run."""
+    segment = check_label(key_segment, "key_segment", key_segment)
+    if resolved.source in ("conf", "params") and SEGMENT_DELIMITER in resolved.run_key:
+        raise InvalidRunKeyError(
+            f"run_key {resolved.run_key!r} has segments, but this task writes its own segment "
+            f"{segment!r} before the key: give run_key the period only (e.g. "
+            f"{resolved.run_key.split(SEGMENT_DELIMITER)[-1]!r}), each mapped task adds its segment"
+        )
+    key = check_key_text(f"{segment}{SEGMENT_DELIMITER}{resolved.run_key}", "run key")
+    explanation = f"run_key {key!r}: this task's segment {segment!r} before {resolved.explanation}"
+    return replace(resolved, run_key=key, explanation=explanation)
+
+
+def _from_callable(rule: RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
+    value = rule(facts.context)
+    note = ""
+    if isinstance(value, str) and unicodedata.normalize("NFC", value) != value:
+        value = unicodedata.normalize("NFC", value)
+        note = " (its text read in Unicode NFC)"
+    key = check_key_text(value, "run key from run_key_rule")
+    return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule{note}")
 
 
 def _resolve_base(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> ResolvedRunKey:
@@ -324,8 +206,7 @@ def _resolve_base(rule: RunKeyRule | RunKeyCallable, facts: RunFacts) -> Resolve
     if explicit not in (None, ""):
         return _explicit(rule, facts, explicit, source)
     if not isinstance(rule, RunKeyRule):
-        key = check_text(rule(facts.context), "run key from run_key_rule")
-        return ResolvedRunKey(key, "callable", f"run_key {key!r} from the DAG's run_key_rule")
+        return _from_callable(rule, facts)
     if facts.partition_key is not None:
         return partition_run_key(rule, facts)
     # A partitioned DAG's periods are its partitions: a run without one (the trigger form
@@ -348,18 +229,22 @@ def _explicit(
             "the run key from each run's partition or logical date."
         )
     if not isinstance(rule, RunKeyRule):
-        key = check_text(explicit, "run_key")
+        key = check_key_text(explicit, "run_key")
     else:
         key = _explicit_period_key(rule, explicit, facts.timezone, facts.now)
     explanation = f"run_key {key!r} given explicitly in the run's {source}"
-    if facts.partition_key is None or not isinstance(rule, RunKeyRule):
+    if not isinstance(rule, RunKeyRule):
         return ResolvedRunKey(key, source, explanation)
+    zone = rule.zone_of_keys(facts.timezone)
+    if facts.partition_key is None:
+        return ResolvedRunKey(key, source, explanation, zone)
     if facts.override_partition:
         return ResolvedRunKey(
             key,
             source,
             f"{explanation}, overriding the run's partition_key {facts.partition_key!r} "
             f"({OVERRIDE_FLAG} is set)",
+            zone,
         )
     from_partition = partition_run_key(rule, facts)
     if from_partition.run_key != key:
@@ -370,10 +255,12 @@ def _explicit(
             f"set to the period you mean, or, to process {key!r} in this run anyway, add "
             f'"{OVERRIDE_FLAG}": true to the conf.'
         )
-    return ResolvedRunKey(key, source, f"{explanation}; it agrees with the run's partition_key")
+    agreed = f"{explanation}; it agrees with the run's partition_key"
+    return ResolvedRunKey(key, source, agreed, zone)
 
 
 def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
+    example = rule.format_hint.rsplit("e.g. ", 1)[-1]  # a key of the rule's period
     if facts.partitioned:
         return (
             f"this {facts.run_type} run of a partitioned DAG has no partition_key and no "
@@ -383,13 +270,13 @@ def _missing_message(rule: RunKeyRule, facts: RunFacts) -> str:
             f"REST body, or airflow backfill create over partition dates. To run one period "
             f"by hand (airflow dags test included, which sets no partition key), give its run "
             f"key in the conf, in the format {rule.format_hint}: airflow dags test DAG_ID -c "
-            f'\'{{"run_key": "{rule.format_hint.rsplit("e.g. ", 1)[-1]}"}}\'.'
+            f'\'{{"run_key": "{example}"}}\'.'
         )
     return (
         f"this {facts.run_type} run has no logical date and no run_key, so it does not say "
         f"which business period to process. Trigger it again with run_key in the conf, in "
         f"the format {rule.format_hint} (for example: airflow dags trigger DAG_ID -c "
-        f'\'{{"run_key": "2026-10-01"}}\', or fill in the run_key field of the trigger form).'
+        f'\'{{"run_key": "{example}"}}\', or fill in the run_key field of the trigger form).'
     )
 
 
@@ -410,7 +297,7 @@ def _from_logical_date(
             f"NOTE: this manual run has no explicit run_key, so {explanation}. If that is not "
             f"the business period you meant, trigger again with run_key set."
         )
-    return ResolvedRunKey(key, "logical_date", explanation)
+    return ResolvedRunKey(key, "logical_date", explanation, rule.zone_of_keys(timezone))
 
 
 def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
@@ -418,15 +305,20 @@ def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
     the one time segment written as the rule's period (``eu|2026-10-01T01:00:00`` ->
     ``eu|2026-10-01``), the other segments kept as they are.
 
+    The time segment is taken at the run's exact ``partition_date`` when it reads as the
+    segment's wall-clock time: Airflow writes both 02:00 hours of an autumn night in
+    Europe/Amsterdam as ``2026-10-25T02:00:00``, and their partition dates (00:00 and 01:00
+    UTC) make them the hours ``2026-10-25T00Z`` and ``2026-10-25T01Z``.
+
     Refused (nothing written): an empty, blank-padded, overlong or control-character key; an
-    empty or blank-padded segment, a ``|`` inside a segment of another delimiter; more than
-    one time segment; a time segment of a longer period than the rule's (``2026-10`` for a
-    daily job); a period that has not ended (unless ``allow_open_period``); an explicit
-    ``offset`` on the rule (a partition names its own period: use the timetable's
-    ``run_offset``).
+    empty or blank-padded segment, a ``|`` inside a segment of another delimiter; a label
+    that reads as a period; more than one time segment; a time segment of a longer period
+    than the rule's (``2026-10`` for a daily job); for an hourly job, a wall-clock hour that
+    happens twice with no partition date to say which, or never happens (the spring gap); a
+    period that has not ended (unless ``allow_open_period``); an explicit ``offset`` on the
+    rule (a partition names its own period: use the timetable's ``run_offset``).
     """
-    raw = facts.partition_key
-    key = check_text(raw, "partition_key")
+    key = check_text(facts.partition_key, "partition_key")
     if rule.offset not in (None, 0):
         raise ConfigurationError(
             f"RunKeyRule(offset={rule.offset}) moves keys derived from logical dates, but this "
@@ -435,57 +327,83 @@ def partition_run_key(rule: RunKeyRule, facts: RunFacts) -> ResolvedRunKey:
             f"(run_offset=-1: the run at D+1 01:00 is for day D)."
         )
     spec = facts.partition_spec
-    timezone = spec.timezone or facts.timezone
-    formats = (*spec.time_formats, *DEFAULT_TIME_FORMATS)
+    timezone = facts.timezone  # the keys' zone (resolve_run_key): the timetable's if known
     segments = key.split(spec.delimiter)
-    out: list[str] = []
-    times: list[tuple[int, TimeSegment, str]] = []
-    for index, segment in enumerate(segments, start=1):
-        parsed = parse_time_segment(segment, formats, timezone)
-        if parsed is None:
-            out.append(_check_label(segment, f"segment {index}", key))
-            continue
-        period_key = _period_of(rule, parsed, key, timezone, facts.now)
-        times.append((index, parsed, period_key))
-        out.append(period_key)
-    if len(times) > 1:
-        raise InvalidRunKeyError(
-            f"partition_key {key!r} has {len(times)} time segments "
-            f"({', '.join(repr(t.text) for _, t, _ in times)}); a run key has at most one "
-            f"period. Make the other segments labels (e.g. a region)."
-        )
-    run_key = check_text(SEGMENT_DELIMITER.join(out), "run key from partition_key")
+    out, times = _partition_segments(segments, spec, spec.timezone or timezone, key)
+    how = "no time segment: the key is the same work whenever it runs again"
+    zone = rule.zone_of_keys(timezone) if times else None
     if times:
-        index, parsed, period_key = times[0]
+        index, parsed = times[0]
+        parsed, note = _instant_of(rule, parsed, key, facts.partition_date)
+        period_key = _period_of(rule, parsed, key, timezone, facts.now)
+        out[index - 1] = period_key
         where = f"segment {index} " if len(segments) > 1 else ""
         how = (
-            f"{where}{parsed.text!r} is the {rule.period} {period_key} in {timezone}"
+            f"{where}{parsed.text!r} is the {rule.period} {period_key} in {timezone}{note}"
             if parsed.text != period_key
             else f"{where}{parsed.text!r} is a {rule.period}"
         )
-    else:
-        how = "no time segment: the key is the same work whenever it runs again"
+    run_key = check_key_text(SEGMENT_DELIMITER.join(out), "run key from partition_key")
     return ResolvedRunKey(
         run_key,
         "partition_key",
         f"run_key {run_key!r} from the run's partition_key {key!r} ({how})",
+        zone,
     )
 
 
-def _check_label(segment: str, what: str, key: str) -> str:
-    """A segment that is not a time: non-empty text, no blanks around it, no ``|``."""
-    if not isinstance(segment, str) or not segment or segment != segment.strip():
+def _partition_segments(
+    segments: list[str], spec: PartitionSpec, timezone: str, key: str
+) -> tuple[list[str], list[tuple[int, TimeSegment]]]:
+    """The segments with labels checked, and the time segments parsed (at most one)."""
+    formats = (*spec.time_formats, *DEFAULT_TIME_FORMATS)
+    out: list[str] = []
+    times: list[tuple[int, TimeSegment]] = []
+    for index, segment in enumerate(segments, start=1):
+        parsed = parse_time_segment(segment, formats, timezone)
+        if parsed is None:
+            out.append(check_label(segment, f"segment {index}", key))
+        else:
+            times.append((index, parsed))
+            out.append(segment)
+    if len(times) > 1:
         raise InvalidRunKeyError(
-            f"{what} {segment!r} of {key!r} is empty or has leading/trailing blanks: a run key's "
-            f"segments are non-empty text separated by {SEGMENT_DELIMITER!r}, at most one of "
-            f"them a period (e.g. eu|2026-10-01)"
+            f"partition_key {key!r} has {len(times)} time segments "
+            f"({', '.join(repr(t.text) for _, t in times)}); a run key has at most one "
+            f"period. Make the other segments labels (e.g. a region)."
         )
-    if SEGMENT_DELIMITER in segment:
+    return out, times
+
+
+def _instant_of(
+    rule: RunKeyRule, parsed: TimeSegment, key: str, partition_date: dt.datetime | None
+) -> tuple[TimeSegment, str]:
+    """The time segment at its exact instant, and a note for the log: the run's partition
+    date when it reads as the segment's wall-clock time; else the wall-clock time, refused
+    for an hourly job when it names two hours or none."""
+    exact = parsed.at(partition_date)
+    fault = parsed.wall_clock_fault()
+    wall = f"{parsed.wall:%Y-%m-%d %H:%M}" if parsed.wall else parsed.text
+    if exact is not None:
+        if fault != "ambiguous":
+            return exact, ""
+        instant = exact.start.in_timezone("UTC").to_iso8601_string()
+        return exact, f"; {wall} happens twice there, the run's partition date {instant} says which"
+    if fault is None or rule.period != "hour" or parsed.grain not in ("moment", "hour"):
+        return parsed, ""
+    if fault == "missing":
         raise InvalidRunKeyError(
-            f"{what} {segment!r} of {key!r} contains {SEGMENT_DELIMITER!r}, which separates "
-            f"the segments of a run key"
+            f"partition_key {key!r}: {wall} does not exist in {parsed.zone} (the clocks jump "
+            f"over it), so it names no hour. Give the partition of the hour you mean, or "
+            f"run_key in the format {rule.format_hint}."
         )
-    return check_text(segment, what)
+    first, second = (rule.key_for(i, "UTC", 0) for i in parsed.instants())
+    raise InvalidRunKeyError(
+        f"partition_key {key!r}: {wall} happens twice in {parsed.zone} (the clocks go back) "
+        f"and this run has no partition date that says which. Give run_key {first!r} for "
+        f"the first of the two hours or {second!r} for the second (hour keys are in UTC), "
+        f'with "{OVERRIDE_FLAG}": true if the run keeps this partition_key.'
+    )
 
 
 def _period_of(
@@ -506,7 +424,7 @@ def _explicit_period_key(
     rule: RunKeyRule, explicit: object, timezone: str, now: dt.datetime
 ) -> str:
     """An explicit key for a period rule: a well-formed period that has ended, optionally
-    with label segments (``eu|2026-10-01``)."""
+    with label segments (``eu|2026-10-01``), in its one spelling."""
     key = str(explicit) if isinstance(explicit, dt.date) else explicit
     if not isinstance(key, str):
         raise InvalidRunKeyError(
@@ -519,67 +437,14 @@ def _explicit_period_key(
         return check_text(key, "run_key")
     pattern = _FORMATS[rule.period][0]
     periods = [s for s in segments if pattern.fullmatch(s)]
+    for index, segment in enumerate(segments, start=1):
+        if segment not in periods:
+            check_label(segment, f"segment {index}", key)
     if len(periods) != 1:
         raise InvalidRunKeyError(
             f"malformed run_key {key!r}: a run key with segments has exactly one segment in "
             f"the format {rule.format_hint}, the others labels (e.g. eu|2026-10-01)"
         )
-    for index, segment in enumerate(segments, start=1):
-        if segment != periods[0]:
-            _check_label(segment, f"segment {index}", key)
     rule.period_bounds(periods[0], timezone)
     rule.check_ended(periods[0], timezone, now)
-    return check_text(key, "run_key")
-
-
-# -- reading keys back (gaps, the calendar) ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeyParts:
-    """A run key taken apart: its period segment and the labels around it.
-
-    ``eu|2026-10-01`` -> labels ``("eu", "{}")``, period ``2026-10-01``; a key without a
-    period segment has ``period`` ``None``.
-    """
-
-    template: tuple[str, ...]
-    period: str | None
-
-    @property
-    def segment(self) -> str:
-        """The labels with the period left out (``eu|*``), ``""`` for a plain period key."""
-        if self.template == ("{}",):
-            return ""
-        return SEGMENT_DELIMITER.join("*" if s == "{}" else s for s in self.template)
-
-    def with_period(self, period: str) -> str:
-        """This key's labels around another period: the key of the same segment then."""
-        return SEGMENT_DELIMITER.join(period if s == "{}" else s for s in self.template)
-
-
-def key_parts(key: str) -> KeyParts:
-    """Split a run key into its period segment (the first in a run-key period format) and
-    its label segments."""
-    segments = key.split(SEGMENT_DELIMITER)
-    for index, segment in enumerate(segments):
-        if any(pattern.fullmatch(segment) for pattern, _ in _FORMATS.values()):
-            template = (*segments[:index], "{}", *segments[index + 1 :])
-            return KeyParts(template, segment)
-    return KeyParts(tuple(segments), None)
-
-
-def segment_template(segment: str) -> KeyParts:
-    """The parts of a segment as users write it on the command line: ``eu`` or ``eu|*``
-    (the period after the labels), ``*|eu`` (before them); ``""``: plain period keys."""
-    if segment == "":
-        return KeyParts(("{}",), None)
-    labels = segment.split(SEGMENT_DELIMITER)
-    if "*" not in labels:
-        labels.append("*")
-    if labels.count("*") != 1:
-        raise InvalidInputError(f"segment {segment!r}: mark the period's place with one '*'")
-    for label in labels:
-        if label != "*":
-            _check_label(label, "segment", segment)
-    return KeyParts(tuple("{}" if s == "*" else s for s in labels), None)
+    return check_key_text(key, "run_key")

@@ -3,8 +3,9 @@
 :func:`run_idempotently` executes ``work`` for one (job name, run key), in the steps of
 :class:`_Run`:
 
-1. **lock**: validate the job name and run key (nothing is written when they are
-   refused), then take the run lock in a transaction held open on a dedicated connection
+1. **lock**: validate the job name and run key, and the zone the key was made in against
+   the job's earlier keys (:mod:`~airflow_idempotency.key_zone`; nothing is written when
+   they are refused), then take the run lock in a transaction held open on a dedicated connection
    (:func:`~airflow_idempotency.locks.hold_run_lock`) for the whole run. If another session
    holds it, record a ``lock_held`` attempt naming the holder and raise
    :class:`~airflow_idempotency.exceptions.RunLockedError`;
@@ -16,7 +17,8 @@
 5. **fenced completion**: mark ``completed`` in the lock transaction (only this attempt,
    only while its session holds the lock), whose commit also releases the lock;
 6. **failure**: on an exception, mark the attempt and the run ``failed`` (in the lock
-   transaction when it is alive, else from a fresh connection) and re-raise.
+   transaction when it is alive, else from a fresh connection) and re-raise
+   (:mod:`~airflow_idempotency.run_failures`).
 
 ``dry_run`` runs ``work`` inside one transaction that is rolled back, leaves ``job_runs``
 alone and records a ``dry_run`` attempt.
@@ -32,10 +34,9 @@ import os
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
@@ -46,12 +47,15 @@ from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
     IdempotencyError,
     LockLostError,
+    LockWaitError,
     MissingPrivilegeError,
     RunLockedError,
 )
+from airflow_idempotency.fence import bookkeeping_lock_holders, fence_sqlstate, lock_wait_refusal
+from airflow_idempotency.key_spelling import check_key_text, check_text
+from airflow_idempotency.key_zone import check_key_zone
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
 from airflow_idempotency.records import (
-    AttemptOutcome,
     RunIdentity,
     RunOptions,
     RunRecord,
@@ -66,7 +70,7 @@ from airflow_idempotency.run_context import (
     RunSpec,
     autocommit_connection,
 )
-from airflow_idempotency.run_key import check_text
+from airflow_idempotency.run_failures import named_failure, record_failure
 from airflow_idempotency.schema import (
     ensure_schema,
     missing_privileges,
@@ -91,6 +95,7 @@ START_WAIT_WARNING = 10
 """Seconds after which a start that is still waiting says why it may be waiting."""
 
 Work = Callable[[RunContext], Mapping[str, Any] | None]
+_T = TypeVar("_T")
 
 
 class RunOutcome(str, enum.Enum):
@@ -152,8 +157,7 @@ def _format_holder(holder: Mapping[str, Any]) -> str:
     parts = [f"backend pid {holder.get('pid')}"]
     if holder.get("application_name"):
         parts.append(f"application {holder['application_name']!r}")
-    client = holder.get("client_hostname") or holder.get("client_addr") or "local socket"
-    parts.append(f"client {client}")
+    parts.append(f"client {holder.get('client')}")
     if holder.get("backend_start"):
         parts.append(f"connected since {holder['backend_start'].isoformat()}")
     attempt = holder.get("attempt")
@@ -208,7 +212,7 @@ def run_idempotently(
         operator passes its own).
     """
     job_name = check_text(job_name, "job name")
-    run_key = check_text(run_key, "run key")
+    run_key = check_key_text(run_key, "run key")
     validate_schema_name(environment.schema)
     spec = RunSpec(RunIdentity(job_name, run_key, trigger), options, connect, environment)
     return _Run(spec, work).execute()
@@ -278,6 +282,8 @@ class _Run:
     def _execute(self) -> RunResult:
         with autocommit_connection(self.spec.connect) as lock_conn:
             ensure_schema(lock_conn, self.schema)
+            run = self.spec.run
+            check_key_zone(lock_conn, self.schema, run.job_name, run.run_key, run.trigger.key_zone)
             with hold_run_lock(
                 lock_conn,
                 self.spec.run.lock_key,
@@ -285,12 +291,16 @@ class _Run:
                 application_name=_application_name(),
             ) as lock:
                 if lock is None:
-                    refusal = self._record_lock_held(lock_conn)
+                    refusal = self._bounded(
+                        "recording the refusal of", self._record_lock_held, lock_conn
+                    )
                 else:
                     crash_point("runner.after_lock")
-                    existing = self._read(lock_conn)
+                    existing = self._bounded("reading the run record of", self._read, lock_conn)
                     if existing and existing.status == "completed" and not self.options.force:
-                        return self._noop(lock_conn, lock, existing)
+                        return self._bounded(
+                            "recording the no-op of", self._noop, lock_conn, lock, existing
+                        )
                     return self._run(lock_conn, lock, existing)
             raise refusal  # after the lock transaction committed the lock_held attempt
 
@@ -365,8 +375,11 @@ class _Run:
         try:
             counts = self._start_and_work(lock_conn, lock, existing)
         except BaseException as exc:
-            self._fail(lock_conn, exc)
-            raise
+            named = named_failure(lock_conn, exc, self.spec)
+            record_failure(lock_conn, named, self.spec, self.records, self.log, self.attempt_id)
+            if named is exc:
+                raise
+            raise named from exc
         if self.options.dry_run:
             assert self.attempt_id is not None
             self.records.finish_attempt(
@@ -401,12 +414,23 @@ class _Run:
                 stack.enter_context(conn.transaction(force_rollback=True))
             assert self.attempt_id is not None
             ctx = RunContext(
-                self.spec, attempt_id=self.attempt_id, lock=lock, connection=conn, log=self.log
+                self.spec,
+                attempt_id=self.attempt_id,
+                lock=lock,
+                connection=conn,
+                log=self.log,
+                lock_connection=lock_conn,
             )
             self._decided()
             started = time.monotonic()
             try:
                 return _jsonable_counts(self.work(ctx))
+            except psycopg.Error as exc:
+                # the fence refused the COMMIT of a transaction of the work's own around a
+                # fenced one (or its PREPARE): say so, as run.transaction() does
+                if not fence_sqlstate(exc):
+                    raise
+                raise ctx.translate_error(exc, conn) from exc
             finally:
                 elapsed = time.monotonic() - started
                 metrics.run_timing(self.spec.environment.metrics, "work", elapsed, self.job_name)
@@ -421,7 +445,9 @@ class _Run:
         waiting.daemon = True
         waiting.start()
         try:
-            self.attempt_id, count, abandoned = self.records.start_attempt(conn, lock, self.options)
+            self.attempt_id, count, abandoned = self._bounded(
+                "the start of", self.records.start_attempt, conn, lock, self.options
+            )
         finally:
             waiting.cancel()
         self.log.attempt = self.attempt_id
@@ -435,6 +461,30 @@ class _Run:
         previous = existing.status if existing else "new"
         self.log.info("started (previous status: %s, attempt #%d of this key)", previous, count)
         crash_point("runner.after_started")
+
+    def _bounded(self, step: str, call: Callable[..., _T], *args: Any) -> _T:
+        """``call(*args)``, one of the run's own steps: a bounded lock wait of it that ended is
+        raised as :class:`LockWaitError`, naming who held what."""
+        try:
+            return call(*args)
+        except psycopg.Error as exc:
+            refusal = self._lock_wait(exc, step)
+            if refusal is None:
+                raise
+            raise refusal from exc
+
+    def _lock_wait(self, exc: psycopg.Error, step: str) -> LockWaitError | None:
+        """The error for a bounded lock wait of ``step`` that ended, naming who held the
+        bookkeeping tables (asked on a new connection: the waiting one is aborted)."""
+        holders: list[str] = []
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            with (
+                contextlib.suppress(psycopg.Error, IdempotencyError),
+                autocommit_connection(self.spec.connect) as conn,
+            ):
+                holders = bookkeeping_lock_holders(conn, self.schema)
+        what = f"{step} job {self.job_name!r} run_key {self.run_key!r}"
+        return lock_wait_refusal(exc, what, holders)
 
     def _warn_start_waits(self) -> None:
         self.log.warning(
@@ -467,6 +517,11 @@ class _Run:
                     "mark it completed. Another attempt took over or the lock session ended; "
                     "rerun to converge."
                 )
+        except psycopg.errors.LockNotAvailable as exc:
+            waited = self._lock_wait(exc, "the completion of")
+            assert waited is not None
+            record_failure(lock_conn, waited, self.spec, self.records, self.log, self.attempt_id)
+            raise waited from exc
         except (psycopg.OperationalError, LockLostError) as exc:
             lost = (
                 exc
@@ -477,72 +532,8 @@ class _Run:
                     "completed and a rerun converges."
                 )
             )
-            self._fail(lock_conn, lost)
+            record_failure(lock_conn, lost, self.spec, self.records, self.log, self.attempt_id)
             raise lost from exc
         self.log.info("completed: %s", counts)
         self._count("completed")
         return RunResult(RunOutcome.COMPLETED, self.job_name, self.run_key, self.attempt_id, counts)
-
-    # -- 6. failure -------------------------------------------------------------------------
-
-    def _record_refused_start(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
-        """A start that a pooler refused (its pool exhausted) is recorded as a failed attempt,
-        in the lock transaction (which has its server connection), naming the cause."""
-        refusal = pooler_refusal(exc) if isinstance(exc, psycopg.Error) else None
-        if refusal is None or lock_conn.closed or lock_conn.broken:
-            return
-        self.log.error("%s", refusal)
-        self._count("failed")
-        with contextlib.suppress(psycopg.Error):
-            self.log.attempt = self.records.insert_attempt(
-                lock_conn,
-                "failed",
-                lock=None,
-                options=self.options,
-                error=str(refusal),
-                and_commit=True,
-            )
-
-    def _fail(self, lock_conn: psycopg.Connection, exc: BaseException) -> None:
-        """Mark the attempt (and, unless dry run, the run) failed; never mask ``exc``.
-
-        Written in the lock transaction, which then commits: the failure is recorded and
-        the lock released at one instant. When the lock session is gone, it is written from
-        a fresh session instead; mark_failed only touches the run if this attempt still
-        owns it, so a successor is never overwritten.
-        """
-        if self.attempt_id is None:  # the start itself failed: nothing was recorded yet
-            self._record_refused_start(lock_conn, exc)
-            return
-        attempt_id = self.attempt_id
-        outcome: AttemptOutcome = "lock_lost" if isinstance(exc, LockLostError) else "failed"
-        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:4000]
-        self.log.error("%s: %s", outcome, error)
-        self._count(outcome)
-
-        def write(conn: psycopg.Connection) -> None:
-            self.records.finish_attempt(conn, attempt_id, outcome, error=error)
-            if not self.options.dry_run:
-                self.records.mark_failed(conn, attempt_id, error)
-
-        if not (lock_conn.closed or lock_conn.broken):
-            try:
-                if lock_conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
-                    write(lock_conn)
-                    lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
-                else:  # the lock transaction already ended (a completion that found no row)
-                    with lock_conn.transaction():
-                        write(lock_conn)
-                return
-            except psycopg.Error:
-                # Terminated server-side (psycopg only learns it from a failed statement),
-                # or the lock transaction is aborted: give it up, write from a fresh one.
-                with contextlib.suppress(psycopg.Error):
-                    lock_conn.execute("ROLLBACK")
-        try:
-            with autocommit_connection(self.spec.connect) as conn, conn.transaction():
-                write(conn)  # READ COMMITTED: autocommit_connection pins it
-        except (psycopg.Error, IdempotencyError) as record_exc:
-            self.log.warning(
-                "could not record the failure (%s); job_runs may still say started", record_exc
-            )

@@ -1,9 +1,10 @@
 """Create and migrate the bookkeeping tables, safely when many workers start at once.
 
 The tables live in one schema (``idempotency`` unless configured otherwise). Its
-``schema_version`` table records which numbered files of ``sql/migrations/`` were applied.
-Migration runs in one transaction under a transaction-scoped advisory lock, so concurrent
-workers queue behind the first one and then find nothing left to do.
+``schema_version`` table records which files of ``sql/migrations/`` were applied (number,
+name, checksum). Migration runs in one transaction under a transaction-scoped advisory lock,
+so concurrent workers queue behind the first one and then find nothing left to do; every
+wait of it is bounded and every file identified (:mod:`airflow_idempotency.migrator`).
 """
 
 from __future__ import annotations
@@ -15,18 +16,21 @@ import threading
 import psycopg
 from psycopg import sql
 
-from airflow_idempotency._sql import latest_migration, migrations, query_rows
+from airflow_idempotency._sql import migrations, query_rows
 from airflow_idempotency.exceptions import (
     InvalidInputError,
     MissingPrivilegeError,
-    SchemaError,
     SchemaNotReadyError,
 )
-from airflow_idempotency.locks import migration_lock_key, pooler_refusal
+from airflow_idempotency.locks import pooler_refusal
+from airflow_idempotency.migrator import MigrationBounds, applied_migrations, migrate, plan
 
 DEFAULT_SCHEMA = "idempotency"
 # The Airflow connection of the bookkeeping database (and, by default, of the job).
 DEFAULT_CONN_ID = "idempotency_default"
+MIGRATION_BOUNDS = MigrationBounds()
+"""The bounds of a migration a task or a command starts: each lock wait 2 s, all tries 60 s,
+a silent client's transaction 10 s (:class:`~airflow_idempotency.migrator.MigrationBounds`)."""
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 _migrated: set[tuple[tuple[bytes | None, ...], str]] = set()
@@ -34,8 +38,8 @@ _migrated_guard = threading.Lock()
 
 
 def latest_version() -> int:
-    """The schema version this code expects."""
-    return latest_migration()
+    """The schema version this code expects (the number of its newest migration)."""
+    return migrations()[-1].version
 
 
 def validate_schema_name(schema: str) -> str:
@@ -93,78 +97,49 @@ def _server_identity(conn: psycopg.Connection) -> tuple[bytes | None, ...]:
     return (pgconn.host, pgconn.port, pgconn.db, pgconn.user)
 
 
-def ensure_schema(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int:
+def ensure_schema(
+    conn: psycopg.Connection,
+    schema: str = DEFAULT_SCHEMA,
+    *,
+    bounds: MigrationBounds | None = None,
+) -> int:
     """Create or migrate the tables in ``schema``; return the version now in place.
 
-    ``conn`` must not be inside a transaction. Cheap after the first call per process.
+    ``conn`` must not be inside a transaction. Cheap after the first call per process: one
+    statement reads the record of applied migrations and compares it with this release's
+    files. Raises :class:`SchemaTooNewError` (a newer release migrated the database),
+    :class:`MigrationMismatchError` (an applied file differs from this release's) and, when a
+    migration waited longer than ``bounds`` (default :data:`MIGRATION_BOUNDS`) for another
+    session's lock, :class:`MigrationBlockedError` naming it; see :mod:`.migrator`.
     """
     validate_schema_name(schema)
     cache_key = (_server_identity(conn), schema)
     if cache_key in _migrated:
         return latest_version()
-    target = latest_version()
+    where = f"schema {schema!r} of database {conn.info.dbname!r}"
     try:
-        applied = current_version(conn, schema)
+        applied = applied_migrations(conn, schema)
     except psycopg.errors.InsufficientPrivilege as exc:
         try:  # the probe ran alone (autocommit, or a savepoint): the session is usable
             missing = missing_privileges(conn, schema)
         except psycopg.Error:
             missing = []
         raise privilege_refusal(exc, conn, schema, migrating=False, missing=missing) from exc
-    if applied == target:
-        with _migrated_guard:
-            _migrated.add(cache_key)
-        return target
-    try:
-        _migrate(conn, schema, target)
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise privilege_refusal(exc, conn, schema, migrating=True) from exc
-    except psycopg.Error as exc:
-        refusal = pooler_refusal(exc)
-        if refusal is None:
-            raise
-        raise refusal from exc
+    shipped = migrations()
+    todo = plan(applied, shipped, where)
+    if todo.pending or todo.adopt:
+        try:
+            migrate(conn, schema, where, bounds or MIGRATION_BOUNDS, shipped)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise privilege_refusal(exc, conn, schema, migrating=True) from exc
+        except psycopg.Error as exc:
+            refusal = pooler_refusal(exc)
+            if refusal is None:
+                raise
+            raise refusal from exc
     with _migrated_guard:
         _migrated.add(cache_key)
-    return target
-
-
-def _migrate(conn: psycopg.Connection, schema: str, target: int) -> None:
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%(key)s)", {"key": migration_lock_key(schema)})
-        # Only when missing: CREATE SCHEMA IF NOT EXISTS checks CREATE on the database even
-        # when the schema exists, and a schema a DBA created for this role is enough.
-        exists = conn.execute(
-            "SELECT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s)",
-            {"schema": schema},
-        ).fetchone()
-        if not (exists and exists[0]):
-            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {}.schema_version ("
-                " version integer PRIMARY KEY,"
-                " name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            ).format(sql.Identifier(schema))
-        )
-        applied = current_version(conn, schema)
-        if applied > target:
-            raise SchemaError(
-                f"schema {schema!r} is at version {applied}, newer than this release "
-                f"(version {target}): upgrade airflow-provider-idempotency on this worker"
-            )
-        conn.execute(
-            "SELECT set_config('search_path', quote_ident(%(schema)s), true)", {"schema": schema}
-        )
-        for version, name, body in migrations():
-            if version <= applied:
-                continue
-            conn.execute(body.encode())  # a file of plain DDL, shipped with the package
-            conn.execute(
-                "INSERT INTO schema_version (version, name) VALUES (%(version)s, %(name)s)",
-                {"version": version, "name": name},
-            )
+    return shipped[-1].version
 
 
 def _quoted(name: str) -> str:

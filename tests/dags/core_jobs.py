@@ -122,3 +122,16 @@ with DAG(
         on_locked=os.environ.get("IDEM_TEST_ON_LOCKED", "reschedule"),  # type: ignore[arg-type]
         reschedule_interval=dt.timedelta(seconds=1),
     )
+
+
+# A task mapped over segments: one key per segment (eu|D, us|D), as `run` judges them.
+with DAG(
+    dag_id="core_segmented_job",
+    schedule=CronTriggerTimetable("0 0 * * *", timezone="UTC"),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    params=idempotency_params(),
+):
+    IdempotentRunOperator.partial(task_id="work", python_callable=slow_work).expand(
+        key_segment=["eu", "us"]
+    )

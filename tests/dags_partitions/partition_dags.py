@@ -24,7 +24,7 @@ from airflow_idempotency import IdempotentRunOperator, RunContext, RunKeyRule, i
 
 HOURLY = Asset(name="part_hourly_events", uri="test://part/hourly")
 DAILY_DONE = Asset(name="part_daily_done", uri="test://part/daily")
-OCTOBER = {
+OCTOBER: dict[str, Any] = {
     "start_date": pendulum.datetime(2026, 10, 1, tz="UTC"),
     "end_date": pendulum.datetime(2026, 10, 31, tz="UTC"),
 }

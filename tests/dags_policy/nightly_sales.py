@@ -10,14 +10,8 @@ from __future__ import annotations
 import os
 
 import pendulum
-
-try:
-    from airflow.providers.standard.operators.python import PythonOperator
-    from airflow.sdk import DAG, task
-except ImportError:  # Airflow 2
-    from airflow import DAG
-    from airflow.decorators import task
-    from airflow.operators.python import PythonOperator
+from airflow.providers.common.compat.sdk import DAG, task
+from airflow.providers.common.compat.standard.operators import PythonOperator
 
 
 def _note(what: str, ds: str | None) -> None:

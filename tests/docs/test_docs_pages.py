@@ -45,3 +45,45 @@ def test_the_diagram_is_mermaid_that_github_and_sphinx_render() -> None:
     assert page.count("```mermaid\nsequenceDiagram\n") == 1
     conf = (DOCS / "conf.py").read_text(encoding="utf-8")
     assert '"sphinxcontrib.mermaid"' in conf and 'myst_fence_as_directive = ["mermaid"]' in conf
+
+
+def _github_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown page (and MyST, whose
+    myst_heading_anchors slugs the same way): the heading's text, lower-cased, every
+    character but letters, digits, ``_``, ``-`` and spaces dropped, spaces as ``-``; a
+    repeated anchor gets ``-1``, ``-2``, ..."""
+    anchors: set[str] = set()
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    for heading in re.findall(r"^#{1,6} +(.*?) *#*$", prose, re.M):
+        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_every_link_between_pages_lands_on_its_heading_on_github() -> None:
+    """Each relative link of README.md and docs/*.md names a file that exists and, with a
+    ``#fragment``, a heading of that page as GitHub slugs it (Sphinx also makes a
+    collapsed id, so a link may work on the site and land at the page's top on GitHub)."""
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    broken = []
+    for page in pages:
+        prose = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif (
+                fragment
+                and linked.suffix == ".md"
+                and fragment not in _github_anchors(linked.read_text(encoding="utf-8"))
+            ):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken

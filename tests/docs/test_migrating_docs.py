@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from airflow_idempotency.runner import RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from support import ROOT
 
 PAGE = (ROOT / "docs" / "migrating.md").read_text(encoding="utf-8")
@@ -59,12 +59,17 @@ def test_the_history_script_makes_the_old_dates_noops(
         ).fetchone()
     assert counted == (30, "2026-09-01", "2026-09-30")
     calls: list[str] = []
+
+    def load_sales(run: RunContext) -> dict[str, int]:
+        calls.append(run.run_key)
+        return {"days": 1}
+
     for key, outcome in (("2026-09-15", RunOutcome.NOOP), ("2026-10-01", RunOutcome.COMPLETED)):
         result = run_idempotently(
             connect=lambda: psycopg.connect(pg_dsn),
             job_name="sales.load_sales",
             run_key=key,
-            work=lambda run: calls.append(run.run_key) or {"days": 1},
+            work=load_sales,
         )
         assert result.outcome is outcome
     assert calls == ["2026-10-01"]

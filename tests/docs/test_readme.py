@@ -54,3 +54,25 @@ def test_readme_builds_the_docs_as_the_docs_test_does() -> None:
 
     command = f".venv/bin/python {' '.join(SPHINX_BUILD)} docs docs/_build/html"
     assert f"python3 dev.py setup && {command}" in README
+
+
+def test_the_pythons_the_pages_name_are_those_the_lock_files_install_on() -> None:
+    """README.md and the quick start tell a new user which Pythons the first DAG and
+    dev.py take; both install from the lock files, which are compiled for one Python
+    (`--python-version`) and pin packages that need it (apache-airflow-providers-smtp 3.2.0
+    requires 3.11): the oldest Python named must not be older, or the install line fails
+    with ResolutionImpossible."""
+    oldest = set()
+    for lock in sorted((ROOT / "requirements").glob("lock*.txt")):
+        found = re.search(r"--python-version (3\.\d+)", lock.read_text(encoding="utf-8"))
+        assert found, lock
+        oldest.add(tuple(int(n) for n in found[1].split(".")))
+    (floor,) = oldest
+    dash = "[-\u2013]"  # a hyphen or an en dash
+    for page in (ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "dev.py"):
+        text = page.read_text(encoding="utf-8")
+        named = re.findall(rf"Python (3\.\d+)(?: to | or |{dash})3\.\d+", text)
+        named += re.findall(rf"\((3\.\d+){dash}3\.\d+ work\)", text)
+        assert named, page
+        for version in named:
+            assert tuple(int(n) for n in version.split(".")) >= floor, (page.name, version)

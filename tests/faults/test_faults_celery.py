@@ -29,6 +29,7 @@ from devtools.airflow_stack import REDIS_URL, AirflowStack, airflow_stack
 from devtools.postgres import PostgresServer
 from support.db import rows
 from support.faults import figures
+from support.invoicing import InvoicingEnv
 from support.locks import advisory_locks
 
 pytestmark = [pytest.mark.slow, pytest.mark.airflow_processes]
@@ -99,8 +100,8 @@ def all_runs_done(stack: AirflowStack, dag_ids: list[str]) -> list[Any] | None:
     return None
 
 
-def test_celery_workers_overlapping_runs_and_a_worker_killed_mid_export(  # type: ignore[no-untyped-def]
-    invoicing, metadata_dsn: str, tmp_path: Path
+def test_celery_workers_overlapping_runs_and_a_worker_killed_mid_export(
+    invoicing: InvoicingEnv, metadata_dsn: str, tmp_path: Path
 ) -> None:
     """Two Celery workers, a 7-date backfill, manual reruns of 3 dates and the pasted pair at once, one worker SIGKILLed mid-export: each date's work runs once, the survivor finishes the export on retry, one remote invoice per order, no lock left."""
     if not redis_answers():

@@ -212,7 +212,7 @@ def matrix(
     selected = [
         str(item.callspec.params["point"])
         for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec")
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
     ]
     homes = tmp_path_factory.mktemp("crash-matrix")
     with ThreadPoolExecutor(PARALLEL, thread_name_prefix="crash") as pool:

@@ -77,6 +77,13 @@ def private() -> Iterator[PrivateServer]:
         yield server
 
 
+def both_steps(run: RunContext) -> dict[str, int]:
+    """The work of the rerun: both steps, each written at most once."""
+    write_step(run, "first")
+    write_step(run, "second")
+    return {"steps": 2}
+
+
 def write_step(run: RunContext, step: str) -> None:
     """An effect written at most once: the natural key makes a rerun's write a no-op."""
     with run.transaction() as cur:
@@ -153,7 +160,7 @@ def test_restart_mid_run_fails_cleanly_and_the_rerun_converges(
         connect=lambda: psycopg.connect(private.dsn),
         job_name="nightly",
         run_key=D,
-        work=lambda run: (write_step(run, "first"), write_step(run, "second"), {"steps": 2})[-1],
+        work=both_steps,
     )
     assert rerun.outcome is RunOutcome.COMPLETED
     assert rows(private.dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [

@@ -19,7 +19,7 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pendulum
 import psycopg
@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from airflow_idempotency import Effect, OutboundLedger, Retries, post_json
-from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS, AirflowFailException
+from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS, AirflowFailException, Context
 from airflow_idempotency.exceptions import (
     IdempotencyKeyConflictError,
     InvalidInputError,
@@ -547,7 +547,8 @@ def test_the_operator_fails_a_far_future_run_key_without_retry() -> None:
     """A manual run with conf run_key 9999-12-31 fails with AirflowFailException (no retry) before touching a database."""
     dag_run = SimpleNamespace(conf={"run_key": "9999-12-31"}, run_type="manual", logical_date=None)
     with pytest.raises(AirflowFailException) as refused:
-        FUZZ_OPERATOR.execute({"dag_run": dag_run, "params": {}, "logical_date": None})  # type: ignore[arg-type]
+        context = {"dag_run": dag_run, "params": {}, "logical_date": None}
+        FUZZ_OPERATOR.execute(cast(Context, context))
     figures(f"{refusal(refused.value)} (a failure Airflow does not retry)")
 
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from airflow_idempotency import Effect, post_json
+from airflow_idempotency.ledger.senders import Confirmation, EffectSender
 from support.db import rows
 from support.faults import (
     NO_PROBLEMS,
@@ -289,3 +292,173 @@ def test_a_lost_attempt_does_not_rewrite_rows_its_successor_confirmed(
         f" attempt {attempt_ids['B']} confirmed 2 of 2 effects and still names them; 2 invoices"
         " at the remote"
     )
+
+
+# -- the ledger stops calling at once when its lock session ends mid-export (issue 30) ------
+
+LOSS_AT_CALL = 3  # the lock session is ended at the start of this call
+
+
+def terminate_every_session(dsn: str) -> int:
+    """End every other session of the database at once, as a writer failover does, and wait
+    until they are gone; return how many."""
+    ended = rows(
+        dsn,
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    return int(ended[0][0])
+
+
+class _LosesTheLockAtCall(EffectSender[Any]):
+    """The example's JSON POST to the accounting service, deduplicating or not, which ends
+    the run's lock session (``everything``: every session of the database) and waits until
+    it is gone, when its LOSS_AT_CALL-th call begins, and counts the calls that begin after
+    that."""
+
+    def __init__(
+        self, dsn: str, url: str, *, deduplicating: bool, everything: bool = False
+    ) -> None:
+        self.everything = everything
+        from airflow_idempotency.ledger.http import HttpSender
+
+        self.http = HttpSender(url, post_json("/api/invoices"))
+        self.dsn = dsn
+        self.deduplicating = deduplicating
+        self.kind = "http"
+        self.target = url
+        self.begun = 0
+        self.after_loss = 0
+        self.lost = False
+        self._count = threading.Lock()
+
+    async def connect(self) -> Any:
+        return await self.http.connect()
+
+    async def disconnect(self, connection: Any) -> None:
+        await self.http.disconnect(connection)
+
+    async def send(self, connection: Any, effect: Effect) -> Confirmation:
+        with self._count:
+            self.begun += 1
+            self.after_loss += self.lost
+            end_it = self.begun == LOSS_AT_CALL
+        if end_it:
+            if self.everything:
+                terminate_every_session(self.dsn)
+            else:
+                terminate_lock_session(self.dsn, "job", "2026-10-01")
+            self.lost = True
+        return await self.http.send(connection, effect)
+
+
+@pytest.mark.parametrize(
+    ("count", "concurrency", "deduplicating"),
+    [(10, 16, True), (200, 16, True), (200, 4, True), (60, 4, False)],
+    ids=["10-dedup", "200-dedup", "200-dedup-c4", "60-not-dedup"],
+)
+def test_no_call_begins_after_the_lock_session_ended(
+    pg_dsn: str, accounting: Any, count: int, concurrency: int, deduplicating: bool
+) -> None:
+    """Once the run's lock session has ended mid-export, no further call reaches the remote: the ledger sees the ended session before each call (its socket, no round trip), records what it sent, and the try ends with LockLostError."""
+    import psycopg
+
+    from airflow_idempotency import OutboundLedger, RunOptions, run_idempotently
+    from airflow_idempotency.exceptions import LockLostError
+
+    sender = _LosesTheLockAtCall(pg_dsn, accounting.url, deduplicating=deduplicating)
+    items = [Effect(f"job:k:order_{i}", {"order_id": i}) for i in range(count)]
+
+    def work(run: Any) -> None:
+        OutboundLedger(run, "accounting", concurrency=concurrency).send_all(items, sender)
+
+    with pytest.raises(LockLostError) as lost:
+        run_idempotently(
+            connect=lambda: psycopg.connect(pg_dsn),
+            job_name="job",
+            run_key="2026-10-01",
+            work=work,
+            options=RunOptions(),
+        )
+    requests = accounting.stats()["requests"]
+    statuses = dict(
+        rows(pg_dsn, "SELECT status, count(*) FROM idempotency.outbound_ledger GROUP BY 1")
+    )
+    figures(
+        f"{count} effects, concurrency {concurrency}, "
+        f"{'deduplicating' if deduplicating else 'not deduplicating'}: lock session ended at "
+        f"call {LOSS_AT_CALL}; {sender.after_loss} call(s) began after it, {requests} reached "
+        f"the service; ledger {statuses}; {type(lost.value).__name__}"
+    )
+    assert sender.after_loss == 0
+    assert requests == sender.begun == LOSS_AT_CALL
+    assert statuses.get("succeeded", 0) == LOSS_AT_CALL  # what was sent is recorded
+    assert rows(pg_dsn, "SELECT outcome FROM idempotency.job_run_attempts") == [("lock_lost",)]
+
+
+@pytest.mark.parametrize("deduplicating", [True, False], ids=["dedup", "not-dedup"])
+def test_every_session_ended_at_once_mid_export_ends_lock_lost_and_the_rerun_converges(
+    pg_dsn: str, accounting: Any, deduplicating: bool
+) -> None:
+    """A writer failover mid-export (every session of the database terminated at once): the attempt ends lock_lost with LockLostError saying what happened, never a raw psycopg AdminShutdown; the rerun sends the rest and the remote acts once per effect."""
+    import psycopg
+
+    from airflow_idempotency import OutboundLedger, RunOptions, run_idempotently
+    from airflow_idempotency.exceptions import LockLostError
+
+    count = 40
+    items = [Effect(f"job:k:order_{i}", {"order_id": i}) for i in range(count)]
+    failing = _LosesTheLockAtCall(
+        pg_dsn, accounting.url, deduplicating=deduplicating, everything=True
+    )
+
+    def run(sender: Any) -> Any:
+        def work(run: Any) -> None:
+            run.connection.execute("SELECT 1")
+            OutboundLedger(run, "accounting", concurrency=4, batch_size=10).send_all(items, sender)
+            run.connection.execute("SELECT 1")  # the work's own connection, ended too
+
+        return run_idempotently(
+            connect=lambda: psycopg.connect(pg_dsn),
+            job_name="job",
+            run_key="2026-10-01",
+            work=work,
+            options=RunOptions(),
+        )
+
+    with pytest.raises(LockLostError) as lost:
+        run(failing)
+    assert not isinstance(lost.value, psycopg.Error)
+    first = rows(pg_dsn, "SELECT outcome, error FROM idempotency.job_run_attempts")
+    assert [o for o, _ in first] == ["lock_lost"]
+    assert "AdminShutdown" not in str(first[0][1]).split(":")[0]
+    # The rerun: unknown keys (a remote that does not deduplicate) wait for an operator.
+    unknown = [k for (k,) in rows(
+        pg_dsn, "SELECT idempotency_key FROM idempotency.outbound_ledger WHERE status = 'unknown'"
+    )]  # fmt: skip
+    plain = _LosesTheLockAtCall(pg_dsn, accounting.url, deduplicating=deduplicating)
+    plain.begun = -(10**6)  # never ends anything
+    if unknown:
+        from airflow_idempotency.exceptions import EffectsUnknownError
+
+        with pytest.raises(EffectsUnknownError):
+            run(plain)
+    else:
+        run(plain)
+    stats = accounting.stats()
+    statuses = dict(
+        rows(pg_dsn, "SELECT status, count(*) FROM idempotency.outbound_ledger GROUP BY 1")
+    )
+    figures(
+        f"{'deduplicating' if deduplicating else 'not deduplicating'}: every session ended at "
+        f"call {LOSS_AT_CALL} of {count}; {failing.after_loss} call(s) began after it; "
+        f"{refusal(lost.value)}; rerun: ledger {statuses}, {stats['invoices']} invoices at the "
+        f"service for {count} effects ({stats['replays']} replays)"
+    )
+    assert failing.after_loss == 0
+    # Once each at most (no order invoiced twice); unknown ones were not resent.
+    assert count - len(unknown) <= stats["invoices"] <= count
+    assert statuses == {
+        "succeeded": count - len(unknown),
+        **({"unknown": len(unknown)} if unknown else {}),
+    }

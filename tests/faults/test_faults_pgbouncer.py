@@ -62,7 +62,7 @@ def connect_through(dsn: str) -> Any:
 
 
 def dbname(dsn: str) -> str:
-    return psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]  # type: ignore[return-value]
+    return str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
 
 
 def pooled_settings(
@@ -71,14 +71,14 @@ def pooled_settings(
     """search_path and application_name as fresh clients of the pool see them."""
     conns = [psycopg.connect(bouncer.dsn(db), autocommit=True) for _ in range(clients)]
     try:
-        return {
-            tuple(
-                c.execute(
-                    "SELECT current_setting('search_path'), current_setting('application_name')"
-                ).fetchone()
-            )  # type: ignore[misc]
-            for c in conns
-        }
+        seen: set[tuple[str, str]] = set()
+        for c in conns:
+            row = c.execute(
+                "SELECT current_setting('search_path'), current_setting('application_name')"
+            ).fetchone()
+            assert row is not None
+            seen.add((row[0], row[1]))
+        return seen
     finally:
         for c in conns:
             c.close()

@@ -11,6 +11,7 @@ the remote's reference, and every request the service saw accounted for in the l
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import pendulum
@@ -72,7 +73,9 @@ def run_finalize() -> Any:
     bag = BundleDagBag(
         dag_folder=str(DAGS_FOLDER), bundle_path=DAGS_FOLDER, bundle_name="dags-folder"
     )
-    return bag.dags["finalize_invoices"].test(logical_date=pendulum.parse(FIRE))
+    logical = pendulum.parse(FIRE)
+    assert isinstance(logical, pendulum.DateTime)
+    return bag.dags["finalize_invoices"].test(logical_date=logical)
 
 
 @pytest.mark.parametrize("faults", SCENARIOS)
@@ -257,7 +260,7 @@ def test_the_dag_fails_in_seconds_when_the_accounting_service_is_down(
     from invoicing.seed import seed_orders
 
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        day = pendulum.parse(D).date()
+        day = dt.date.fromisoformat(D)
         seed_orders(conn, day, day, 300, 7)
     with run_accounting_service(pg_dsn) as service:
         dead_url = service.url

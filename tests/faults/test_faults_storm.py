@@ -94,7 +94,7 @@ def storm(dsn: str, keys: list[str], *, wait_inside: bool) -> list[tuple[Any, ..
     ]
     for proc in procs:
         proc.start()
-    reported = []
+    reported: list[Any] = []
     try:
         deadline = time.monotonic() + JOIN_TIMEOUT
         while len(reported) < len(keys):

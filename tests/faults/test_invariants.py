@@ -24,7 +24,7 @@ from devtools.invariants import INVARIANTS, Checker, fire_time
 D = "2026-10-01"
 T0 = dt.datetime(2026, 10, 2, 1, 0, tzinfo=dt.timezone.utc)
 JOB = "finalize_invoices.create_invoices"
-ALWAYS = ("always",)
+ALWAYS: tuple[invariants.When, ...] = ("always",)
 PLAIN = RunOptions()
 
 
@@ -377,7 +377,7 @@ def test_end_state_invariants_hold_on_a_converged_date_and_catch_each_breakage(
         ("daily_reconciliation", tasks.reconcile_stores),
     ):
         assert run_job(invoicing.dsn, job, work) == "completed"
-    every = ("always", "quiescent", "converged")
+    every: tuple[invariants.When, ...] = ("always", "quiescent", "converged")
     assert invariants.check(invoicing.dsn, [D], every) == []
     assert invariants.not_converged(invoicing.dsn, [D]) == []
 

@@ -134,6 +134,7 @@ def test_a_locked_key_and_a_duplicate_run_are_not_adopted(
     (run,) = _history(folder, ["2026-10-03"])
     monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__POLICY_DAG_TAGS", "nightly")
     dag = _dag(folder)
+    assert run.end_date is not None
     later = adoption.SucceededRun(
         "manual__later", "manual", None, run.end_date + DAY, {"run_key": "2026-10-03"}
     )
@@ -169,6 +170,50 @@ def test_the_command_refuses_bad_input_and_writes_nothing(
     # The policy's tag is not configured: no task of the DAG is protected.
     code, _, err = cli(capsys, *base, "--from", "2026-10-01", "--to", "2026-10-02", "--apply")
     assert code == 2 and "no task under the contract" in err and "policy_dag_tags" in err
-    with pytest.raises(SystemExit):
-        cli(capsys, *base, "--from", "2026-10-1", "--to", "2026-10-02")
+    code, _, err = cli(capsys, *base, "--from", "2026-10-1", "--to", "2026-10-02")
+    assert code == 2 and "argument --from: '2026-10-1' is not a date" in err
+    secret = "http://admin:s3cret@airflow:8080"
+    code, _, err = cli(
+        capsys, *base, "--from", "2026-10-01", "--to", "2026-10-02", "--api-url", secret
+    )
+    assert code == 2 and "argument --api-url: holds credentials" in err and "s3cret" not in err
     assert rows(airflow_pg_conn, "SELECT to_regclass('idempotency.job_runs')") == [(None,)]
+
+
+def test_an_adopted_key_records_its_zone_and_keeps_to_the_zone_rule(
+    airflow_pg_conn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adopted key records the zone it was made in (the DAG's, UTC), as a run's does; a
+    job whose recorded keys were made in another zone has nothing adopted (refused, naming
+    both zones), as a run of it would be refused."""
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__POLICY_DAG_TAGS", "nightly")
+    dag = _dag(_folder(tmp_path))
+    runs = [
+        adoption.SucceededRun(f"scheduled__{day}", "scheduled", _fire(day), _fire(day) + DAY)
+        for day in ("2026-10-06", "2026-10-07")
+    ]
+    record(airflow_pg_conn, "nightly_sales.load", "2026-09-01")
+    with psycopg.connect(airflow_pg_conn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE idempotency.job_runs SET key_zone = 'Europe/Amsterdam'"
+            " WHERE job_name = 'nightly_sales.load'"
+        )
+        planned = adoption.plan(dag, runs, conn, "idempotency")
+        adoption.apply(conn, "idempotency", "nightly_sales", planned)
+    outcome = sorted((a.job_name, a.run_key, a.would) for a in planned)
+    assert outcome == [
+        ("nightly_sales.extract", "2026-10-06", "adopted"),
+        ("nightly_sales.extract", "2026-10-07", "adopted"),
+        ("nightly_sales.load", "2026-10-06", "refused"),
+        ("nightly_sales.load", "2026-10-07", "refused"),
+    ]
+    refusal = next(a.reason for a in planned if a.would == "refused")
+    assert "made in the timezone UTC" in refusal and "Europe/Amsterdam" in refusal
+    assert rows(
+        airflow_pg_conn,
+        "SELECT job_name, run_key, key_zone FROM idempotency.job_runs ORDER BY 1, 2",
+    ) == [
+        ("nightly_sales.extract", "2026-10-06", "UTC"),
+        ("nightly_sales.extract", "2026-10-07", "UTC"),
+        ("nightly_sales.load", "2026-09-01", "Europe/Amsterdam"),
+    ]

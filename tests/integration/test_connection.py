@@ -31,7 +31,7 @@ def test_the_same_arguments_as_the_hook(monkeypatch: pytest.MonkeyPatch, pg_dsn:
     uri = {
         "conn_type": "postgres",
         "host": info["host"],
-        "port": int(info.get("port", 5432)),
+        "port": int(str(info.get("port", 5432))),
         "login": info.get("user"),
         "schema": info["dbname"],
         "extra": extra,

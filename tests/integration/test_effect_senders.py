@@ -40,7 +40,7 @@ class Hook(LocalEndpoint):
 
     def __init__(self) -> None:
         self.acted: Counter[str] = Counter()
-        self.answers: dict[str, int] = {}
+        self.answers: dict[int, int] = {}
         super().__init__("/hooks/chat")
 
     def answer(self, headers: Message, body: bytes) -> int:

@@ -4,7 +4,6 @@ whatever isolation level the database, the role or the work asks for."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,43 +17,13 @@ from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from support.db import rows
-from support.locks import terminate_lock_session
+from support.locks import Background, terminate_lock_session, wait_for, waiting_backends
 
 JOB, KEY = "fenced_job", "2026-10-01"
 
 
 def connect_to(dsn: str) -> Callable[[], psycopg.Connection[Any]]:
     return lambda: psycopg.connect(dsn)
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-class Background:
-    """A call in a thread whose result or exception is kept for the test."""
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-        def body() -> None:
-            try:
-                self.result = call()
-            except BaseException as exc:
-                self.error = exc
-
-        self.thread = threading.Thread(target=body, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout: float = 30.0) -> Background:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the call did not finish"
-        return self
 
 
 @pytest.fixture
@@ -89,18 +58,6 @@ def writer(name: str) -> Callable[[RunContext], dict[str, str]]:
         return {"writer": name}
 
     return work
-
-
-def waiting_backends(dsn: str, objsubid: int) -> list[int]:
-    """Backends of this database waiting for an advisory lock in the given key space."""
-    found = rows(
-        dsn,
-        "SELECT l.pid FROM pg_locks AS l WHERE l.locktype = 'advisory' AND NOT l.granted"
-        " AND l.objsubid = %s"
-        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        (objsubid,),
-    )
-    return [pid for (pid,) in found]
 
 
 def attempts(dsn: str) -> list[tuple[Any, ...]]:
@@ -165,7 +122,7 @@ def test_the_successor_waits_for_the_old_attempts_open_transaction(
             connect=connect_to(facts), job_name=JOB, run_key=KEY, work=writer("old")
         )
     )
-    wait_for("the old attempt to stop before its COMMIT", lambda: crashpoints._slept)
+    wait_for("the old attempt to stop before its COMMIT", lambda: bool(crashpoints._slept))
     terminate_lock_session(facts, JOB, KEY)
     new = Background(
         lambda: run_idempotently(
@@ -233,7 +190,7 @@ def test_the_work_gets_the_isolation_level_it_asks_for(pg_dsn: str) -> None:
 
     def work(ctx: RunContext) -> None:
         for options in ({}, {"isolation_level": IsolationLevel.SERIALIZABLE}, {"read_only": True}):
-            with ctx.transaction(**options) as cur:  # type: ignore[arg-type]
+            with ctx.transaction(**options) as cur:
                 seen.append(cur.execute(query).fetchone() or ())
 
     run_idempotently(connect=connect_to(pg_dsn), job_name=JOB, run_key=KEY, work=work)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pendulum
@@ -11,6 +12,7 @@ import pytest
 from devtools.airflow_env import DAGS_FOLDER
 from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date, task_states
 from support.db import rows
+from support.invoicing import InvoicingEnv
 from support.locks import lock_held_attempts, run_lock_holders
 from support.workers import Until, race, start_worker
 
@@ -102,7 +104,7 @@ def test_applied_example_schema_takes_no_lock_while_other_dates_write(pg_dsn: st
         ).fetchone() == (True,)
 
 
-def test_date_run_twice_invoices_and_exports_once(invoicing) -> None:  # type: ignore[no-untyped-def]
+def test_date_run_twice_invoices_and_exports_once(invoicing: InvoicingEnv) -> None:
     """A date run twice: invoices = orders, one remote invoice per order, all confirmed; the second run is a no-op."""
     invoicing.seed(D, orders=150)
     first = run_finalize()
@@ -126,7 +128,7 @@ def test_date_run_twice_invoices_and_exports_once(invoicing) -> None:  # type: i
     assert task_states(second)["reconcile_export"] == "skipped"
 
 
-def test_force_recomputes_but_never_resends(invoicing) -> None:  # type: ignore[no-untyped-def]
+def test_force_recomputes_but_never_resends(invoicing: InvoicingEnv) -> None:
     """force reruns the internal writes of a completed date, and skips every confirmed export."""
     invoicing.seed(D, orders=80)
     run_finalize()
@@ -141,7 +143,7 @@ def test_force_recomputes_but_never_resends(invoicing) -> None:  # type: ignore[
     assert job_details(invoicing.dsn, "create_invoices")["invoices_created"] == 0
 
 
-def test_5xx_faults_are_retried_with_the_same_key(invoicing) -> None:  # type: ignore[no-untyped-def]
+def test_5xx_faults_are_retried_with_the_same_key(invoicing: InvoicingEnv) -> None:
     """With 30% of requests failing 503, every invoice is still exported exactly once."""
     invoicing.seed(D, orders=120)
     invoicing.service.set_faults(fail_rate=0.3)
@@ -153,7 +155,7 @@ def test_5xx_faults_are_retried_with_the_same_key(invoicing) -> None:  # type: i
     assert stats["invoices"] == 120
 
 
-def test_commit_then_timeout_creates_no_second_invoice(invoicing) -> None:  # type: ignore[no-untyped-def]
+def test_commit_then_timeout_creates_no_second_invoice(invoicing: InvoicingEnv) -> None:
     """The service commits, then hangs past the client timeout: the retry with the same key is replayed."""
     invoicing.seed(D, orders=60)
     invoicing.service.set_faults(timeout_after_commit_rate=0.2, hang_seconds=3)
@@ -165,7 +167,7 @@ def test_commit_then_timeout_creates_no_second_invoice(invoicing) -> None:  # ty
     assert stats["faults_injected"]["timeout_after_commit"] > 0 and stats["replays"] > 0
 
 
-def test_connection_resets_are_retried(invoicing) -> None:  # type: ignore[no-untyped-def]
+def test_connection_resets_are_retried(invoicing: InvoicingEnv) -> None:
     """Dropped connections (no HTTP answer at all) are retried with the same key: no duplicates."""
     invoicing.seed(D, orders=60)
     invoicing.service.set_faults(reset_rate=0.25)
@@ -174,7 +176,9 @@ def test_connection_resets_are_retried(invoicing) -> None:  # type: ignore[no-un
     assert_converged(invoicing.state(D))
 
 
-def test_worker_killed_mid_export_then_rerun_converges(invoicing, airflow_home) -> None:  # type: ignore[no-untyped-def]
+def test_worker_killed_mid_export_then_rerun_converges(
+    invoicing: InvoicingEnv, airflow_home: Path
+) -> None:
     """The worker is SIGKILLed after the service committed an invoice but before the ledger knew: the rerun sends no duplicate."""
     invoicing.seed(D, orders=200)
     env = {
@@ -203,7 +207,7 @@ def test_worker_killed_mid_export_then_rerun_converges(invoicing, airflow_home) 
     assert_converged(invoicing.state(D))
 
 
-def test_force_reconcile_mends_pending_keys_with_the_same_key(invoicing) -> None:  # type: ignore[no-untyped-def]
+def test_force_reconcile_mends_pending_keys_with_the_same_key(invoicing: InvoicingEnv) -> None:
     """force_reconcile finds ledger rows left pending after the remote committed, and confirms them without duplicates."""
     invoicing.seed(D, orders=50)
     run_finalize()
@@ -224,7 +228,9 @@ def test_force_reconcile_mends_pending_keys_with_the_same_key(invoicing) -> None
     assert_converged(invoicing.state(D))
 
 
-def test_schedule_pasted_twice_is_blocked_by_the_lock(invoicing, airflow_home, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_schedule_pasted_twice_is_blocked_by_the_lock(
+    invoicing: InvoicingEnv, airflow_home: Path, tmp_path: Path
+) -> None:
     """Two DAGs with the same job name run the same date at once: one works, the other waits on the lock, then no-ops."""
     invoicing.seed(D, orders=30)
     fire = scheduled_logical_date(D, at="01:30")

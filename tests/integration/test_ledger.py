@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -26,6 +27,8 @@ from airflow_idempotency.exceptions import IdempotencyKeyConflictError
 from airflow_idempotency.ledger import check_idempotency_key
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
 from airflow_idempotency.runner import RunOptions
+from devtools.accounting import AccountingService
+from support.db import rows
 from support.locks import terminate_lock_session
 
 
@@ -42,8 +45,8 @@ def send(
     def work(run: RunContext) -> dict[str, int]:
         retries = Retries(options.pop("max_attempts", 5), backoff_initial=0.01, backoff_max=0.05)
         ledger = OutboundLedger(run, "accounting", retries=retries, **options)
-        out["summary"] = ledger.send_all(items, post_json(path), base_url=url)
-        return out["summary"].as_counts("exports")
+        summary = out["summary"] = ledger.send_all(items, post_json(path), base_url=url)
+        return summary.as_counts("exports")
 
     run_idempotently(
         connect=lambda: psycopg.connect(dsn),
@@ -56,14 +59,14 @@ def send(
 
 
 def ledger_rows(dsn: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(
-            "SELECT idempotency_key, status, remote_reference IS NOT NULL, call_count, last_error"
-            " FROM idempotency.outbound_ledger ORDER BY ledger_id"
-        ).fetchall()
+    return rows(
+        dsn,
+        "SELECT idempotency_key, status, remote_reference IS NOT NULL, call_count, last_error"
+        " FROM idempotency.outbound_ledger ORDER BY ledger_id",
+    )
 
 
-def test_send_then_skip_confirmed(pg_dsn: str, accounting) -> None:  # type: ignore[no-untyped-def]
+def test_send_then_skip_confirmed(pg_dsn: str, accounting: AccountingService) -> None:
     """Confirmed effects are skipped on the next call without any request to the remote."""
     first = send(pg_dsn, accounting.url, effects(30), batch_size=7)
     assert (first.sent, first.skipped_existing, first.total) == (30, 0, 30)
@@ -74,7 +77,9 @@ def test_send_then_skip_confirmed(pg_dsn: str, accounting) -> None:  # type: ign
     assert {status for _, status, _, _, _ in ledger_rows(pg_dsn)} == {"succeeded"}
 
 
-def test_key_reused_for_another_request_is_refused(pg_dsn: str, accounting) -> None:  # type: ignore[no-untyped-def]
+def test_key_reused_for_another_request_is_refused(
+    pg_dsn: str, accounting: AccountingService
+) -> None:
     """A key already used with a different request is refused locally and nothing is sent for it."""
     send(pg_dsn, accounting.url, effects(3))
     requests = accounting.stats()["requests"]
@@ -85,7 +90,7 @@ def test_key_reused_for_another_request_is_refused(pg_dsn: str, accounting) -> N
     assert accounting.stats()["invoices"] == 3
 
 
-def test_permanent_errors_fail_after_the_batch(pg_dsn: str, accounting) -> None:  # type: ignore[no-untyped-def]
+def test_permanent_errors_fail_after_the_batch(pg_dsn: str, accounting: AccountingService) -> None:
     """A 4xx marks every row failed with the reason, the whole stream is processed, then the run fails."""
     with pytest.raises(RemoteCallError, match="failed"):
         send(pg_dsn, accounting.url, effects(5), path="/api/no-such-endpoint")
@@ -100,7 +105,9 @@ def test_permanent_errors_fail_after_the_batch(pg_dsn: str, accounting) -> None:
     assert accounting.stats()["invoices"] == 5
 
 
-def test_transient_errors_exhausted_stay_pending(pg_dsn: str, accounting) -> None:  # type: ignore[no-untyped-def]
+def test_transient_errors_exhausted_stay_pending(
+    pg_dsn: str, accounting: AccountingService
+) -> None:
     """When every try fails with 503 the row stays pending (not confirmed), and a later run confirms it."""
     accounting.set_faults(fail_rate=1.0)
     with pytest.raises(RemoteCallError, match="pending"):
@@ -111,7 +118,9 @@ def test_transient_errors_exhausted_stay_pending(pg_dsn: str, accounting) -> Non
     assert accounting.stats()["invoices"] == 4
 
 
-def test_dry_run_sends_nothing_and_writes_nothing(pg_dsn: str, accounting) -> None:  # type: ignore[no-untyped-def]
+def test_dry_run_sends_nothing_and_writes_nothing(
+    pg_dsn: str, accounting: AccountingService
+) -> None:
     """A dry run counts what it would send and neither calls out nor writes the ledger."""
     out: dict[str, Any] = {}
 
@@ -132,11 +141,11 @@ def test_dry_run_sends_nothing_and_writes_nothing(pg_dsn: str, accounting) -> No
     assert ledger_rows(pg_dsn) == []
 
 
-def test_streams_without_materialising(pg_dsn: str, accounting) -> None:  # type: ignore[no-untyped-def]
+def test_streams_without_materialising(pg_dsn: str, accounting: AccountingService) -> None:
     """The effects iterable is consumed lazily, one batch at a time."""
     pulled: list[int] = []
 
-    def generate():  # type: ignore[no-untyped-def]
+    def generate() -> Iterator[Effect]:
         for e in effects(25):
             pulled.append(1)
             yield e
@@ -146,7 +155,9 @@ def test_streams_without_materialising(pg_dsn: str, accounting) -> None:  # type
 
 
 @pytest.mark.parametrize("bad_key", ["", " padded", "new\nline"])
-def test_bad_idempotency_keys_are_refused(pg_dsn: str, accounting, bad_key: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_idempotency_keys_are_refused(
+    pg_dsn: str, accounting: AccountingService, bad_key: str
+) -> None:
     """A malformed idempotency key is refused before the batch is written or sent."""
     with pytest.raises(InvalidInputError, match="idempotency key"):
         send(pg_dsn, accounting.url, [Effect(bad_key, {"x": 1})])
@@ -154,8 +165,8 @@ def test_bad_idempotency_keys_are_refused(pg_dsn: str, accounting, bad_key: str)
     assert accounting.stats()["requests"] == 0
 
 
-def test_rerun_over_confirmed_keys_writes_nothing_and_still_detects_a_changed_request(  # type: ignore[no-untyped-def]
-    pg_dsn: str, accounting
+def test_rerun_over_confirmed_keys_writes_nothing_and_still_detects_a_changed_request(
+    pg_dsn: str, accounting: AccountingService
 ) -> None:
     """Confirmed keys are skipped without a write (no row touched, no ledger_id drawn); one confirmed key with a changed request in the same batch is refused and not sent, new keys are sent."""
     send(pg_dsn, accounting.url, effects(20), batch_size=8)
@@ -210,8 +221,8 @@ def test_rerun_over_confirmed_keys_writes_nothing_and_still_detects_a_changed_re
     assert len(rows) == 23 and set(rows.values()) == {"succeeded"}
 
 
-def test_dry_run_classifies_confirmed_changed_and_new_keys_without_writing(  # type: ignore[no-untyped-def]
-    pg_dsn: str, accounting
+def test_dry_run_classifies_confirmed_changed_and_new_keys_without_writing(
+    pg_dsn: str, accounting: AccountingService
 ) -> None:
     """A dry run skips confirmed keys, counts new ones as would-be-sent, refuses a changed request, and writes nothing."""
     send(pg_dsn, accounting.url, effects(6))
@@ -247,10 +258,12 @@ def test_dry_run_classifies_confirmed_changed_and_new_keys_without_writing(  # t
     assert accounting.stats()["requests"] == requests
 
 
-def test_a_claim_commits_only_while_the_lock_is_held(pg_dsn: str, accounting) -> None:  # type: ignore[no-untyped-def]
+def test_a_claim_commits_only_while_the_lock_is_held(
+    pg_dsn: str, accounting: AccountingService
+) -> None:
     """The fencing check runs after the claim statement, just before its commit: a lock lost while the claim is in flight rolls the claim back, and nothing is sent."""
 
-    def generate():  # type: ignore[no-untyped-def]
+    def generate() -> Iterator[Effect]:
         yield from effects(5)
         # Pulled for the next batch while the first batch's claim is in flight.
         terminate_lock_session(pg_dsn, "job", "2026-10-01")
@@ -263,12 +276,12 @@ def test_a_claim_commits_only_while_the_lock_is_held(pg_dsn: str, accounting) ->
 
 
 @pytest.mark.parametrize("failure", ["source error", "bad key"])
-def test_an_error_in_the_stream_is_raised_after_the_batches_before_it(  # type: ignore[no-untyped-def]
-    pg_dsn: str, accounting, failure: str
+def test_an_error_in_the_stream_is_raised_after_the_batches_before_it(
+    pg_dsn: str, accounting: AccountingService, failure: str
 ) -> None:
     """The next batch is pulled while the current one is claimed, but an error in pulling or checking it is raised only once the batches before it are sent and recorded."""
 
-    def generate():  # type: ignore[no-untyped-def]
+    def generate() -> Iterator[Effect]:
         yield from effects(8)
         if failure == "bad key":
             yield Effect("job:2026-10-01:bad\nkey", {"order_id": 8})

@@ -20,13 +20,19 @@ from airflow_idempotency.effects.mail import (
     email_effect,
     message_id,
 )
-from airflow_idempotency.effects.resolutions import resolutions, resolve_unknown
+from airflow_idempotency.effects.resolutions import (
+    IN_FLIGHT_BOUND,
+    Action,
+    resolutions,
+    resolve_unknown,
+)
 from airflow_idempotency.exceptions import (
     EffectsUnknownError,
     IdempotencyKeyConflictError,
     InvalidEffectError,
     LockLostError,
     RemoteCallError,
+    RunLockedError,
 )
 from airflow_idempotency.ledger import Retries
 from airflow_idempotency.ledger.pipeline import INTENTS_AHEAD
@@ -68,11 +74,11 @@ def send(dsn: str, server: SmtpServer, items: Any, **options: Any) -> Any:
         retries = Retries(options.pop("max_attempts", 5), backoff_initial=0.01, backoff_max=0.05)
         ledger_ = OutboundLedger(run, "smtp", retries=retries, unreachable_after=1, **options)
         try:
-            out["summary"] = ledger_.send_all(items, sender)
+            summary = out["summary"] = ledger_.send_all(items, sender)
         except Exception as exc:
             out["error"] = exc
             raise
-        return out["summary"].as_counts("mail")
+        return summary.as_counts("mail")
 
     try:
         run_once(dsn, work, force=True)
@@ -81,7 +87,7 @@ def send(dsn: str, server: SmtpServer, items: Any, **options: Any) -> Any:
     return out.get("summary") or out["error"]
 
 
-def operator_resolves(dsn: str, server: SmtpServer) -> dict[str, str]:
+def operator_resolves(dsn: str, server: SmtpServer) -> dict[str, Action]:
     """What an operator does with each unknown effect: look for its Message-ID at the server;
     mark it sent if it is there, resend it if not. Returns key -> action."""
     delivered = {d["message_id"] for d in server.deliveries()}
@@ -90,13 +96,29 @@ def operator_resolves(dsn: str, server: SmtpServer) -> dict[str, str]:
         for key, status in statuses(dsn, "smtp").items():
             if status != "unknown":
                 continue
-            action = "mark_sent" if message_id(key, "example.com") in delivered else "resend"
+            action: Action = (
+                "mark_sent" if message_id(key, "example.com") in delivered else "resend"
+            )
             resolve_unknown(
                 conn, "idempotency", remote_system="smtp", idempotency_key=key,
                 action=action, resolved_by="oncall", reason="checked the mailbox",
             )  # fmt: skip
             actions[key] = action
     return actions
+
+
+def in_flight_bound_passes(dsn: str, server: SmtpServer) -> None:
+    """A killed worker cannot be told from a paused one that may still be inside a call: the
+    operator's resolution is refused until IN_FLIGHT_BOUND after the call began (issue 30);
+    then that much time passes (the intents are aged by as much)."""
+    with pytest.raises(RunLockedError, match="may still be in flight"):
+        operator_resolves(dsn, server)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE idempotency.outbound_ledger SET intent_at = intent_at"
+            " - make_interval(secs => %s) WHERE status = 'unknown'",
+            (IN_FLIGHT_BOUND,),
+        )
 
 
 def test_one_message_per_key_with_a_stable_message_id(pg_dsn: str, smtp: SmtpServer) -> None:
@@ -190,6 +212,7 @@ def test_worker_killed_between_intent_and_outcome_leaves_it_unknown(
     assert len(delivered) >= 7 and 1 <= len(unknown) <= 10 and unknown & delivered
     rerun = send(pg_dsn, smtp, emails(30), batch_size=10)
     assert isinstance(rerun, EffectsUnknownError)
+    in_flight_bound_passes(pg_dsn, smtp)
     assert all(n == 1 for n in smtp.deliveries_by_key().values())
     assert set(smtp.deliveries_by_key()) | unknown == {f"{KEYS}{i}" for i in range(30)}
     assert {k for k, s in statuses(pg_dsn, "smtp").items() if s == "unknown"} == unknown
@@ -220,6 +243,7 @@ def test_a_crash_mid_pipeline_leaves_at_most_the_bound_unknown(
     assert len(confirmed) < 120 <= len(confirmed) + len(unknown)  # 120 intents committed at least
     rerun = send(pg_dsn, smtp, emails(n), batch_size=500)
     assert isinstance(rerun, EffectsUnknownError)
+    in_flight_bound_passes(pg_dsn, smtp)
     assert max(smtp.deliveries_by_key().values()) == 1
     assert set(smtp.deliveries_by_key()) | unknown == {f"{KEYS}{i}" for i in range(n)}
     operator_resolves(pg_dsn, smtp)
@@ -232,6 +256,11 @@ def test_the_lock_lost_mid_batch_stops_the_calls_and_keeps_the_outcomes(
 ) -> None:
     """The run's lock session ends in the middle of a pipelined batch: no intent commits after that, so no call begins beyond the intents already granted (at most concurrency + INTENTS_AHEAD), the outcomes received are written, the rest stays pending, and the next run delivers it: nothing twice, nothing lost."""
     n, concurrency = 300, 4
+    # Each answer takes 20 ms (300 messages: about 1.5 s at this concurrency), so that the lock
+    # session ends mid-batch however loaded the machine is: an instant server let a slow
+    # killer thread see the whole batch delivered first.
+    smtp.kill()
+    smtp.start(delay=0.02)
 
     def end_the_lock() -> None:
         deadline = time.monotonic() + 60

@@ -106,7 +106,7 @@ def test_a_raising_notifier_is_named_and_loses_nothing_else(
     assert run.state == SUCCESS, task_states(run)
     key = "notify_effects.other:2026-10-03:success"
     with psycopg.connect(airflow_pg_conn) as conn:
-        by_remote = dict(
+        by_remote: dict[str, Any] = dict(
             conn.execute(
                 "SELECT remote_system, status FROM idempotency.outbound_ledger"
                 " WHERE idempotency_key = %s",
@@ -123,3 +123,47 @@ def test_a_raising_notifier_is_named_and_loses_nothing_else(
     assert mails(smtp, "2026-10-03")[key] == 1
     run_dag(dag, conf={"run_key": "2026-10-03", "force": True})
     assert mails(smtp, "2026-10-03")[key] == 1
+
+
+def test_a_resent_success_notification_of_a_completed_key_is_delivered(
+    dag: Any, airflow_pg_conn: str, servers: tuple[SmtpServer, Webhook]
+) -> None:
+    """An operator's resend of a completed key's success notification (its answer lost: unknown) is delivered by the next run of the key, a no-op, once; the run after it sends nothing."""
+    from airflow_idempotency.effects.resolutions import resolve_unknown
+
+    smtp, hook = servers
+    first = run_dag(dag, conf={"run_key": "2026-10-05"})
+    assert first.state == SUCCESS, task_states(first)
+    key = "notify_effects.work:2026-10-05:success"
+    with psycopg.connect(airflow_pg_conn, autocommit=True) as conn:
+        remotes = [r for (r,) in conn.execute(
+            "UPDATE idempotency.outbound_ledger SET status = 'unknown', intent_at = now()"
+            " - interval '1 hour' WHERE idempotency_key = %s RETURNING remote_system", (key,),
+        )]  # fmt: skip
+        assert len(remotes) == 2  # the email and the webhook
+        for remote in remotes:
+            resolve_unknown(conn, "idempotency", remote_system=remote, idempotency_key=key,
+                            action="resend", resolved_by="ann", reason="not received")  # fmt: skip
+    noop = run_dag(dag, conf={"run_key": "2026-10-05"})
+    assert noop.state == SUCCESS, task_states(noop)
+    assert mails(smtp, "2026-10-05")[key] == 2
+    assert hook.events(noop.run_id)[("work", "success")] == 1
+    with psycopg.connect(airflow_pg_conn) as conn:
+        after = conn.execute(
+            "SELECT status FROM idempotency.outbound_ledger WHERE idempotency_key = %s", (key,)
+        ).fetchall()
+    assert after == [("succeeded",), ("succeeded",)]
+    again = run_dag(dag, conf={"run_key": "2026-10-05"})
+    assert mails(smtp, "2026-10-05")[key] == 2 and hook.events(again.run_id) == Counter()
+
+
+def test_a_failing_dry_run_notifies_nothing(
+    dag: Any, airflow_pg_conn: str, servers: tuple[SmtpServer, Webhook]
+) -> None:
+    """A dry run whose work fails notifies nothing (no failure email, no webhook) and writes no ledger row."""
+    smtp, hook = servers
+    dry = run_dag(dag, conf={"run_key": "2026-10-06", "fail": True, "dry_run": True})
+    assert dry.state == FAILED
+    assert mails(smtp, "2026-10-06") == Counter()
+    assert hook.events(dry.run_id) == Counter()
+    assert not [k for k in ledger(airflow_pg_conn) if ":2026-10-06:" in k]

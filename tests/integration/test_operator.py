@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pendulum
@@ -28,7 +30,9 @@ from support.db import rows
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
 
 
-def make_dag(dag_id: str, work, *, form: bool = True, **op_kwargs: Any) -> DAG:  # type: ignore[no-untyped-def]
+def make_dag(
+    dag_id: str, work: Callable[[RunContext], Any], *, form: bool = True, **op_kwargs: Any
+) -> DAG:
     """A daily DAG of one idempotent task; ``form`` adds the trigger-form params."""
     with daily_dag(dag_id, params=idempotency_params() if form else None) as dag:
         IdempotentRunOperator(task_id="work", python_callable=work, **op_kwargs)
@@ -66,7 +70,7 @@ def test_explicit_run_key_in_conf_wins(airflow_pg_conn: str) -> None:
     assert dr.state == SUCCESS and seen == ["2026-09-30"]
 
 
-def test_failure_then_rerun_completes(airflow_pg_conn: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_failure_then_rerun_completes(airflow_pg_conn: str, tmp_path: Path) -> None:
     """A failing task leaves the key failed; the rerun of the same date completes it."""
     flag = tmp_path / "fail"
     flag.touch()
@@ -195,6 +199,7 @@ def test_amsterdam_dag_keys_by_local_date_across_dst(airflow_pg_conn: str) -> No
         IdempotentRunOperator(task_id="work", python_callable=lambda run: seen.append(run.run_key))
     for fire in ("2026-03-29T00:30", "2026-03-30T00:30", "2026-10-25T00:30", "2026-10-26T00:30"):
         local = pendulum.parse(fire, tz="Europe/Amsterdam")
+        assert isinstance(local, pendulum.DateTime)
         assert run_dag(dag, logical_date=local.in_timezone("UTC")).state == SUCCESS
     assert seen == ["2026-03-28", "2026-03-29", "2026-10-24", "2026-10-25"]
 
@@ -225,13 +230,62 @@ def test_taskflow_decorator(airflow_pg_conn: str) -> None:
             calls.append((run.run_key, batch))
             return {"batch": batch}
 
-        load(batch=5)
+        load(batch=5)  # type: ignore[call-arg, misc]  # the operator passes the RunContext
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))
     assert calls == [("2026-10-01", 5)]
     assert rows(airflow_pg_conn, "SELECT job_name, details FROM idempotency.job_runs") == [
         ("decorated job", {"batch": 5})
     ]
+
+
+def test_a_templated_key_segment_is_rendered_in_both_forms(airflow_pg_conn: str) -> None:
+    """key_segment is templated (the docs say so, and the parse-time check leaves a templated
+    one for run time) in the operator and in @task.idempotent_run alike: the key is
+    ``eu|2026-10-01``, never the template's own text ``{{ params.region }}|2026-10-01``."""
+    with daily_dag("op_segment_template", params={"region": "eu"}) as dag:
+
+        @task.idempotent_run(key_segment="{{ params.region }}")
+        def decorated(run: RunContext) -> None:
+            pass
+
+        decorated()  # type: ignore[call-arg, misc]
+        IdempotentRunOperator(
+            task_id="classic", python_callable=lambda run: None, key_segment="{{ params.region }}"
+        )
+    assert run_dag(dag, logical_date=utc(2026, 10, 2)).state == SUCCESS
+    assert rows(
+        airflow_pg_conn, "SELECT job_name, run_key FROM idempotency.job_runs ORDER BY job_name"
+    ) == [
+        ("op_segment_template.classic", "eu|2026-10-01"),
+        ("op_segment_template.decorated", "eu|2026-10-01"),
+    ]
+
+
+def test_a_mapped_task_without_a_segment_is_refused_not_done_once(airflow_pg_conn: str) -> None:
+    """A task mapped over regions with no key_segment gave every instance the same run key:
+    the first did its region, every other was a successful no-op, its region never done.
+    Each instance is refused instead (nothing runs, nothing is recorded), the message
+    naming key_segment; with the segment expanded, each region is done once."""
+    calls: list[tuple[str, str]] = []
+
+    def work(run: RunContext, region: str) -> None:
+        calls.append((run.run_key, region))
+
+    regions = [{"region": "eu"}, {"region": "us"}]
+    with daily_dag("op_mapped_no_segment") as dag:
+        IdempotentRunOperator.partial(task_id="work", python_callable=work).expand(
+            op_kwargs=regions
+        )
+    refused = run_dag(dag, logical_date=utc(2026, 10, 2))
+    assert refused.state == FAILED and calls == []
+    assert rows(airflow_pg_conn, "SELECT to_regclass('idempotency.job_runs')") == [(None,)]
+    with daily_dag("op_mapped_segment") as dag:
+        IdempotentRunOperator.partial(
+            task_id="work", python_callable=work, key_segment="{{ task.op_kwargs.region }}"
+        ).expand(op_kwargs=regions)
+    assert run_dag(dag, logical_date=utc(2026, 10, 2)).state == SUCCESS
+    assert sorted(calls) == [("eu|2026-10-01", "eu"), ("us|2026-10-01", "us")]
 
 
 def test_return_value_is_the_counts_replayed_on_a_noop(airflow_pg_conn: str) -> None:
@@ -253,7 +307,7 @@ def test_return_value_is_the_counts_replayed_on_a_noop(airflow_pg_conn: str) -> 
             received.append(("counted", counts))
             received.append(("silent", nothing))
 
-        consume(counted(), silent())
+        consume(counted(), silent())  # type: ignore[call-arg, misc]  # the RunContext, as above
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))  # completes both keys
     run_dag(dag, logical_date=utc(2026, 10, 2, 1))  # both no-ops
     # dag.test keeps the previous run's params in this process: say force/dry_run each time.
@@ -301,7 +355,7 @@ def test_callable_run_key_rule(airflow_pg_conn: str) -> None:
     assert seen == ["fiscal-2026", "fiscal-2025"]
 
 
-def test_provider_is_listed_by_airflow(airflow_home) -> None:  # type: ignore[no-untyped-def]
+def test_provider_is_listed_by_airflow(airflow_home: Path) -> None:
     """`airflow providers list` shows the provider, registered through its entry point."""
     out = subprocess.run(
         [sys.executable, "-m", "airflow", "providers", "list"],

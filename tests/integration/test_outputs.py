@@ -208,3 +208,33 @@ def test_object_storage_path(pg_dsn: str, tmp_path: Path) -> None:
     assert stat(final) == before
     assert write(pg_dsn, root, "v2", force=True) == "written"
     assert final.read_text() == "v2" and stat(final)[1] != before[1]
+
+
+def test_a_lost_attempt_does_not_restore_the_file(
+    pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A committed file changed by hand is restored by the next attempt only under the fence: an attempt that lost its lock after its claim moves nothing into place and ends with LockLostError."""
+    from airflow_idempotency.crashpoints import FAULT_DIR_ENV
+    from airflow_idempotency.exceptions import LockLostError
+    from support.locks import terminate_lock_session
+
+    assert write(pg_dsn, tmp_path, "committed\n", fail_after=True) == "written"
+    (tmp_path / NAME).write_text("changed by hand\n")
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    monkeypatch.setenv(FAULT_DIR_ENV, str(faults))
+    armed = faults / "ledger.after_claim.stall"
+    armed.write_text("2")
+
+    def lose_the_lock_during_the_stall() -> None:
+        deadline = time.monotonic() + 30
+        while armed.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        terminate_lock_session(pg_dsn, "job", "2026-10-01")
+
+    thread = threading.Thread(target=lose_the_lock_during_the_stall)
+    thread.start()
+    outcome = write(pg_dsn, tmp_path, "committed\n")
+    thread.join()
+    assert isinstance(outcome, LockLostError), outcome
+    assert (tmp_path / NAME).read_text() == "changed by hand\n"

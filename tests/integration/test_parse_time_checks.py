@@ -25,7 +25,10 @@ from airflow_idempotency.arguments import (
     is_templated,
 )
 from airflow_idempotency.exceptions import InvalidInputError
+from airflow_idempotency.key_spelling import IGNORABLE, folded, reads_as_time, spelling_of
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, MAX_OFFSET, RunKeyRule, check_text
+
+PERIODS = ("hour", "day", "week", "month")
 
 # Deterministic: the same examples on every run (no seed to print), fast.
 PROPERTY = settings(max_examples=400, deadline=None, database=None, derandomize=True)
@@ -89,13 +92,29 @@ def test_a_job_name_that_is_not_text_is_refused(value: object) -> None:
 @given(segment=st.text(max_size=8))
 @example(segment="eu|us")
 @example(segment=" eu")
+@example(segment="*")
+@example(segment="2026-10")
+@example(segment="e\u200bu")
+@example(segment="\u0301eu")
+@example(segment="eu\ufe0f")
+@example(segment="2026/1/1")
 def test_a_key_segment_is_one_clean_label(segment: str) -> None:
-    """A key_segment passes iff it is non-empty, unpadded, without '|', and valid key text."""
+    """A key_segment passes iff it is non-empty, unpadded, without '|' (in any width), in
+    NFC, without invisible characters, and no period, time or '*' marker in any digits."""
+    refused = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
+    fold = folded(segment)
     ok = (
         segment != ""
         and segment == segment.strip()
-        and "|" not in segment
-        and not any(unicodedata.category(c) in ("Cc", "Cs", "Cn") for c in segment)
+        and "|" not in fold
+        and not any(unicodedata.category(c) in refused for c in segment)
+        and not any(unicodedata.category(c) == "Zs" and c != " " for c in segment)
+        and not any(ord(c) in IGNORABLE for c in segment)
+        and not unicodedata.category(segment[:1] or "a").startswith("M")
+        and unicodedata.normalize("NFC", segment) == segment
+        and fold not in ("*", "{}")
+        and not reads_as_time(fold)
+        and (fold.isdigit() or all(spelling_of(segment, p) is None for p in PERIODS))
     )
     if is_templated(segment) or ok:
         assert check_key_segment(segment) == segment
@@ -249,6 +268,66 @@ MISTAKES = [
         "invalid schema name 'Jobs-Schema'",
     ),
     (
+        "mapped_operator",
+        "{}",
+        """
+    IdempotentRunOperator.partial(
+        task_id="step", python_callable=work, on_locked="wait"
+    ).expand(key_segment=["eu", "us"])""",
+        "task 'step' of DAG 'mapped_operator': on_locked must be one of",
+    ),
+    (
+        "mapped_decorator",
+        "{}",
+        """
+    @task.idempotent_run(job_name="")
+    def step(run: RunContext, region: str) -> None:
+        pass
+
+    step.expand(region=["eu", "us"])""",
+        "task 'step' of DAG 'mapped_decorator': job_name is empty",
+    ),
+    (
+        "mapped_override",
+        "{}",
+        """
+    @task.idempotent_run
+    def step(run: RunContext, region: str) -> None:
+        pass
+
+    step.override(lock_timeout=300).expand(region=["eu", "us"])""",
+        "lock_timeout must be a datetime.timedelta",
+    ),
+    (
+        "mapped_without_segment",
+        "{}",
+        """
+    @task.idempotent_run
+    def step(run: RunContext, region: str) -> None:
+        pass
+
+    step.expand(region=["eu", "us"])""",
+        "is mapped, and without key_segment all its mapped instances share one run key",
+    ),
+    (
+        "work_without_run",
+        "{}",
+        'IdempotentRunOperator(task_id="step", python_callable=lambda: None)',
+        "task 'step' of DAG 'work_without_run': python_callable <lambda>() cannot take the "
+        "RunContext as its first argument",
+    ),
+    (
+        "decorated_without_run",
+        "{}",
+        """
+    @task.idempotent_run
+    def step() -> None:
+        pass
+
+    step()""",
+        "task 'step': python_callable step() cannot take the RunContext as its first argument",
+    ),
+    (
         "bad_segment",
         "{}",
         'IdempotentRunOperator(task_id="step", python_callable=work, key_segment="eu|us")',
@@ -269,8 +348,9 @@ def test_the_dag_processor_shows_each_mistake_as_an_import_error(
     airflow_home: Path, tmp_path: Path
 ) -> None:
     """Each DAG file with a wrong argument fails to import in the line's DagBag (what the
-    DAG processor runs), its import error naming the task and the mistake; the same file
-    with the mistake fixed imports cleanly."""
+    DAG processor runs), its import error naming the task and the mistake, a mapped task's
+    (.partial() of the operator, @task.idempotent_run and .override() before .expand())
+    too; the same file with the mistakes fixed imports cleanly."""
     from support.dag_runs import load_dag_bag
 
     for dag_id, params, tasks, _ in MISTAKES:
@@ -292,7 +372,18 @@ def test_the_dag_processor_shows_each_mistake_as_an_import_error(
         key_segment="{{ params.segment }}",
         run_key_rule=RunKeyRule(period="week", offset=-1),
         lock_timeout=dt.timedelta(minutes=5),
-    )""",
+    )
+    IdempotentRunOperator.partial(
+        task_id="mapped", python_callable=work, on_locked="skip"
+    ).expand(key_segment=["eu", "us"])
+
+    @task.idempotent_run(
+        job_name="fixed.mapped_step", key_segment="{{ task.op_kwargs['region'] }}"
+    )
+    def mapped_step(run: RunContext, region: str) -> None:
+        pass
+
+    mapped_step.expand(region=["eu", "us"])""",
     )
     bag = load_dag_bag(tmp_path)
     errors = {Path(path).name: message for path, message in bag.import_errors.items()}

@@ -12,7 +12,14 @@ import pendulum
 import pytest
 
 from support import TESTS
-from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date, task_states
+from support.dag_runs import (
+    FAILED,
+    SUCCESS,
+    load_dag_bag,
+    run_dag,
+    scheduled_logical_date,
+    task_states,
+)
 from support.db import rows
 
 pytestmark = [pytest.mark.usefixtures("airflow_home"), pytest.mark.both_airflow_lines]
@@ -39,7 +46,7 @@ def tagged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__POLICY_DAG_TAGS", "finance, nightly")
 
 
-def _dag(tmp_path: Path, name: str = "nightly_sales.py") -> object:
+def _dag(tmp_path: Path, name: str = "nightly_sales.py") -> Any:
     folder = tmp_path / "dags"
     folder.mkdir(exist_ok=True)
     shutil.copy(POLICY_DAGS / name, folder / name)
@@ -73,12 +80,12 @@ def test_a_tagged_dag_runs_its_work_once_per_date(
     ]
     records = rows(
         airflow_pg_conn,
-        "SELECT job_name, run_key, status, dag_id, task_id, attempt_count"
+        "SELECT job_name, run_key, status, dag_id, task_id, attempt_count, key_zone"
         " FROM idempotency.job_runs ORDER BY job_name",
     )
-    assert records == [
-        ("nightly_sales.extract", "2026-10-01", "completed", "nightly_sales", "extract", 1),
-        ("nightly_sales.load", "2026-10-01", "completed", "nightly_sales", "load", 1),
+    assert records == [  # key_zone: the zone the day was read in (the zone rule)
+        ("nightly_sales.extract", "2026-10-01", "completed", "nightly_sales", "extract", 1, "UTC"),
+        ("nightly_sales.load", "2026-10-01", "completed", "nightly_sales", "load", 1, "UTC"),
     ]
     outcomes = rows(
         airflow_pg_conn,
@@ -162,3 +169,78 @@ def test_daily_schedules_are_taken(tmp_path: Path) -> None:
         )
         bag = load_dag_bag(tmp_path)
         assert not bag.import_errors, (schedule, bag.import_errors)
+
+
+DAG_HEADER = """
+import os
+import pendulum
+from airflow.providers.common.compat.sdk import DAG, task, task_group
+from airflow_idempotency import notify_once
+
+def note(line):
+    with open(os.environ["POLICY_WORK_LOG"], "a", encoding="utf-8") as log:
+        log.write(line + "\\n")
+
+nightly = DAG("nightly_sales", schedule="0 1 * * *", catchup=False, tags=["nightly"],
+              start_date=pendulum.datetime(2026, 9, 1, tz="UTC"))
+"""
+
+
+def _inline_dag(tmp_path: Path, body: str) -> Any:
+    folder = tmp_path / "dags"
+    folder.mkdir(exist_ok=True)
+    (folder / "nightly_sales.py").write_text(DAG_HEADER + textwrap.dedent(body))
+    bag = load_dag_bag(folder)
+    assert not bag.import_errors, bag.import_errors
+    return bag.dags["nightly_sales"]
+
+
+@pytest.mark.usefixtures("tagged")
+def test_a_dry_run_of_a_policy_task_notifies_nothing(
+    airflow_pg_conn: str, work_log: Path, tmp_path: Path
+) -> None:
+    """notify_once on a task the policy covers: a dry run (the task not executed) sends no
+    success notification; the real run sends it, and its no-op rerun does not again."""
+    dag = _inline_dag(
+        tmp_path,
+        """
+        with nightly:
+            @task(on_success_callback=notify_once(lambda context: note("notified"),
+                                                  event="success", name="note"))
+            def load():
+                note("load")
+            load()
+        """,
+    )
+    date = _fire("2026-10-04")
+    assert run_dag(dag, date, conf={"dry_run": True}).state == SUCCESS
+    assert _lines(work_log) == []
+    for _ in range(2):
+        assert run_dag(dag, date).state == SUCCESS
+    assert _lines(work_log) == ["load", "notified"]
+
+
+@pytest.mark.usefixtures("tagged")
+def test_a_policy_task_in_a_mapped_task_group_is_refused_when_it_runs(
+    airflow_pg_conn: str, work_log: Path, tmp_path: Path
+) -> None:
+    """Its instances would share the day's key (the first working, the others no-ops): each
+    fails without doing its work, naming the task, its map index and the way out."""
+    dag = _inline_dag(
+        tmp_path,
+        """
+        with nightly:
+            @task_group
+            def per_region(region):
+                @task
+                def load(region):
+                    note(f"load {region}")
+                load(region)
+            per_region.expand(region=["eu", "us"])
+        """,
+    )
+    run = run_dag(dag, _fire("2026-10-05"))
+    assert run.state == FAILED, task_states(run)
+    assert _lines(work_log) == []
+    # Refused before it connects: nothing recorded, not even the schema.
+    assert rows(airflow_pg_conn, "SELECT to_regclass('idempotency.job_runs')") == [(None,)]

@@ -21,7 +21,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from airflow_idempotency.exceptions import MissingPrivilegeError
-from airflow_idempotency.runner import RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from support import ROOT
 
 PAGE = (ROOT / "docs" / "connection.md").read_text(encoding="utf-8")
@@ -59,11 +59,16 @@ class Role:
 
     def run(self, work_calls: list[str] | None = None) -> Any:
         calls = work_calls if work_calls is not None else []
+
+        def work(run: RunContext) -> dict[str, int]:
+            calls.append(run.run_key)
+            return {"done": 1}
+
         return run_idempotently(
             connect=lambda: psycopg.connect(self.dsn),
             job_name="privileges.job",
             run_key="2026-10-01",
-            work=lambda run: calls.append(run.run_key) or {"done": 1},
+            work=work,
         )
 
 
@@ -102,6 +107,22 @@ def test_a_role_without_create_is_refused_at_once_naming_both_ways_out(role: Rol
     assert "permission denied for database" in message
     assert PASSWORD not in message
     assert calls == [] and not _schema_exists(role)
+
+
+def test_migrate_of_a_role_without_create_says_what_to_do_without_a_traceback(
+    role: Role, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`airflow-idempotency migrate` as a role that may not create the schema: exit 69 and the
+    refusal's message (the statements for a DBA), no traceback (it ended in 17 lines of one),
+    no password; nothing is created."""
+    from airflow_idempotency.cli import main
+
+    capsys.readouterr()
+    assert main(["migrate", "--dsn", role.dsn]) == 69
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: role {role.name!r} may not create or migrate the bookkeeping")
+    assert "airflow-idempotency migrate --dsn DBA_DSN" in err and "Traceback" not in err
+    assert PASSWORD not in err and not _schema_exists(role)
 
 
 def test_a_schema_the_dba_created_for_the_role_is_enough(role: Role) -> None:
@@ -194,3 +215,31 @@ def test_the_task_fails_without_a_retry(
     (ti,) = dag_run.get_task_instances()
     assert dag_run.state == FAILED and ti.try_number == 1
     assert not _schema_exists(role)
+
+
+def test_a_read_only_role_is_not_told_a_false_client_by_locks(
+    role: Role, pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/connection.md: a read-only role (USAGE, SELECT) may run `locks`. PostgreSQL hides
+    another role's client address from it (NULL, as for a Unix socket): `locks` must not
+    report the holder as connected by 'local socket' when it is not."""
+    from support.cli import cli
+    from support.locks import key_held
+
+    record_tables = subprocess.run(
+        [sys.executable, "-m", "airflow_idempotency.cli", "migrate", "--dsn", pg_dsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert record_tables.returncode == 0, record_tables.stderr
+    role.admin(
+        f"GRANT USAGE ON SCHEMA idempotency TO {role.name}",
+        f"GRANT SELECT ON ALL TABLES IN SCHEMA idempotency TO {role.name}",
+    )
+    with key_held(pg_dsn, "privileges.held", "2026-10-01"):
+        _, (seen_by_owner,), _ = cli(capsys, "locks", "--dsn", pg_dsn)
+        code, (seen_read_only,), _ = cli(capsys, "locks", "--dsn", role.dsn)
+    assert code == 0 and seen_read_only["run_key"] == "2026-10-01"
+    if seen_by_owner["client"] != "local socket":  # a TCP connection: hidden, and said so
+        assert seen_read_only["client"] == "not shown to this role", seen_read_only

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 
 from airflow_idempotency import schema as schema_mod
-from airflow_idempotency.exceptions import LockLostError, RunLockedError, SchemaError
+from airflow_idempotency.exceptions import LockLostError, RunLockedError, SchemaTooNewError
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.run_context import RunEnvironment
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
@@ -18,8 +19,13 @@ from support.db import rows
 from support.locks import advisory_locks, run_lock_holder, terminate_lock_session
 
 
-def connect_to(dsn: str):  # type: ignore[no-untyped-def]
+def connect_to(dsn: str) -> Callable[[], psycopg.Connection[Any]]:
     return lambda: psycopg.connect(dsn)
+
+
+def fail(ctx: RunContext) -> None:
+    """A work that fails (ZeroDivisionError)."""
+    raise ZeroDivisionError("the work failed")
 
 
 def test_quotes_and_unicode_round_trip(pg_dsn: str) -> None:
@@ -92,7 +98,7 @@ def test_noop_passes_on_the_counts_of_the_completing_attempt(pg_dsn: str) -> Non
     def boom(ctx: RunContext) -> None:
         raise RuntimeError("disk full")
 
-    run = {"connect": connect_to(pg_dsn), "job_name": "j", "run_key": "k"}
+    run: dict[str, Any] = {"connect": connect_to(pg_dsn), "job_name": "j", "run_key": "k"}
     with pytest.raises(RuntimeError):
         run_idempotently(**run, work=boom)
     done = run_idempotently(**run, work=lambda ctx: {"orders": 2, "skipped": 1})
@@ -139,7 +145,9 @@ def test_dry_run_writes_nothing(pg_dsn: str) -> None:
             cur.execute("INSERT INTO public.facts VALUES ('a')")
         with ctx.transaction() as cur:  # a later step sees the earlier one inside the dry run
             cur.execute("SELECT count(*) FROM public.facts")
-            return {"seen": cur.fetchone()[0]}  # type: ignore[index]
+            row = cur.fetchone()
+            assert row is not None
+            return {"seen": row[0]}
 
     result = run_idempotently(
         connect=connect_to(pg_dsn),
@@ -238,9 +246,7 @@ def test_lock_is_released_after_the_run(pg_dsn: str) -> None:
     run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
     run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k", work=lambda ctx: None)
     with pytest.raises(ZeroDivisionError):
-        run_idempotently(
-            connect=connect_to(pg_dsn), job_name="j", run_key="k2", work=lambda ctx: 1 / 0
-        )
+        run_idempotently(connect=connect_to(pg_dsn), job_name="j", run_key="k2", work=fail)
     assert advisory_locks(pg_dsn) == 0
 
 
@@ -275,7 +281,7 @@ def test_pooled_connection_is_handed_back_as_it_came(pg_dsn: str) -> None:
         for key, work in (
             ("k", lambda ctx: None),
             ("k", lambda ctx: None),
-            ("f", lambda ctx: 1 / 0),
+            ("f", fail),
         ):
             with contextlib.suppress(ZeroDivisionError):
                 run_idempotently(connect=pool.connection, job_name="j", run_key=key, work=work)
@@ -350,7 +356,7 @@ def test_newer_schema_is_refused(pg_dsn: str) -> None:
             "INSERT INTO future.schema_version (version, name) VALUES (999, 'from the future')"
         )
         schema_mod._migrated.clear()
-        with pytest.raises(SchemaError, match="newer than this release"):
+        with pytest.raises(SchemaTooNewError, match="newer than this release"):
             schema_mod.ensure_schema(conn, "future")
 
 

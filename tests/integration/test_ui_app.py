@@ -400,9 +400,7 @@ def test_a_role_that_may_only_select_is_enough(
         conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA idempotency TO {role}")
         conn.execute(f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA idempotency TO {role}")
     try:
-        params = psycopg.conninfo.conninfo_to_dict(seeded)
-        params["user"] = role
-        as_role = psycopg.conninfo.make_conninfo(**params)
+        as_role = psycopg.conninfo.make_conninfo(seeded, user=role)
         for name, value in airflow_env.connection_env(as_role).items():
             monkeypatch.setenv(name, value)
         client = Client(auth_manager, "admin", "admin")
@@ -456,7 +454,7 @@ def test_the_job_database_is_named_in_airflow_config(
     assert page.status_code == 503 and "schema &#39;elsewhere&#39;" in page.text
 
 
-JSON_ENDPOINTS = (
+JSON_ENDPOINTS: tuple[tuple[str, dict[str, str]], ...] = (
     ("/api/overview", {}),
     ("/api/dags/demo_dag", {}),
     ("/api/dags/demo_dag/runs/r1", {}),

@@ -267,7 +267,7 @@ def test_manual_trigger_with_run_key_through_the_scheduler(
             what="the triggered run to complete",
         )
     finally:
-        kill_group(scheduler)  # type: ignore[arg-type]
+        kill_group(scheduler)
         log.close()
     assert attempts(invoicing.dsn, RECONCILE) == [("2026-10-05", RECONCILE, "completed", "manual")]
     assert summaries(invoicing.dsn) == [("2026-10-05", 1)]  # nothing else ran

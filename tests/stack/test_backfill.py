@@ -5,12 +5,15 @@ of the same range is all no-ops, and nothing is duplicated anywhere."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 
 from devtools.airflow_env import DAGS_FOLDER
 from devtools.airflow_stack import airflow_stack
+from support.db import rows
+from support.invoicing import InvoicingEnv
 
 pytestmark = pytest.mark.slow
 
@@ -18,15 +21,15 @@ BUSINESS_DATES = [f"2026-10-0{d}" for d in range(1, 8)]
 FROM, TO = "2026-10-02T01:00:00+00:00", "2026-10-08T01:00:00+00:00"
 
 
-def outcomes_by_pass(dsn: str) -> list[tuple[str, str, int]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(
-            "SELECT outcome, job_name, count(*) FROM idempotency.job_run_attempts"
-            " GROUP BY outcome, job_name ORDER BY job_name, outcome"
-        ).fetchall()
+def outcomes_by_pass(dsn: str) -> list[tuple[Any, ...]]:
+    return rows(
+        dsn,
+        "SELECT outcome, job_name, count(*) FROM idempotency.job_run_attempts"
+        " GROUP BY outcome, job_name ORDER BY job_name, outcome",
+    )
 
 
-def test_backfill_week_twice_without_duplicates(invoicing, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_backfill_week_twice_without_duplicates(invoicing: InvoicingEnv, tmp_path: Path) -> None:
     """A 7-date backfill runs each date once; reprocessing the completed range only no-ops."""
     invoicing.seed(BUSINESS_DATES[0], BUSINESS_DATES[-1], orders=40)
     with airflow_stack(

@@ -141,17 +141,13 @@ def test_run_refuses_malformed_dates_with_usage(
     bad: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`run` with a malformed date exits 2 and prints the usage."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(["run", "core_slow_job", "--date", bad, "--dsn", "host=/nonexistent"])
-    assert exit_info.value.code == 2
+    assert main(["run", "core_slow_job", "--date", bad, "--dsn", "host=/nonexistent"]) == 2
     assert "YYYY-MM-DD" in capsys.readouterr().err
 
 
 def test_run_requires_a_date(capsys: pytest.CaptureFixture[str]) -> None:
     """`run` without --date exits 2 with the usage."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(["run", "core_slow_job"])
-    assert exit_info.value.code == 2
+    assert main(["run", "core_slow_job"]) == 2
     assert "--date" in capsys.readouterr().err
 
 
@@ -191,6 +187,28 @@ def test_run_exit_codes_through_airflow(airflow_home: Path, pg_dsn: str, tmp_pat
     assert listed.returncode == 0, listed.stdout + listed.stderr
     keys = {(r["run_key"], r["status"]) for r in json.loads(listed.stdout)}
     assert {("2026-10-01", "completed"), ("2026-10-02", "started")} <= keys  # holder runs
+
+
+def test_run_judges_a_task_mapped_over_segments_by_every_segment(
+    airflow_home: Path, pg_dsn: str
+) -> None:
+    """`run` of a DAG whose task is mapped over segments: completed (exit 0) when every
+    segment's key completed, each listed; then a no-op; then exit 1 when a segment fails."""
+    done = cli_process(airflow_home, pg_dsn, "run", "core_segmented_job", "--date", "2026-10-01",
+                       "--json")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["verdict"] == "completed"
+    assert sorted((a["run_key"], a["outcome"]) for a in report["attempts"]) == [
+        ("eu|2026-10-01", "completed"), ("us|2026-10-01", "completed"),
+    ]  # fmt: skip
+    again = cli_process(airflow_home, pg_dsn, "run", "core_segmented_job", "--date", "2026-10-01")
+    assert again.returncode == 0 and "no-op: already completed" in again.stdout, again.stderr
+    failing = cli_process_with(
+        {**private_airflow_env(airflow_home, pg_dsn, TEST_DAGS), "IDEM_TEST_FAIL": "1"},
+        "run", "core_segmented_job", "--date", "2026-10-02",
+    )  # fmt: skip
+    assert failing.returncode == 1 and "failed" in failing.stdout, failing.stderr
 
 
 # -- the CLI package: what each part promises -----------------------------------------------
@@ -355,7 +373,8 @@ def test_run_names_the_lock_holder_and_keeps_or_removes_its_log(
 
     def holder_attempt() -> Any:
         with psycopg.connect(pg_dsn) as conn:
-            if not conn.execute("SELECT to_regclass('idempotency.job_run_attempts')").fetchone()[0]:  # type: ignore[index]
+            table = conn.execute("SELECT to_regclass('idempotency.job_run_attempts')").fetchone()
+            if table is None or table[0] is None:
                 return None
             return conn.execute(
                 "SELECT attempt_id, hostname, pid FROM idempotency.job_run_attempts"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,26 +16,13 @@ import pytest
 
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
 from devtools.airflow_env import DAGS_FOLDER
-from support.cli import airflow_cli, cli, cli_process_with, record
+from support.cli import abandon, airflow_cli, cli, cli_process_with, record
 from support.dag_runs import FAILED, SUCCESS, load_dag_bag, run_dag, utc
 from support.db import rows
 from support.locks import key_held
 from support.workers import TEST_DAGS, private_airflow_env
 
 pytestmark = pytest.mark.both_airflow_lines
-
-
-def abandon(dsn: str, job: str, key: str) -> None:
-    """A worker killed after its run started: the key says started, its attempt running."""
-    code = (
-        "import psycopg; from airflow_idempotency import run_idempotently;"
-        f"run_idempotently(connect=lambda: psycopg.connect({dsn!r}), job_name={job!r},"
-        f" run_key={key!r}, work=lambda ctx: None)"
-    )
-    env = {**os.environ, "AIRFLOW_IDEMPOTENCY_CRASH_AT": "runner.after_started"}
-    assert (
-        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == -9
-    )
 
 
 def test_gaps_lists_periods_without_a_completed_run(

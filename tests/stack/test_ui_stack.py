@@ -12,6 +12,7 @@ import json
 import os
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,7 +169,7 @@ def test_the_api_server_serves_the_view_with_airflow_auth(
 def test_extra_link_of_a_task_opens_its_key(stack: SignedInStack, runs: dict[str, str]) -> None:
     """The task instance's "Run key" link (computed by the worker) is the key's page inside
     Airflow's own page."""
-    run_id = urllib.request.quote(runs["ui_demo"], safe="")
+    run_id = urllib.parse.quote(runs["ui_demo"], safe="")
     links = stack.api("GET", f"/api/v2/dags/ui_demo/dagRuns/{run_id}/taskInstances/extract/links")
     assert links["extra_links"] == {
         "Run key": "/plugin/run-keys/idempotency/keys?job=ui_demo.extract&run_key=2026-10-01"
@@ -243,7 +244,7 @@ def test_in_the_browser_operator_reads_and_reruns_a_key(
     rerun = stack.wait_for_runs("ui_demo", [rerun_id], timeout=180)[0]
     assert rerun.state == "success" and rerun.conf == {"run_key": "2026-10-01"}
     recorded = stack.api(
-        "GET", f"/api/v2/dags/ui_demo/dagRuns/{urllib.request.quote(rerun_id, safe='')}"
+        "GET", f"/api/v2/dags/ui_demo/dagRuns/{urllib.parse.quote(rerun_id, safe='')}"
     )
     assert recorded["triggering_user_name"] == "operator"
     assert recorded["note"] == "Rerun of run key 2026-10-01 from the Run keys view"
@@ -262,7 +263,7 @@ def test_in_the_browser_operator_reads_and_reruns_a_key(
     assert [o.split()[0] for o in outcomes_shown] == ["noop", "completed"]
     page.screenshot(path=shots / "run-keys-key.png")
     frame.locator(
-        f'#record a[data-airflow][href$="{urllib.request.quote(runs["ui_demo"], safe="")}"]'
+        f'#record a[data-airflow][href$="{urllib.parse.quote(runs["ui_demo"], safe="")}"]'
     ).click()
     page.wait_for_url("**/dags/ui_demo/runs/**")
     # Airflow's router showed its own run page: the frame (and this view) is gone.
@@ -290,10 +291,10 @@ def test_in_the_browser_trigger_form_and_a_jobs_calendar(
     field.fill("2026-10-05")
     dialog.get_by_role("button", name="Trigger").click()
     page.wait_for_url("**/dags/ui_demo/runs/manual__*")
-    run_id = urllib.request.unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
+    run_id = urllib.parse.unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
     triggered = stack.wait_for_runs("ui_demo", [run_id], timeout=180)[0]
     assert triggered.state == "success", stack.describe_runs("ui_demo", [run_id])
-    assert triggered.conf["run_key"] == "2026-10-05"
+    assert (triggered.conf or {}).get("run_key") == "2026-10-05"
     recorded = rows(
         job_dsn,
         "SELECT job_name, status, triggering_user FROM idempotency.job_runs"
@@ -335,7 +336,7 @@ def test_in_the_browser_the_task_link_and_a_barred_user(
     """The task instance's "Run key" button opens the key inside Airflow; a user barred from
     ui_secret sees none of it, and a viewer gets no rerun button."""
     page = signed_in(browser, stack, "viewer")
-    run_id = urllib.request.quote(runs["ui_demo"], safe="")
+    run_id = urllib.parse.quote(runs["ui_demo"], safe="")
     page.goto(f"{stack.base_url}/dags/ui_demo/runs/{run_id}/tasks/extract/details")
     page.get_by_role("link", name="Run key", exact=True).or_(
         page.get_by_role("button", name="Run key", exact=True)
@@ -385,10 +386,10 @@ def rerun_from_the_key_page(page: Any, stack: SignedInStack, *, force: bool, dry
     assert ("Force ticked" in question) == force and ("Dry run ticked" in question) == dry_run
     form.locator(".confirm button.yes").click()
     form.locator(".result a").wait_for()
-    run_id = form.locator(".result a").inner_text()
+    run_id: str = form.locator(".result a").inner_text()
     done = stack.wait_for_runs("ui_demo", [run_id], timeout=180)[0]
     assert done.state == "success", stack.describe_runs("ui_demo", [run_id])
-    expected = {"run_key": "2026-10-01"}
+    expected: dict[str, Any] = {"run_key": "2026-10-01"}
     expected.update({"force": True} if force else {})
     expected.update({"dry_run": True} if dry_run else {})
     assert done.conf == expected

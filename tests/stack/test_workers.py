@@ -7,6 +7,7 @@ free at once and converges on the rerun.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from support.workers import Until, kill_group, race, start_worker, wait_until, w
 pytestmark = pytest.mark.both_airflow_lines
 
 
-def finish(proc) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     out, _ = proc.communicate(timeout=240)
     return proc.returncode, out
 

@@ -1,7 +1,10 @@
-"""A test auth manager with per-DAG rules: SimpleAuthManager, where the users named in
+"""A test auth manager with per-DAG rules, on SimpleAuthManager.
+
+SimpleAuthManager, where the users named in
 ``IDEMPOTENCY_TEST_DENIED_DAGS`` (JSON ``{"user": ["dag_id", ...]}``) may not read, or do
 anything else with, the DAGs listed. SimpleAuthManager itself has no per-DAG rules; FAB and
-other managers do. Selected with ``AIRFLOW__CORE__AUTH_MANAGER=support.auth_manager.RestrictedAuthManager``.
+other managers do. Selected with
+``AIRFLOW__CORE__AUTH_MANAGER=support.auth_manager.RestrictedAuthManager``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""One scenario that exposes a broken build, without Airflow (run by tests/faults/test_chaos_builds.py).
+"""One scenario that exposes a broken build, without Airflow.
+
+Run by tests/faults/test_chaos_builds.py.
 
     python tests/support/broken_build_scenario.py DSN SCENARIO
 

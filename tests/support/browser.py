@@ -1,5 +1,7 @@
-"""Chromium through Playwright, for the tests that drive Airflow's pages in a browser (the
-``browser`` and ``shots`` fixtures of tests/stack/conftest.py use it)."""
+"""Chromium through Playwright, for the tests that drive Airflow's pages in a browser.
+
+The ``browser`` and ``shots`` fixtures of tests/stack/conftest.py use it.
+"""
 
 from __future__ import annotations
 

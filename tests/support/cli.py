@@ -1,10 +1,14 @@
-"""The CLI as the tests call it: in process (``cli``), in an Airflow home of its own
-(``airflow_cli``), and the records it reads, written by the real runner (``record``)."""
+"""The CLI as the tests call it, and the records it reads, written by the real runner.
+
+In process (``cli``), in an Airflow home of its own (``airflow_cli``), and the records it
+reads, written by the real runner (``record``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -28,6 +32,19 @@ def record(dsn: str, job: str, key: str, fail: bool = False) -> None:
 
     with contextlib.suppress(RuntimeError):
         run_idempotently(connect=lambda: psycopg.connect(dsn), job_name=job, run_key=key, work=work)
+
+
+def abandon(dsn: str, job: str, key: str) -> None:
+    """A worker killed after its run started: the key says started, its attempt running."""
+    code = (
+        "import psycopg; from airflow_idempotency import run_idempotently;"
+        f"run_idempotently(connect=lambda: psycopg.connect({dsn!r}), job_name={job!r},"
+        f" run_key={key!r}, work=lambda ctx: None)"
+    )
+    env = {**os.environ, "AIRFLOW_IDEMPOTENCY_CRASH_AT": "runner.after_started"}
+    assert (
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == -9
+    )
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:

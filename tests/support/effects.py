@@ -1,6 +1,8 @@
-"""What the tests of every kind of effect share: one idempotent run around some work, the
-same run in a worker process killed where the test says, the ledger's rows, a metrics sink
-that keeps what it is given, a local chat webhook."""
+"""What the tests of every kind of effect share.
+
+One idempotent run around some work, the same run in a worker process killed where the test
+says, the ledger's rows, a metrics sink that keeps what it is given, a local chat webhook.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""A worker process for the effect crash tests: one idempotent run that sends emails or writes
-a file, killed by a crash point (AIRFLOW_IDEMPOTENCY_CRASH_AT) where the test says.
+"""A worker process for the effect crash tests, killed by a crash point.
+
+One idempotent run that sends emails or writes a file, killed by a crash point
+(AIRFLOW_IDEMPOTENCY_CRASH_AT) where the test says.
 
     python tests/support/effects_worker.py mail DSN SMTP_PORT COUNT [BATCH_SIZE CONCURRENCY]
     python tests/support/effects_worker.py file DSN ROOT NAME CONTENT
@@ -14,11 +16,11 @@ from typing import Any
 
 import psycopg
 
-from airflow_idempotency import RunContext, run_idempotently
+from airflow_idempotency import Effect, RunContext, run_idempotently
 from airflow_idempotency.runner import RunOptions
 
 
-def emails(count: int) -> list:  # type: ignore[type-arg]
+def emails(count: int) -> list[Effect]:
     from airflow_idempotency.effects.mail import email_effect
 
     return [

@@ -1,5 +1,6 @@
-"""Who holds which advisory lock, read as the provider reads it, and ending a holder's session
-as a lost connection or an operator would.
+"""Who holds which advisory lock, read as the provider reads it; a holder's session ended.
+
+Ending a holder's session as a lost connection or an operator would.
 
 Run locks are read through the provider's own reader, the SQL function ``held_run_locks()``
 of the bookkeeping schema (this database's granted run locks, as the fencing checks, the
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -92,3 +94,46 @@ def terminate_lock_session(dsn: str, job: str, run_key: str) -> int:
         ended = conn.execute("SELECT pg_terminate_backend(%s, %s)", (pid, _WAIT_MS)).fetchone()
     assert ended == (True,), f"backend {pid} still alive after {_WAIT_MS} ms"
     return pid
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Poll ``check`` every 50 ms until it holds; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class Background:
+    """A call in a thread whose result or exception is kept for the test."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+        def body() -> None:
+            try:
+                self.result = call()
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=body, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 30.0) -> Background:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the call did not finish"
+        return self
+
+
+def waiting_backends(dsn: str, objsubid: int) -> list[int]:
+    """Backends of this database waiting for an advisory lock in the given key space."""
+    found = rows(
+        dsn,
+        "SELECT l.pid FROM pg_locks AS l WHERE l.locktype = 'advisory' AND NOT l.granted"
+        " AND l.objsubid = %s"
+        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        (objsubid,),
+    )
+    return [pid for (pid,) in found]

@@ -1,6 +1,7 @@
-"""Workers of the tests: ``airflow dags test`` in a private Airflow home (devtools.workers)
-with a copy of the session's migrated metadata DB, on the test DAGs by default; and
-:func:`race`, two workers on one run key.
+"""Workers of the tests: ``airflow dags test`` in a private Airflow home; :func:`race`.
+
+``airflow dags test`` (devtools.workers) with a copy of the session's migrated metadata DB, on
+the test DAGs by default; and :func:`race`, two workers on one run key.
 """
 
 from __future__ import annotations

@@ -1,15 +1,19 @@
-"""The provider's functions stay narrow and short, read from the code itself (``ast``):
+"""The code stays in rooms of the right size, read from the code itself (``ast``):
 
-- no function takes more than :data:`MAX_PARAMETERS` parameters (``self`` and ``cls`` not
-  counted; positional, keyword-only, ``*args`` and ``**kwargs`` all are);
-- no function is longer than :data:`MAX_LINES` lines (its ``def`` line to its last line,
-  docstring included, decorators not).
+- no function of the provider takes more than :data:`MAX_PARAMETERS` parameters (``self``
+  and ``cls`` not counted; positional, keyword-only, ``*args`` and ``**kwargs`` all are);
+- no function of the provider is longer than :data:`MAX_LINES` lines (its ``def`` line to its
+  last line, docstring included, decorators not);
+- no module of ``provider/`` or ``devtools/`` is longer than :data:`MAX_MODULE_LINES` lines;
+- no class of ``provider/`` or ``devtools/`` is longer than :data:`MAX_CLASS_LINES` lines or
+  defines more than :data:`MAX_CLASS_METHODS` methods (``def``s of its own body, properties
+  and static methods included; inherited ones not).
 
-A function that has to be wider or longer is allowed by name below, saying why; an allowed
+Whatever has to be wider, longer or larger is allowed by name below, saying why; an allowed
 one that is back within the limits fails the test until its entry is removed.
 
-``python tests/unit/test_code_shape.py devtools`` prints the widest and longest functions of any
-folder (the figures this test enforces for ``provider/``).
+``python tests/unit/test_code_shape.py devtools`` prints the widest and longest functions and
+the largest modules and classes of any folder (the figures this test enforces).
 """
 
 from __future__ import annotations
@@ -34,6 +38,21 @@ WIDE_ALLOWED = {
     "operator.IdempotentRunOperator.__init__",
 }
 LONG_ALLOWED: set[str] = set()
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 350
+MAX_CLASS_METHODS = 20
+# The folders whose modules and classes are measured, and the package name they stand for.
+MEASURED = {"provider/airflow_idempotency": "airflow_idempotency", "devtools": "devtools"}
+
+# Qualified by package: "<package>.<module>" or "<package>.<module>.<class>", with the reason.
+LARGE_ALLOWED: dict[str, str] = {
+    "airflow_idempotency.operator.IdempotentRunOperator": (
+        "an Airflow operator is one class: its constructor takes every setting a DAG author "
+        "writes (with their docstring), and Airflow calls its execute, templating and "
+        "run-key hooks on it; what it runs lives in runner.py, the decision in run_key.py"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -175,6 +194,140 @@ def test_the_shape_check_catches_a_wide_or_long_function() -> None:
     assert problems[4] == "widest:" and problems[5].startswith("  m.wide "), problems
 
 
+@dataclass(frozen=True)
+class Room:
+    """A module or a class: its qualified name, lines and (for a class) methods."""
+
+    name: str
+    kind: str  # "module" or "class"
+    lines: int
+    methods: int
+    where: str
+
+    def over(self) -> str:
+        """What of the ceilings it is over (``""`` when none)."""
+        if self.kind == "module":
+            return f"over {MAX_MODULE_LINES} lines" if self.lines > MAX_MODULE_LINES else ""
+        over = []
+        if self.lines > MAX_CLASS_LINES:
+            over.append(f"over {MAX_CLASS_LINES} lines")
+        if self.methods > MAX_CLASS_METHODS:
+            over.append(f"over {MAX_CLASS_METHODS} methods")
+        return " and ".join(over)
+
+    def __str__(self) -> str:
+        methods = f", {self.methods} methods" if self.kind == "class" else ""
+        return f"{self.kind} {self.name} ({self.where}): {self.lines} lines{methods}"
+
+
+def rooms(source: str, module: str, where: str = "") -> Iterator[Room]:
+    """The module ``source`` and every class in it (nested ones too, named
+    ``<module>.<outer names>.<name>``)."""
+    tree = ast.parse(source)
+    yield Room(module, "module", len(source.splitlines()), 0, where)
+
+    def walk(node: ast.AST, prefix: str) -> Iterator[Room]:
+        for child in ast.iter_child_nodes(node):
+            name = f"{prefix}.{getattr(child, 'name', '')}"
+            if isinstance(child, ast.ClassDef):
+                lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                methods = sum(
+                    isinstance(c, ast.FunctionDef | ast.AsyncFunctionDef) for c in child.body
+                )
+                yield Room(name, "class", lines, methods, f"{where}:{child.lineno}")
+                yield from walk(child, name)
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield from walk(child, name)
+            else:
+                yield from walk(child, prefix)
+
+    yield from walk(tree, module)
+
+
+def folder_rooms(folder: Path, package: str) -> list[Room]:
+    """The modules and classes of the ``.py`` files below ``folder``, named from ``package``
+    (``airflow_idempotency.ledger.outbound.OutboundLedger``)."""
+    found: list[Room] = []
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder).with_suffix("").parts
+        module = ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))
+        where = path.relative_to(ROOT).as_posix()
+        found += rooms(path.read_text(encoding="utf-8"), module, where)
+    return found
+
+
+def largest(found: list[Room], kind: str, n: int = 5) -> list[Room]:
+    return sorted(
+        (r for r in found if r.kind == kind), key=lambda r: (-r.lines, -r.methods, r.name)
+    )[:n]
+
+
+def size_problems(found: list[Room], allowed: dict[str, str]) -> str:
+    """The modules and classes over a ceiling (and allowances no longer needed), with the
+    largest of each, or ``""``."""
+    problems = [f"{r.over()}: {r}" for r in found if r.over() and r.name not in allowed]
+    by_name = {r.name: r for r in found}
+    for name in sorted(allowed):
+        room = by_name.get(name)
+        if room is None or not room.over():
+            problems.append(f"allowed to be large but {room or 'gone'}: remove {name!r}")
+    if not problems:
+        return ""
+    return "\n".join(
+        [
+            *problems,
+            "largest modules:",
+            *(f"  {r}" for r in largest(found, "module")),
+            "largest classes:",
+            *(f"  {r}" for r in largest(found, "class")),
+        ]
+    )
+
+
+def test_no_module_or_class_of_the_provider_or_devtools_is_too_large() -> None:
+    found = [
+        r for folder, package in MEASURED.items() for r in folder_rooms(ROOT / folder, package)
+    ]
+    modules = {r.name for r in found if r.kind == "module"}
+    # the walk did reach both trees, packages inside them included
+    assert {"airflow_idempotency.ledger.outbound", "devtools.chaos.run"} <= modules, modules
+    assert sum(r.kind == "class" for r in found) > 100, len(found)
+    for name, reason in LARGE_ALLOWED.items():
+        assert len(reason) > 40, f"{name}: say why it may be large"
+    problems = size_problems(found, LARGE_ALLOWED)
+    assert not problems, problems
+
+
+def test_the_size_check_catches_a_large_module_or_class() -> None:
+    methods = "\n".join(f"    def m{i}(self): pass" for i in range(MAX_CLASS_METHODS + 1))
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES))
+    source = (
+        f"class Many:\n{methods}\n"
+        f"class Long:\n{body}\n"
+        "def f():\n"
+        "    class Inner:\n"
+        "        def g(self): pass\n"
+    )
+    source += "\n" * (MAX_MODULE_LINES - len(source.splitlines()) + 1)
+    found = list(rooms(source, "m"))
+    sizes = {r.name: (r.kind, r.lines, r.methods) for r in found}
+    assert sizes == {
+        "m": ("module", MAX_MODULE_LINES + 1, 0),
+        "m.Many": ("class", MAX_CLASS_METHODS + 2, MAX_CLASS_METHODS + 1),
+        "m.Long": ("class", MAX_CLASS_LINES + 1, 0),
+        "m.f.Inner": ("class", 2, 1),
+    }, sizes
+    problems = size_problems(found, {"m.Long": "allowed", "m.f.Inner": "not needed"}).splitlines()
+    assert problems[:3] == [
+        f"over {MAX_MODULE_LINES} lines: module m (): {MAX_MODULE_LINES + 1} lines",
+        f"over {MAX_CLASS_METHODS} methods: class m.Many (:1): {MAX_CLASS_METHODS + 2} lines, "
+        f"{MAX_CLASS_METHODS + 1} methods",
+        "allowed to be large but class m.f.Inner (:"
+        f"{MAX_CLASS_METHODS + MAX_CLASS_LINES + 5}): 2 lines, 1 methods: remove 'm.f.Inner'",
+    ], problems
+    assert problems[3] == "largest modules:", problems
+
+
 if __name__ == "__main__":
     for folder in sys.argv[1:] or ["provider"]:
         found = folder_functions(ROOT / folder)
@@ -182,3 +335,8 @@ if __name__ == "__main__":
         print("\n".join(f"  {f}" for f in widest(found)))
         print("longest:")
         print("\n".join(f"  {f}" for f in longest(found)))
+        sized = folder_rooms(ROOT / folder, Path(folder).name)
+        print("largest modules:")
+        print("\n".join(f"  {r}" for r in largest(sized, "module")))
+        print("largest classes:")
+        print("\n".join(f"  {r}" for r in largest(sized, "class")))

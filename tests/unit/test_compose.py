@@ -94,7 +94,8 @@ def config(compose: ComposeRunner) -> dict[str, Any]:
     """The fully resolved compose model (`config --format json`)."""
     result = compose("config", "--format", "json")
     assert result.returncode == 0, f"compose config failed:\n{result.stderr}"
-    return json.loads(result.stdout)
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,8 @@ def celery_config(
     env_file.write_text("AIRFLOW_EXECUTOR=CeleryExecutor\n")
     result = compose("--profile", "celery", "config", "--format", "json", env_file=env_file)
     assert result.returncode == 0, f"compose --profile celery config failed:\n{result.stderr}"
-    return json.loads(result.stdout)
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
 
 
 def _env(config: dict[str, Any], service: str) -> dict[str, str]:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import unicodedata
+from typing import Any
 
 import pendulum
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from airflow_idempotency.exceptions import (
     InvalidInputError,
@@ -13,21 +17,28 @@ from airflow_idempotency.exceptions import (
     PeriodNotEndedError,
     RunKeyMissingError,
 )
-from airflow_idempotency.run_key import RunFacts, RunKeyRule, check_text, resolve_run_key
+from airflow_idempotency.run_key import (
+    Period,
+    ResolvedRunKey,
+    RunFacts,
+    RunKeyRule,
+    check_text,
+    resolve_run_key,
+)
 
 NOW = pendulum.datetime(2026, 11, 29, 8, 0, tz="UTC")
 
 
-def resolve(rule: object = None, **overrides):  # type: ignore[no-untyped-def]
-    args = dict(
-        timezone="UTC",
-        timetable_name="CronTriggerTimetable",
-        run_type="scheduled",
-        logical_date=pendulum.datetime(2026, 10, 2, 1, tz="UTC"),
-        now=NOW,
-    )
+def resolve(rule: RunKeyRule | None = None, **overrides: Any) -> ResolvedRunKey:
+    args: dict[str, Any] = {
+        "timezone": "UTC",
+        "timetable_name": "CronTriggerTimetable",
+        "run_type": "scheduled",
+        "logical_date": pendulum.datetime(2026, 10, 2, 1, tz="UTC"),
+        "now": NOW,
+    }
     args.update(overrides)
-    return resolve_run_key(rule or RunKeyRule(), RunFacts(**args))  # type: ignore[arg-type]
+    return resolve_run_key(rule or RunKeyRule(), RunFacts(**args))
 
 
 def test_cron_trigger_timetable_maps_to_previous_day() -> None:
@@ -59,9 +70,9 @@ def test_explicit_offset_overrides_timetable_default() -> None:
         ("month", pendulum.datetime(2026, 1, 1, 1, tz="UTC"), "2025-12"),
     ],
 )
-def test_other_periods(period: str, logical: dt.datetime, expected: str) -> None:
+def test_other_periods(period: Period, logical: dt.datetime, expected: str) -> None:
     """Hourly, weekly and monthly jobs get keys of their own period, the previous one by default."""
-    assert resolve(rule=RunKeyRule(period=period), logical_date=logical).run_key == expected  # type: ignore[arg-type]
+    assert resolve(rule=RunKeyRule(period=period), logical_date=logical).run_key == expected
 
 
 @pytest.mark.parametrize(
@@ -110,6 +121,25 @@ def test_manual_run_without_logical_date_or_run_key_is_refused() -> None:
     """No logical date and no run_key: the error names run_key and its format."""
     with pytest.raises(RunKeyMissingError, match=r"run_key.*YYYY-MM-DD"):
         resolve(run_type="manual", logical_date=None)
+
+
+@pytest.mark.parametrize(
+    ("period", "example"),
+    [("hour", "2026-10-01T13Z"), ("day", "2026-10-01"), ("week", "2026-W40"), ("month", "2026-10")],
+)
+def test_the_refusal_of_a_run_without_a_key_gives_a_command_of_its_period(
+    period: str, example: str
+) -> None:
+    """The command the message gives to copy has a key of the rule's period: a weekly job
+    told to trigger with "2026-10-01" would be refused again as malformed. The same for
+    the refusal of a malformed key."""
+    with pytest.raises(RunKeyMissingError) as refused:
+        resolve(RunKeyRule(period=period), run_type="manual", logical_date=None)  # type: ignore[arg-type]
+    assert f"""-c '{{"run_key": "{example}"}}'""" in str(refused.value)
+    malformed = "2026-10-01-x"
+    with pytest.raises(InvalidRunKeyError) as refused_key:
+        resolve(RunKeyRule(period=period), run_type="manual", conf_run_key=malformed)  # type: ignore[arg-type]
+    assert f"""conf {{"run_key": "{example}"}}""" in str(refused_key.value)
 
 
 @pytest.mark.parametrize(
@@ -174,3 +204,42 @@ def test_free_text_checks(bad: object) -> None:
 def test_free_text_accepts_quotes_and_unicode(good: str) -> None:
     """Quotes, unicode and SQL-looking text are fine as data: they only travel as parameters."""
     assert check_text(good, "job name") == good
+
+
+# Zero of every decimal digit script Python's \d and int() accept (category Nd), but ASCII.
+_OTHER_ZEROS = sorted(
+    {
+        chr(c - unicodedata.digit(chr(c)))
+        for c in range(0x80, 0x110000)
+        if unicodedata.category(chr(c)) == "Nd" and unicodedata.digit(chr(c), None) is not None
+    }
+)
+
+
+@settings(max_examples=200, deadline=None, database=None, derandomize=True)
+@given(
+    period_key=st.sampled_from(
+        [
+            ("day", "2026-10-01"),
+            ("hour", "2026-10-01T13Z"),
+            ("week", "2026-W40"),
+            ("month", "2026-10"),
+        ]
+    ),
+    zero=st.sampled_from(_OTHER_ZEROS),
+    segment=st.sampled_from(["", "eu|"]),
+)
+def test_a_run_key_in_other_digits_is_refused_not_a_second_key(
+    period_key: tuple[str, str], zero: str, segment: str
+) -> None:
+    """A manual run_key written in fullwidth, Arabic-Indic, Devanagari, ... digits names the
+    same period as the ASCII key, but would be another key: another lock and record, the
+    period done twice. Refused, naming its one spelling."""
+    period, key = period_key
+    other = "".join(chr(ord(zero) + int(c)) if c.isdigit() else c for c in key)
+    with pytest.raises(InvalidRunKeyError, match="non-ASCII digits"):
+        resolve(
+            RunKeyRule(period=period),  # type: ignore[arg-type]
+            run_type="manual",
+            conf_run_key=segment + other,
+        )

@@ -1,23 +1,25 @@
-"""What every command shares: exit codes, the common options, argument types and the job
-database connections. Nothing here imports Airflow unless ``--conn-id`` needs it."""
+"""What every command shares: exit codes, the common options and how a command is added.
+
+Nothing here imports Airflow.
+"""
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import psycopg
-
-from airflow_idempotency.exceptions import SchemaNotReadyError
-from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema, require_readable
+from airflow_idempotency.cli import _arguments
+from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
 
 if TYPE_CHECKING:
     Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 75
+# The runbook's exit codes (docs/cli.md has them per command). 69 is sysexits.h's
+# EX_UNAVAILABLE and 75 its EX_TEMPFAIL: neither collides with 1, which `ledger`, `gaps` and
+# `runs --stale` use for "something to look at".
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_LOCKED = 0, 1, 2, 69, 75
 DSN_ENV = "AIRFLOW_IDEMPOTENCY_DSN"
 
 Handler = Callable[[argparse.Namespace], int]
@@ -31,13 +33,47 @@ class CommandError(Exception):
         self.code = code
 
 
-def common_options() -> argparse.ArgumentParser:
-    """The options of every command (a parent parser)."""
+def common_options(*, defaults: bool) -> argparse.ArgumentParser:
+    """The options every command takes (a parent parser), written before the command, after
+    it or after a ``ledger`` action with the same meaning.
+
+    The top-level parser takes them with their defaults (``defaults=True``); each command and
+    action with ``argparse.SUPPRESS`` instead, so that it sets only what is written after it:
+    argparse copies a subcommand's defaults over the values parsed before it, which would
+    reset ``ledger --dsn B resend ...`` to the default database.
+    """
+
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dsn", help=f"libpq DSN of the job database (or set {DSN_ENV})")
-    common.add_argument("--conn-id", default="idempotency_default", help="Airflow connection id")
-    common.add_argument("--schema", default=DEFAULT_SCHEMA, help="bookkeeping schema")
-    common.add_argument("--json", action="store_true", help="machine-readable output")
+    group = common.add_argument_group("the job database and the output (anywhere on the line)")
+    group.add_argument(
+        "--dsn",
+        type=_arguments.dsn,
+        default=default(None),
+        help=f"libpq connection string or URI of the job database, e.g. 'host=db dbname=jobs "
+        f"user=airflow' (default: ${DSN_ENV}, else the Airflow connection --conn-id)",
+    )
+    group.add_argument(
+        "--conn-id",
+        type=_arguments.text,
+        default=default(DEFAULT_CONN_ID),
+        help=f"Airflow connection of the job database when there is no DSN "
+        f"(default: {DEFAULT_CONN_ID})",
+    )
+    group.add_argument(
+        "--schema",
+        type=_arguments.schema_name,
+        default=default(DEFAULT_SCHEMA),
+        help=f"the bookkeeping schema (default: {DEFAULT_SCHEMA})",
+    )
+    group.add_argument(
+        "--json",
+        action="store_true",
+        default=default(False),
+        help="print JSON for scripts (times in ISO 8601), nothing else on stdout",
+    )
     return common
 
 
@@ -47,94 +83,26 @@ def add_command(
     name: str,
     help: str,
     handler: Handler,
+    examples: str = "",
 ) -> argparse.ArgumentParser:
-    """Add the command ``name`` run by ``handler`` (whose docstring describes it); its
-    module then adds the command's own options to the parser returned."""
+    """Add the command ``name`` run by ``handler`` (whose docstring describes it), with the
+    ``examples`` (one per line) under its help; its module then adds the command's own options
+    to the parser returned."""
     parser = commands.add_parser(
-        name, parents=[common], help=help, description=(handler.__doc__ or help).strip()
+        name,
+        parents=[common],
+        help=help,
+        description=inspect.cleandoc(handler.__doc__ or help),
+        epilog=epilog(examples),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(func=handler)
     return parser
 
 
-# -- argument types ---------------------------------------------------------------------
-
-
-def business_date(value: str) -> str:
-    """argparse type: a real calendar date written YYYY-MM-DD."""
-    try:
-        if len(value) == 10:
-            return dt.date.fromisoformat(value).isoformat()
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"{value!r} is not a date in the format YYYY-MM-DD")
-
-
-def instant(value: str) -> dt.datetime:
-    """argparse type: an ISO date or date-time; a bare date is midnight, a naive time UTC."""
-    try:
-        parsed = dt.datetime.fromisoformat(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a date or date-time, e.g. 2026-10-02 or 2026-10-02T01:00:00+00:00"
-        ) from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
-
-
-# -- the job database ---------------------------------------------------------------------
-
-
-def dsn(args: argparse.Namespace) -> str:
-    """``--dsn``, else ``AIRFLOW_IDEMPOTENCY_DSN``, else the Airflow connection ``--conn-id``
-    (the only case that imports Airflow)."""
-    if args.dsn or os.environ.get(DSN_ENV):
-        return str(args.dsn or os.environ[DSN_ENV])
-    from airflow_idempotency.cli._output import logs_to_stderr
-    from airflow_idempotency.hook import IdempotencyHook
-
-    logs_to_stderr()  # Airflow 2 logs to stdout, where --json output goes
-    try:
-        hook = IdempotencyHook(postgres_conn_id=args.conn_id)
-        conn = hook.new_connection()
-    except Exception as exc:
-        raise SystemExit(
-            f"error: cannot open Airflow connection {args.conn_id!r} ({exc}). "
-            f"Pass --dsn or set {DSN_ENV}."
-        ) from exc
-    with conn:
-        return str(conn.info.dsn) + (
-            f" password={conn.info.password}" if conn.info.password else ""
-        )
-
-
-def connect(args: argparse.Namespace) -> psycopg.Connection:
-    """A connection to the job database (no server-side prepared statements: see locks.py)."""
-    return psycopg.connect(dsn(args), autocommit=True, prepare_threshold=None)
-
-
-def connect_read(args: argparse.Namespace) -> psycopg.Connection:
-    """A connection for reading the bookkeeping tables, which must exist: no DDL, ever."""
-    conn = connect(args)
-    try:
-        require_readable(conn, args.schema)
-    except SchemaNotReadyError as exc:
-        conn.close()
-        if exc.version == 0:
-            raise CommandError(
-                f"database {conn.info.dbname!r} has no bookkeeping tables in schema "
-                f"{args.schema!r}: no idempotent task has run against it yet, or --dsn / "
-                "--conn-id / --schema point elsewhere."
-            ) from exc
-        raise CommandError(
-            f"schema {args.schema!r} is at version {exc.version}, older than this CLI "
-            f"(version {exc.expected}): run `airflow-idempotency migrate`, or let a task "
-            "of this version run first."
-        ) from exc
-    return conn
-
-
-def connect_write(args: argparse.Namespace) -> psycopg.Connection:
-    """A connection for commands that write: creates or migrates the schema when needed."""
-    conn = connect(args)
-    ensure_schema(conn, args.schema)
-    return conn
+def epilog(examples: str) -> str | None:
+    """The examples of a command's help, each line after the program's name."""
+    lines = [line.strip() for line in examples.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    return "examples:\n" + "\n".join(f"  airflow-idempotency {line}" for line in lines)

@@ -1,5 +1,7 @@
-"""What the commands that read a DAG share (``run``, ``explain``, ``plan``): they parse the
-DAG file through Airflow, imported here only when such a command runs."""
+"""What the commands that read a DAG share (``run``, ``explain``, ``plan``).
+
+They parse the DAG file through Airflow, imported here only when such a command runs.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from airflow_idempotency.cli._arguments import text
 from airflow_idempotency.cli._base import EXIT_USAGE, CommandError
 from airflow_idempotency.cli._output import logs_to_stderr
 
@@ -18,7 +21,12 @@ if TYPE_CHECKING:
 
 
 def add_dags_folder(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dags-folder", help="DAG folder (default: [core] dags_folder)")
+    parser.add_argument(
+        "--dags-folder",
+        type=text,
+        metavar="PATH",
+        help="the folder of DAG files to read the DAG from (default: Airflow's [core] dags_folder)",
+    )
 
 
 @contextlib.contextmanager

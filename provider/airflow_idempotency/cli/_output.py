@@ -33,6 +33,11 @@ def _plain(value: Any) -> Any:
     return "" if value is None else value
 
 
+# Columns that identify a row, shown whole on one line: three job names cut to their common
+# beginning would look alike.
+WHOLE_COLUMNS = frozenset({"job_name", "run_key", "remote_system", "idempotency_key", "task_id"})
+
+
 def emit(
     args: argparse.Namespace, title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]
 ) -> None:
@@ -43,14 +48,22 @@ def emit(
     from rich.console import Console
     from rich.table import Table
 
+    cells = [[str(_plain(row.get(c))) for c in columns] for row in rows]
     table = Table(title=title, title_justify="left")
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(str(_plain(row.get(c))) for c in columns))
-    Console(width=max(120, os.get_terminal_size().columns if sys.stdout.isatty() else 160)).print(
-        table if rows else f"{title}: none"
-    )
+    whole = 1  # the width the columns need, borders and padding included
+    for index, column in enumerate(columns):
+        widest = max([len(column), *(len(line[index]) for line in cells)])
+        if column in WHOLE_COLUMNS:  # names that differ at their end: never cut, never "…"
+            table.add_column(column, no_wrap=True, min_width=widest)
+        else:  # wrapped, never cut; a status or a time fits on its line
+            widest = min(widest, 25)
+            table.add_column(column, overflow="fold", min_width=widest)
+        whole += widest + 3
+    for line in cells:
+        table.add_row(*line)
+    # Wider than the terminal rather than cut (rich shortens even no_wrap columns to fit).
+    terminal = os.get_terminal_size().columns if sys.stdout.isatty() else 160
+    Console(width=max(120, terminal, whole)).print(table if rows else f"{title}: none")
 
 
 def age(value: dt.timedelta) -> str:

@@ -7,25 +7,47 @@ import json
 from typing import TYPE_CHECKING
 
 from airflow_idempotency.cli import _dags
-from airflow_idempotency.cli._base import EXIT_OK, EXIT_USAGE, CommandError, add_command, instant
+from airflow_idempotency.cli._arguments import instant, text
+from airflow_idempotency.cli._base import EXIT_OK, EXIT_USAGE, CommandError, add_command
 from airflow_idempotency.cli._output import emit
 
 if TYPE_CHECKING:
     from airflow_idempotency.cli._base import Subcommands
 
 
+EXAMPLES = """
+explain finalize_invoices --logical-date 2026-10-02T01:00:00+00:00
+explain finalize_invoices --conf '{"run_key": "2026-10-01"}'
+explain finalize_invoices --run-type backfill --logical-date 2026-10-02
+explain partitioned_invoices --partition-key 2026-10-01
+"""
+
+
 def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
     parser = add_command(
-        commands, common, "explain", "the run key a run would get, and why", handle
+        commands, common, "explain", "the run key a run would get, and why", handle, EXAMPLES
     )
-    parser.add_argument("dag_id")
-    parser.add_argument("--logical-date", type=instant, help="ISO date or date-time")
+    parser.add_argument("dag_id", type=text, help="the DAG's id")
     parser.add_argument(
-        "--run-type", choices=["manual", "scheduled", "backfill"], default="scheduled"
+        "--logical-date",
+        type=instant,
+        help="the run's logical date, ISO date or date-time (naive: UTC), e.g. 2026-10-02T01:00",
     )
-    parser.add_argument("--conf", help="the run's conf, JSON")
     parser.add_argument(
-        "--partition-key", help="the run's partition key (a partitioned DAG, Airflow 3.2+)"
+        "--run-type",
+        choices=["manual", "scheduled", "backfill"],
+        help="the kind of run (default: manual when --conf gives a run_key, else scheduled)",
+    )
+    parser.add_argument(
+        "--conf",
+        type=text,
+        metavar="JSON",
+        help='the run\'s conf, a JSON object, e.g. \'{"run_key": "2026-10-01"}\'',
+    )
+    parser.add_argument(
+        "--partition-key",
+        type=text,
+        help="the run's partition key (a partitioned DAG, Airflow 3.2+), e.g. 2026-10-01",
     )
     _dags.add_dags_folder(parser)
 
@@ -40,11 +62,13 @@ def handle(args: argparse.Namespace) -> int:
         raise CommandError(
             '--conf must be a JSON object, e.g. \'{"run_key": "2026-10-01"}\'', EXIT_USAGE
         )
-    explained = _dags.explain(args, args.run_type, args.logical_date, conf)
+    # A conf naming its run key is what a triggered run carries; a scheduled run has none.
+    run_type = args.run_type or ("manual" if "run_key" in conf else "scheduled")
+    explained = _dags.explain(args, run_type, args.logical_date, conf)
     at = f"partition {args.partition_key}" if args.partition_key else None
     emit(
         args,
-        f"{args.dag_id}: {args.run_type} run at {at or args.logical_date or 'no logical date'}",
+        f"{args.dag_id}: {run_type} run at {at or args.logical_date or 'no logical date'}",
         [e.as_dict() for e in explained],
         ["task_id", "job_name", "run_key", "explanation"],
     )

@@ -5,29 +5,58 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from airflow_idempotency.cli import _dags
+from airflow_idempotency.cli._arguments import text
 from airflow_idempotency.cli._base import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
     CommandError,
     add_command,
-    connect_read,
 )
+from airflow_idempotency.cli._database import connect_read
 from airflow_idempotency.cli._output import emit
 
 if TYPE_CHECKING:
     from airflow_idempotency.cli._base import Subcommands
 
 
+EXAMPLES = """
+gaps finalize_invoices.export_invoices --from 2026-10-01 --to 2026-10-31
+gaps finalize_invoices.export_invoices --from 2026-10-01 --to 2026-10-31 --segment eu
+gaps weekday_job.work --from 2026-10-01 --to 2026-10-31 --dag weekday_job
+"""
+
+
 def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
     parser = add_command(
-        commands, common, "gaps", "periods of a job with no completed run (exit 1 if any)", handle
+        commands,
+        common,
+        "gaps",
+        "periods of a job with no completed run (exit 1 if any)",
+        handle,
+        EXAMPLES,
     )
-    parser.add_argument("job")
-    parser.add_argument("--from", dest="from_key", required=True, metavar="RUN_KEY")
-    parser.add_argument("--to", dest="to_key", required=True, metavar="RUN_KEY")
+    parser.add_argument("job", type=text, help="the job name")
+    parser.add_argument(
+        "--from",
+        dest="from_key",
+        type=text,
+        required=True,
+        metavar="RUN_KEY",
+        help="the first period, e.g. 2026-10-01, 2026-W40 or 2026-10",
+    )
+    parser.add_argument(
+        "--to",
+        dest="to_key",
+        type=text,
+        required=True,
+        metavar="RUN_KEY",
+        help="the last period, of the same kind as --from",
+    )
     parser.add_argument(
         "--segment",
+        type=text,
         help="one segment of a segmented job (``eu``, or ``eu|*`` / ``*|eu``: where the period "
         "goes); "
         "default: every segment the job has keys of",
@@ -35,10 +64,11 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dag",
         dest="dag_id",
+        type=text,
         help="follow this DAG's schedule: only the keys its runs made due are gaps "
         "(a weekday-only job's weekends are not); parses the DAG file through Airflow",
     )
-    parser.add_argument("--dags-folder", help="DAG folder (default: [core] dags_folder)")
+    _dags.add_dags_folder(parser)
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -66,7 +96,6 @@ def _due_keys(args: argparse.Namespace) -> set[str]:
     import datetime as dt
 
     from airflow_idempotency import planning
-    from airflow_idempotency.cli import _dags
     from airflow_idempotency.run_key import RunKeyRule, key_parts
 
     dag = _dags.load_dag(args)

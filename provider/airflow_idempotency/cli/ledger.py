@@ -1,5 +1,7 @@
-"""``ledger``: external effects of every kind not confirmed, the unknown ones first; and
-``ledger mark-sent`` / ``ledger resend``, an operator's audited choice for an unknown effect.
+"""``ledger``: effects not confirmed; ``ledger mark-sent`` / ``ledger resend``.
+
+Every kind of external effect not confirmed, the unknown ones first; and, for an unknown
+effect, an operator's audited choice: mark it sent, or resend it.
 
 An effect of a remote that does not deduplicate (an email, a chat message, a notification)
 is ``unknown`` when its call began and no outcome was recorded: it may have happened, and the
@@ -14,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from airflow_idempotency._sql import query_rows
+from airflow_idempotency.cli._arguments import count, text
 from airflow_idempotency.cli._base import (
     EXIT_FAILED,
     EXIT_LOCKED,
@@ -21,8 +24,9 @@ from airflow_idempotency.cli._base import (
     EXIT_USAGE,
     CommandError,
     add_command,
-    connect_read,
+    epilog,
 )
+from airflow_idempotency.cli._database import connect_read
 from airflow_idempotency.cli._output import emit, print_json
 from airflow_idempotency.exceptions import RunLockedError
 
@@ -38,6 +42,16 @@ ACTIONS = {
 }
 
 
+EXAMPLES = """
+ledger                      # exit 1 while an effect is unknown
+ledger --job finalize_invoices.mail_finance --run-key 2026-10-01 --all
+ledger --remote finance_mail --key mail:2026-10-01 --json
+ledger mark-sent finance_mail mail:2026-10-01 --reason "Message-ID found in the mailbox"
+ledger resend finance_mail mail:2026-10-01 --reason "not in the mailbox" --dsn "$DSN"
+"""
+MAX_LIMIT = 100_000
+
+
 def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
     parser = add_command(
         commands,
@@ -46,24 +60,49 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
         "external effects of every kind not confirmed, unknown first (exit 1 if any is "
         "unknown); mark-sent / resend resolve an unknown one",
         handle,
+        EXAMPLES,
     )
-    parser.add_argument("--job")
-    parser.add_argument("--run-key")
+    parser.add_argument("--job", type=text, help="only effects of this job")
+    parser.add_argument("--run-key", type=text, help="only effects of this run key")
     parser.add_argument(
         "--all", action="store_true", help="include succeeded effects in the summary"
     )
-    parser.add_argument("--limit", type=int, default=50)
-    parser.add_argument("--remote", help="with --key: the effect's remote system")
-    parser.add_argument("--key", help="show one effect and the audit of its resolutions")
-    actions = parser.add_subparsers(dest="ledger_action", metavar="{mark-sent,resend}")
+    parser.add_argument(
+        "--limit",
+        type=count(MAX_LIMIT),
+        default=50,
+        metavar="N",
+        help=f"at most N effects not confirmed (default: 50; 1 to {MAX_LIMIT})",
+    )
+    parser.add_argument("--remote", type=text, help="with --key: the effect's remote system")
+    parser.add_argument(
+        "--key", type=text, help="with --remote: show one effect and the audit of its resolutions"
+    )
+    actions = parser.add_subparsers(
+        dest="ledger_action",
+        metavar="{mark-sent,resend}",
+        title="actions",
+        help="resolve an unknown effect (`ledger ACTION --help` for its options)",
+    )
     for name, (_, what) in ACTIONS.items():
-        action = actions.add_parser(name, parents=[common], help=what, description=what)
-        action.add_argument("remote_system")
-        action.add_argument("idempotency_key")
-        action.add_argument(
-            "--reason", required=True, help="what you checked at the remote (recorded)"
+        action = actions.add_parser(
+            name,
+            parents=[common],
+            help=what,
+            description=what,
+            epilog=epilog(
+                f'ledger {name} finance_mail mail:2026-10-01 --reason "checked the mailbox"'
+            ),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        action.add_argument("--by", help="who decides (recorded; default $USER)")
+        action.add_argument("remote_system", type=text, help="the effect's remote system")
+        action.add_argument("idempotency_key", type=text, help="the effect's idempotency key")
+        action.add_argument(
+            "--reason", type=text, required=True, help="what you checked at the remote (recorded)"
+        )
+        action.add_argument(
+            "--by", type=text, help="who decides (recorded; default: $USER, else $LOGNAME)"
+        )
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -71,6 +110,15 @@ def handle(args: argparse.Namespace) -> int:
     unknown ones first; exit 1 while any is unknown. With ``--remote`` and ``--key``: that one
     effect and who resolved it, when, why."""
     if args.ledger_action:
+        listing = {"--job": args.job, "--run-key": args.run_key, "--all": args.all,
+                   "--remote": args.remote, "--key": args.key}  # fmt: skip
+        ignored = [option for option, value in listing.items() if value]
+        if ignored:
+            raise CommandError(
+                f"{', '.join(ignored)} filter the listing; `ledger {args.ledger_action}` names "
+                "its effect by REMOTE KEY alone: drop them",
+                EXIT_USAGE,
+            )
         return resolve(args)
     if args.key:
         return show_effect(args)

@@ -6,7 +6,8 @@ import argparse
 from typing import TYPE_CHECKING
 
 from airflow_idempotency._sql import query_rows
-from airflow_idempotency.cli._base import EXIT_OK, add_command, connect_read
+from airflow_idempotency.cli._base import EXIT_OK, add_command
+from airflow_idempotency.cli._database import connect_read
 from airflow_idempotency.cli._output import emit
 
 if TYPE_CHECKING:
@@ -14,7 +15,9 @@ if TYPE_CHECKING:
 
 
 def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
-    add_command(commands, common, "locks", "run keys locked now, by whom", handle)
+    add_command(
+        commands, common, "locks", "run keys locked now, by whom", handle, "locks\nlocks --json"
+    )
 
 
 def handle(args: argparse.Namespace) -> int:

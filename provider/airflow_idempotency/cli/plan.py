@@ -6,14 +6,9 @@ import argparse
 from typing import TYPE_CHECKING
 
 from airflow_idempotency.cli import _dags
-from airflow_idempotency.cli._base import (
-    EXIT_OK,
-    EXIT_USAGE,
-    CommandError,
-    add_command,
-    connect,
-    instant,
-)
+from airflow_idempotency.cli._arguments import instant, text
+from airflow_idempotency.cli._base import EXIT_OK, EXIT_USAGE, CommandError, add_command
+from airflow_idempotency.cli._database import connect
 from airflow_idempotency.cli._output import emit
 from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.schema import current_version
@@ -22,13 +17,39 @@ if TYPE_CHECKING:
     from airflow_idempotency.cli._base import Subcommands
 
 
+EXAMPLES = """
+plan finalize_invoices --from 2026-10-01 --to 2026-10-31
+plan finalize_invoices --from 2026-10-01 --to 2026-10-07 --command dags-backfill --json
+"""
+
+
 def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
     parser = add_command(
-        commands, common, "plan", "what a backfill of a range would run, date by date", handle
+        commands,
+        common,
+        "plan",
+        "what a backfill of a range would run, date by date",
+        handle,
+        EXAMPLES,
     )
-    parser.add_argument("dag_id")
-    parser.add_argument("--from", dest="from_date", type=instant, required=True, metavar="DATE")
-    parser.add_argument("--to", dest="to_date", type=instant, required=True, metavar="DATE")
+    parser.add_argument("dag_id", type=text, help="the DAG's id")
+    parser.add_argument(
+        "--from",
+        dest="from_date",
+        type=instant,
+        required=True,
+        metavar="DATE",
+        help="the backfill's start, ISO date or date-time (naive: UTC), as the backfill "
+        "command takes it",
+    )
+    parser.add_argument(
+        "--to",
+        dest="to_date",
+        type=instant,
+        required=True,
+        metavar="DATE",
+        help="the backfill's end, ISO date or date-time, not before --from",
+    )
     parser.add_argument(
         "--command",
         dest="command_name",

@@ -8,13 +8,9 @@ from typing import TYPE_CHECKING
 
 from airflow_idempotency import records
 from airflow_idempotency._sql import query_rows
-from airflow_idempotency.cli._base import (
-    EXIT_LOCKED,
-    EXIT_OK,
-    CommandError,
-    add_command,
-    connect_write,
-)
+from airflow_idempotency.cli._arguments import text
+from airflow_idempotency.cli._base import EXIT_LOCKED, EXIT_OK, CommandError, add_command
+from airflow_idempotency.cli._database import connect_write
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.records import Trigger
 
@@ -24,12 +20,17 @@ if TYPE_CHECKING:
 
 def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
     parser = add_command(
-        commands, common, "reset", "mark a failed or stuck run failed, with a reason", handle
+        commands,
+        common,
+        "reset",
+        "mark a failed or stuck run failed, with a reason",
+        handle,
+        'reset finalize_invoices.export_invoices 2026-10-01 --reason "worker host lost"',
     )
-    parser.add_argument("job")
-    parser.add_argument("run_key")
+    parser.add_argument("job", type=text, help="the job name")
+    parser.add_argument("run_key", type=text, help="the run key, e.g. 2026-10-01")
     parser.add_argument(
-        "--reason", required=True, help="why (recorded in job_runs and the attempts)"
+        "--reason", type=text, required=True, help="why (recorded in job_runs and the attempts)"
     )
 
 

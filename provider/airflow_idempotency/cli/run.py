@@ -1,5 +1,7 @@
-"""``run``: one business date of a DAG through Airflow (``airflow dags test``), judged by the
-attempts its idempotent tasks recorded.
+"""``run``: one business date of a DAG through Airflow, judged by its recorded attempts.
+
+The DAG runs through ``airflow dags test``; the outcome is read from the attempts its
+idempotent tasks recorded.
 
 Three steps, each its own function: :func:`run_dags_test` runs Airflow in a subprocess
 with its output in a temporary log; :func:`judge` turns the exit code and the attempts into
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_idempotency._sql import query_rows
 from airflow_idempotency.cli import _dags
+from airflow_idempotency.cli._arguments import business_date, text
 from airflow_idempotency.cli._base import (
     EXIT_FAILED,
     EXIT_LOCKED,
@@ -29,9 +32,8 @@ from airflow_idempotency.cli._base import (
     EXIT_USAGE,
     CommandError,
     add_command,
-    business_date,
-    connect,
 )
+from airflow_idempotency.cli._database import connect
 from airflow_idempotency.cli._output import emit, print_json
 from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.schema import current_version
@@ -40,18 +42,37 @@ if TYPE_CHECKING:
     from airflow_idempotency.cli._base import Subcommands
 
 
+EXAMPLES = """
+run finalize_invoices --date 2026-10-01
+run finalize_invoices --date 2026-10-01 --dry-run --json
+run finalize_invoices --date 2026-10-01 --force --keep-log
+"""
+
+
 def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
     parser = add_command(
-        commands, common, "run", "run one business date of a DAG through Airflow", handle
+        commands,
+        common,
+        "run",
+        "run one business date of a DAG through Airflow",
+        handle,
+        EXAMPLES,
     )
-    parser.add_argument("dag_id")
+    parser.add_argument("dag_id", type=text, help="the DAG's id")
     parser.add_argument(
-        "--date", required=True, type=business_date, help="business date, YYYY-MM-DD"
+        "--date", required=True, type=business_date, help="the business date, YYYY-MM-DD"
     )
-    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="conf dry_run: the work runs in a transaction rolled back, job_runs untouched",
+    )
     parser.add_argument("--force", action="store_true", help="recompute a completed date")
     parser.add_argument(
-        "--force-reconcile", action="store_true", help="reconcile the external effects"
+        "--force-reconcile",
+        action="store_true",
+        help="conf force_reconcile: runs the DAG's reconcile task (the example's compares "
+        "the remote with the ledger)",
     )
     parser.add_argument(
         "--keep-log", action="store_true", help="keep Airflow's log of a success too"
@@ -167,7 +188,7 @@ def report(
     holders = [a["error"] for a in attempts if a["outcome"] == "lock_held" and a["error"]]
     for holder in holders[-1:]:
         print(holder)
-    emit(args, "attempts of this run", attempts, ["job_name", "outcome", "error"])
+    emit(args, "attempts of this run", attempts, ["job_name", "run_key", "outcome", "error"])
     if log:
         print(f"log: {log}")
         if verdict.exit_code == EXIT_FAILED and not attempts:

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 
 from airflow_idempotency import records
 from airflow_idempotency._sql import query_rows
-from airflow_idempotency.cli._base import EXIT_FAILED, EXIT_OK, add_command, connect_read
+from airflow_idempotency.cli._arguments import text
+from airflow_idempotency.cli._base import EXIT_FAILED, EXIT_OK, add_command
+from airflow_idempotency.cli._database import connect_read
 from airflow_idempotency.cli._output import emit, print_json
 
 if TYPE_CHECKING:
@@ -40,10 +42,16 @@ ATTEMPT_COLUMNS = [
 ]
 
 
+EXAMPLES = """
+show finalize_invoices.export_invoices 2026-10-01
+show finalize_invoices.export_invoices eu|2026-10-01 --json
+"""
+
+
 def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
-    parser = add_command(commands, common, "show", "one run and all its attempts", handle)
-    parser.add_argument("job")
-    parser.add_argument("run_key")
+    parser = add_command(commands, common, "show", "one run and all its attempts", handle, EXAMPLES)
+    parser.add_argument("job", type=text, help="the job name, e.g. finalize_invoices.export")
+    parser.add_argument("run_key", type=text, help="the run key, e.g. 2026-10-01")
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""Every kind of side effect beyond the ledger's own HTTP, each sent through the outbound
-ledger (:mod:`airflow_idempotency.ledger`):
+"""Every kind of side effect beyond the ledger's own HTTP, each sent through the ledger.
+
+Each goes through the outbound ledger (:mod:`airflow_idempotency.ledger`):
 
 - :mod:`~airflow_idempotency.effects.mail`: email (``SmtpSender``, ``email_effect``);
 - :mod:`~airflow_idempotency.effects.notifications`: notifications from task callbacks,

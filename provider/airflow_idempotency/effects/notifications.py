@@ -14,8 +14,10 @@ Each notifier's notification is an effect in the outbound ledger: kind ``notific
 remote system ``notify:<name>`` (the notifier's class or function name unless ``name=``),
 key ``<job>:<run key>:<event>``, *not deduplicating* (a notifier cannot tell a resend): its
 intent is recorded before the notifier is called and its outcome after, so a crash in
-between leaves it ``unknown`` (an operator resolves it), never sent twice. A no-op rerun of
-a completed key (and a dry run) sends nothing and writes nothing.
+between leaves it ``unknown`` (an operator resolves it), never sent twice. A dry run (even
+one that fails) sends nothing and writes nothing; so does a no-op rerun of a completed key,
+but for a notification an operator chose to resend (``ledger resend``: ``pending``), which
+it delivers.
 
 A notifier that raises is named in the task's log and recorded ``unknown`` (it may have
 notified before raising; ``on_error="failed"`` if it cannot have: the next callback then
@@ -38,6 +40,8 @@ from typing import Any, Literal
 
 import psycopg
 
+from airflow_idempotency._sql import query_row
+from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.effects.mail import message_id
 from airflow_idempotency.exceptions import (
     IdempotencyError,
@@ -84,9 +88,13 @@ class _CallbackScope:
     def lock_is_held(self, conn: psycopg.Connection | None = None) -> bool:
         return True
 
+    def lock_session_ended(self) -> bool:
+        return False
+
     @contextlib.contextmanager
     def fenced_transaction(self, conn: psycopg.Connection) -> Iterator[None]:
-        with conn.transaction():  # no run lock to fence against (READ COMMITTED: its own)
+        # no run lock to fence against (READ COMMITTED: its own); its lock waits bounded
+        with bounded_transaction(conn, self.schema):
             yield
 
     def translate_error(self, exc: psycopg.Error, conn: psycopg.Connection) -> BaseException:
@@ -193,6 +201,11 @@ class NotifyOnce:
                 job_name, run_key, connect, self._schema(task), _task_log(task), _metrics()
             )
             for notifier in self.notifiers:
+                if _outcome(task) == "noop" and not self._resent(scope, notifier):
+                    scope.log.info(
+                        "job=%s: no-op run, the %s notification is not sent", job_name, self.event
+                    )
+                    continue
                 failure = self._notify(scope, notifier, context)
                 if failure:
                     failures.append(failure)
@@ -202,11 +215,10 @@ class NotifyOnce:
     # -- the steps ----------------------------------------------------------------------
 
     def _skipped(self, task: Any, context: Any, job_name: str) -> bool:
-        """A no-op rerun or a dry run notifies nothing (and writes nothing)."""
-        outcome = getattr(task, "last_run_outcome", None)  # set by execute, in this process
-        if outcome in ("noop", "dry_run"):
+        """A dry run notifies nothing (and writes nothing), even when it fails."""
+        if _outcome(task) == "dry_run":
             _task_log(task).info(
-                "job=%s: %s run, the %s notification is not sent", job_name, outcome, self.event
+                "job=%s: dry run, the %s notification is not sent", job_name, self.event
             )
             return True
         return False
@@ -236,10 +248,24 @@ class NotifyOnce:
             ensure_schema(conn, self._schema(task))
         yield database.new_connection
 
+    def _resent(self, scope: _CallbackScope, notifier: Notifier) -> bool:
+        """Whether the notification waits to be sent again (``pending``: an operator chose to
+        resend it, ``ledger resend``): a no-op rerun of its completed key delivers it, and
+        sends nothing else."""
+        remote, key = self._effect_of(scope, notifier)
+        with scope.bookkeeping_connection() as conn:
+            params = {"remote_system": remote, "key": key}
+            row = query_row(conn, "ledger_effect", scope.schema, params)
+        return row is not None and row["status"] == "pending"
+
+    def _effect_of(self, scope: _CallbackScope, notifier: Notifier) -> tuple[str, str]:
+        """The remote system and the key of ``notifier``'s notification."""
+        remote = f"notify:{self.name or _notifier_name(notifier)}"
+        return remote, f"{scope.job_name}:{scope.run_key}:{self.event}"
+
     def _notify(self, scope: _CallbackScope, notifier: Notifier, context: Any) -> str | None:
         """One notifier's notification through the ledger; the failure's text, if any."""
-        remote = f"notify:{self.name or _notifier_name(notifier)}"
-        key = f"{scope.job_name}:{scope.run_key}:{self.event}"
+        remote, key = self._effect_of(scope, notifier)
         effect = Effect(key, {"event": self.event, "notifier": remote})
         ledger = OutboundLedger(scope, remote, retries=Retries(max_attempts=1), concurrency=1)
         try:
@@ -261,6 +287,12 @@ class NotifyOnce:
             "notification %s to %s is %s in the outbound ledger: %s", key, remote, state, error
         )
         return f"{key} to {remote} is {state}: {error}"
+
+
+def _outcome(task: Any) -> str | None:
+    """How the task's run ended, as its execute set it (in this process): ``noop``,
+    ``dry_run`` (also when a dry run failed), ..."""
+    return getattr(task, "last_run_outcome", None)
 
 
 def _task_log(task: Any) -> Any:

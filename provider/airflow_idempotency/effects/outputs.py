@@ -6,8 +6,11 @@
 
 The content goes to a temporary name beside the final one (``.<name>.<attempt>.<token>.partial``)
 and is moved into place (an atomic rename) only when the block exits without an error: the
-commit. The file is an effect in the outbound ledger (kind ``file``, remote system
-``files:<root>``, key the path below the root), fingerprinted by its content's SHA-256:
+commit. The rename (and the restore of a committed file changed by hand) happens under the
+fence: inside a fenced transaction, so only while the run holds its lock, and a successor
+taking the key over waits until it is done. The file is an effect in the outbound ledger
+(kind ``file``, remote system ``files:<root>``, key the path below the root), fingerprinted
+by its content's SHA-256:
 
 - a rerun of a key whose file was committed with the same content leaves it untouched
   (content, modification time, inode): the rename is skipped;
@@ -32,6 +35,7 @@ import hashlib
 import os
 import posixpath
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,17 +144,19 @@ class _FileSender(EffectSender[None]):
     deduplicating = True  # replacing a file by the same content is harmless
     concurrency = 1
 
-    def __init__(self, location: _Location, staged: Any) -> None:
-        self.location = location
-        self.staged = staged
-        self.target = str(location.final)
+    def __init__(self, output: OutputFile) -> None:
+        self.output = output
+        self.location = output.location
+        self.staged = output.staged
+        self.target = str(output.location.final)
 
     async def connect(self) -> None:
         return None
 
     async def send(self, connection: None, effect: Effect) -> Confirmation:
         try:
-            self.location.replace(self.staged)
+            with self.output.under_fence():
+                self.location.replace(self.staged)
         except OSError as exc:
             raise PermanentRemoteError(f"cannot move {self.staged} into place: {exc}") from exc
         crash_point("files.after_rename")
@@ -247,7 +253,8 @@ class OutputFile:
             self.run.log.info("%s: written (sha256 %s)", self.what, sha[:12])
             return "written"
         if self.location.sha256(self.location.final) != sha:  # deleted or changed by hand
-            self.location.replace(self.staged)
+            with self.under_fence():
+                self.location.replace(self.staged)
             self.run.log.warning("%s: restored the committed content (it was changed)", self.what)
             return "written"
         self.run.log.info("%s: unchanged (same content committed before): untouched", self.what)
@@ -256,7 +263,7 @@ class OutputFile:
     def _send(self, effect: Effect) -> Any:
         ledger = OutboundLedger(self.run, self.remote_system, retries=Retries(max_attempts=1))
         try:
-            return ledger.send_all([effect], _FileSender(self.location, self.staged))
+            return ledger.send_all([effect], _FileSender(self))
         except IdempotencyKeyConflictError as exc:
             current = self.location.sha256(self.location.final)
             raise OutputConflictError(
@@ -265,6 +272,19 @@ class OutputFile:
                 "refused, the file is untouched. Its content must not change for one run key; "
                 "rerun with force=true to replace it on purpose."
             ) from exc
+
+    @contextlib.contextmanager
+    def under_fence(self) -> Iterator[None]:
+        """Hold the run's fence while the block moves a file into place: a fenced
+        transaction is open on a connection of its own meanwhile, so the block runs only
+        while this attempt holds the run lock (else :class:`LockLostError`, nothing moved),
+        and a successor taking the key over waits until it has ended (docs/fence.md)."""
+        with self.run.bookkeeping_connection() as conn:
+            try:
+                with self.run.fenced_transaction(conn):
+                    yield
+            except psycopg.Error as exc:
+                raise self.run.translate_error(exc, conn) from exc
 
     def _restage(self, effect: Effect) -> None:
         """Let this content replace what an earlier attempt staged but never committed (a

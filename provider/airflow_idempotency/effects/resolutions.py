@@ -14,6 +14,14 @@ Each choice is one statement that also appends who, when, why and the previous s
 ``outbound_ledger_resolutions`` (the audit), and it is taken while holding the run lock of the
 effect's (job, run key), so that no attempt of that key is sending at the same moment. Only an
 ``unknown`` effect can be resolved: anything else is refused and nothing is written.
+
+The run lock says no attempt holds the key; it does not say that no call is under way: a
+worker that lost its lock (its session terminated, the worker paused) may still be in the
+middle of the effect's call. So a resolution is also refused while the effect's intent is
+younger than :data:`IN_FLIGHT_BOUND` (10 minutes: far beyond any
+sender's timeouts and retries) and the attempt that recorded it has not ended; once that
+attempt has ended (its outcome recorded: its calls are over), or the bound has passed, it
+can be resolved.
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ from airflow_idempotency._sql import query_row, query_rows
 from airflow_idempotency.exceptions import InvalidInputError, RunLockedError
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.run_key import check_text
+
+IN_FLIGHT_BOUND = 600.0
+"""Seconds after its intent during which an unknown effect's call may still be in flight
+(from an attempt that has not ended): a resolution waits that long."""
 
 Action = Literal["mark_sent", "resend"]
 ACTIONS: tuple[Action, ...] = ("mark_sent", "resend")
@@ -68,12 +80,14 @@ def resolve_unknown(
 
     Raises :class:`InvalidInputError` (nothing written) for an unknown action, an empty
     reason or name, a key the ledger does not have, or an effect that is not ``unknown``;
-    :class:`RunLockedError` while an attempt of the effect's key runs.
+    :class:`RunLockedError` while an attempt of the effect's key runs, or while the effect's
+    call may still be in flight (see the module doc: :data:`IN_FLIGHT_BOUND`).
     """
     resolved_by, reason = _checked(action, remote_system, idempotency_key, resolved_by, reason)
     effect = _effect(conn, schema, remote_system, idempotency_key)
     with _run_lock_of(conn, schema, effect):
         ledger_id = _unknown_effect_id(conn, schema, remote_system, idempotency_key)
+        _refuse_while_in_flight(conn, schema, ledger_id, effect, IN_FLIGHT_BOUND)
         params = {
             "ledger_id": ledger_id,
             "action": action,
@@ -148,6 +162,28 @@ def _unknown_effect_id(conn: psycopg.Connection, schema: str, remote_system: str
             "nothing to resolve (only an effect whose outcome was lost can be)"
         )
     return int(row["ledger_id"])
+
+
+def _refuse_while_in_flight(
+    conn: psycopg.Connection, schema: str, ledger_id: int, effect: dict[str, Any], bound: float
+) -> None:
+    """:class:`RunLockedError` while the effect's call may still be under way."""
+    row = query_row(conn, "ledger_call_in_flight", schema, {"ledger_id": ledger_id, "bound": bound})
+    if row is None:
+        return
+    by = (
+        f"attempt {row['last_attempt_id']} (worker {row['hostname']} pid {row['pid']}), which "
+        "has not ended"
+        if row["last_attempt_id"] is not None
+        else "a task callback"
+    )
+    wait = max(0.0, bound - float(row["age_seconds"]))
+    raise RunLockedError(
+        f"effect {effect['idempotency_key']!r} of {effect['remote_system']!r}: its call began "
+        f"{float(row['age_seconds']):.0f} s ago, from {by}: it may still be in flight (a worker "
+        "that lost its lock ends the calls it had begun). Resolve it once that attempt has "
+        f"ended (`airflow-idempotency runs`), or in {wait:.0f} s at the latest."
+    )
 
 
 def resolutions(

@@ -1,5 +1,8 @@
-"""One effect's call to its remote: its first try, then its retries (:mod:`.retries`),
-each noting whether the remote answered at all (:mod:`.reachability`)."""
+"""One effect's call to its remote: its first try, then its retries.
+
+Each try notes whether the remote answered at all (:mod:`.reachability`); the retries are
+:mod:`.retries`.
+"""
 
 from __future__ import annotations
 
@@ -28,13 +31,18 @@ class Calls:
         self.reach = reach
 
     def stopped(self, sender: EffectSender[Any]) -> str | None:
-        """Why no call of ``sender`` may begin now, or ``None``.
+        """Why no call of ``sender`` may begin now, or ``None``; asked right before each call
+        (once its connection is in hand).
 
-        A deduplicating remote is called only while the lock is held (checked at most every
-        ``lock_check_interval``). For one that does not deduplicate, the intent recorded
-        just before (fenced) is the check.
+        Every call first looks at the lock session (no round trip: a session the server
+        ended is seen at once). A deduplicating remote's call also has the database re-check
+        the lock, at most every ``lock_check_interval``; for one that does not deduplicate,
+        the intent recorded just before (fenced) is that check (and this runs in a worker
+        thread, which may not use the ledger's connection).
         """
         if sender.deduplicating and not self.watch.held():
+            return NOT_SENT
+        if not sender.deduplicating and self.watch.ended():
             return NOT_SENT
         if self.reach.down:
             return UNREACHABLE
@@ -50,12 +58,11 @@ class Calls:
         """
         key = effect.idempotency_key
         crash_point("ledger.before_remote_call")
-        if (reason := self.stopped(sender)) is not None:
-            return pending(key, reason)
+        if self.reach.down or self.watch.lost:  # no wait for a connection then
+            return pending(key, UNREACHABLE if self.reach.down else NOT_SENT)
         try:
             # Most calls succeed at once: only a transient error pays for the retry loop.
-            async with pool.connection() as connection:
-                confirmation = await self.send(connection, sender, effect)
+            answer = await self._try(pool, sender, effect)
         except OutcomeUnknownError as exc:
             if not sender.deduplicating:
                 return Outcome(key, "unknown", None, f"outcome unknown: {exc}", 1)
@@ -64,8 +71,21 @@ class Calls:
             return await self._retry(pool, sender, effect, exc)
         except PermanentRemoteError as exc:
             return Outcome(key, "failed", None, str(exc), 1)
+        if isinstance(answer, str):
+            return pending(key, answer)
         crash_point("ledger.after_remote_commit")
-        return Outcome(key, "succeeded", confirmation.reference, None, 1, confirmation.replayed)
+        return Outcome(key, "succeeded", answer.reference, None, 1, answer.replayed)
+
+    async def _try(
+        self, pool: ConnectionPool[Any], sender: EffectSender[Any], effect: Effect
+    ) -> Confirmation | str:
+        """One try, on a connection of the pool: the confirmation, or why it was not made
+        (the checks of :meth:`stopped`, once the connection is in hand: a call that waited
+        for one is checked when it would begin, not when it was queued)."""
+        async with pool.connection() as connection:
+            if (reason := self.stopped(sender)) is not None:
+                return reason
+            return await self.send(connection, sender, effect)
 
     async def _retry(
         self,
@@ -74,16 +94,11 @@ class Calls:
         effect: Effect,
         first_error: TransientRemoteError,
     ) -> Outcome:
-        async def again() -> Confirmation:
-            async with pool.connection() as connection:
-                return await self.send(connection, sender, effect)
-
         return await retry(
             self.retries,
             effect.idempotency_key,
             first_error,
-            again,
-            lambda: self.stopped(sender),
+            lambda: self._try(pool, sender, effect),
             deduplicating=sender.deduplicating,
         )
 

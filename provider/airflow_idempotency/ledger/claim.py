@@ -1,6 +1,9 @@
-"""The claim of a batch of effects: their keys checked, one fenced statement that records
-the new keys as ``pending`` and returns what the ledger already knows of the others, and
-what that means for each (send it, skip it, refuse it)."""
+"""The fenced claim of a batch of effects, and what it means for each: send, skip or refuse.
+
+The batch's keys are checked, then one fenced statement records the new keys as ``pending`` and
+returns what the ledger already knows of the others, and what that means for each (send it,
+skip it, refuse it).
+"""
 
 from __future__ import annotations
 

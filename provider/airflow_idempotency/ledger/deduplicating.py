@@ -1,6 +1,9 @@
-"""A remote that deduplicates (it honours the idempotency key): the calls of a claimed batch
-go out at once, concurrently (``concurrency`` connections), and one statement writes their
-outcomes. On doubt the next run sends again with the same key, and the remote acts once."""
+"""A remote that deduplicates (it honours the idempotency key): a batch's calls at once.
+
+The calls of a claimed batch go out concurrently (``concurrency`` connections), and one
+statement writes their outcomes. On doubt the next run sends again with the same key, and the
+remote acts once.
+"""
 
 from __future__ import annotations
 
@@ -56,8 +59,11 @@ class DeduplicatingBatches:
             *(self.calls.call(pool, pool.sender, effect) for effect in to_send)
         )
         crash_point("ledger.before_record_outcomes")
-        write_outcomes(conn, self.run, self.remote_system, outcomes)
         tally(outcomes, summary)
+        try:
+            write_outcomes(conn, self.run, self.remote_system, outcomes)
+        except psycopg.Error as exc:  # e.g. the server ended the session: say so
+            raise self.run.translate_error(exc, conn) from exc
 
     async def close(self, *, abandon: bool) -> None:
         """Close the pool's connections (no call is in progress between batches)."""

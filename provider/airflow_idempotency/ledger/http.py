@@ -1,7 +1,10 @@
-"""The ledger's HTTP senders: :func:`post_json` (the deduplicating JSON POST the example
-uses; :meth:`~airflow_idempotency.ledger.OutboundLedger.send_all` wraps such a call in an
-:class:`HttpSender` of its ``base_url``) and :func:`webhook` (a JSON POST to a hook,
-deduplicating or not), on httpx."""
+"""The ledger's HTTP senders, on httpx: :func:`post_json` and :func:`webhook`.
+
+:func:`post_json` is the deduplicating JSON POST the example uses
+(:meth:`~airflow_idempotency.ledger.OutboundLedger.send_all` wraps such a call in an
+:class:`HttpSender` of its ``base_url``); :func:`webhook` is a JSON POST to a hook,
+deduplicating or not.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""What the calls of an export came to: each effect's :class:`Outcome`, written to the
-ledger by one statement per group, and the counts of the whole export
-(:class:`LedgerSummary`)."""
+"""What the calls of an export came to: each effect's outcome, and the export's counts.
+
+Each effect's :class:`Outcome` is written to the ledger by one statement per group; the counts
+of the whole export are a :class:`LedgerSummary`.
+"""
 
 from __future__ import annotations
 

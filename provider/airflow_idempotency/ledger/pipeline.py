@@ -1,5 +1,4 @@
-"""A remote that does not deduplicate (SMTP, a chat webhook, a notifier): intent, call,
-outcome.
+"""A remote that does not deduplicate (SMTP, a chat webhook, a notifier): intent, call, outcome.
 
 A call begins only once a fenced transaction has committed its key as ``unknown``, and the
 outcome replaces that after the call. The calls are made by workers (one per connection,
@@ -29,7 +28,7 @@ from typing import Any
 import psycopg
 
 from airflow_idempotency._sql import query
-from airflow_idempotency._transactions import rollback_quietly
+from airflow_idempotency._transactions import bounded_transaction, rollback_quietly
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.ledger.calls import Calls
@@ -177,7 +176,8 @@ class Pipeline:
         fenced = bool(keys) and not watch.lost
         try:
             with pipelined(conn):
-                with run.fenced_transaction(conn) if fenced else conn.transaction():
+                bounded = bounded_transaction(conn, run.schema)
+                with run.fenced_transaction(conn) if fenced else bounded:
                     if outcomes:
                         write_outcomes(conn, run, self.remote_system, outcomes)
                     if fenced:  # no intent commits without the lock
@@ -198,7 +198,9 @@ class Pipeline:
             rollback_quietly(conn)
             watch.lost = True
             if outcomes:
-                with conn.transaction():
+                if conn.closed or conn.broken:  # every session ended: their keys stay unknown
+                    raise lost from exc
+                with bounded_transaction(conn, run.schema):
                     write_outcomes(conn, run, self.remote_system, outcomes)
             granted = set()
         return granted

@@ -1,5 +1,8 @@
-"""How the ledger tries a call again after a transient error: :class:`Retries` (the
-user's settings) and :func:`retry` (the loop around tries 2..n of one call)."""
+"""How the ledger tries a call again after a transient error: settings and the retry loop.
+
+:class:`Retries` holds the user's settings, :func:`retry` is the loop around tries 2..n of one
+call.
+"""
 
 from __future__ import annotations
 
@@ -64,14 +67,13 @@ async def retry(
     retries: Retries,
     key: str,
     first_error: TransientRemoteError,
-    again: Callable[[], Awaitable[Confirmation]],
-    stopped: Callable[[], str | None],
+    again: Callable[[], Awaitable[Confirmation | str]],
     *,
     deduplicating: bool,
 ) -> Outcome:
     """Tries 2..max_attempts of the call of ``key``, whose first try failed with a transient
-    error: each try is ``again()``, made unless ``stopped()`` gives a reason not to (the
-    effect then stays pending, saying why).
+    error: each try is ``again()``, which returns the confirmation, or the reason it was not
+    made (the lock lost, the remote down: the effect then stays pending, saying why).
 
     The retry loop's attempt 1 re-raises that first error instead of calling again, so
     the attempt count, the waits and the final error are exactly those of one loop
@@ -95,10 +97,11 @@ async def retry(
             with attempt:
                 if attempt.retry_state.attempt_number == 1:
                     raise first_error
-                if (reason := stopped()) is not None:
-                    return pending(key, reason, calls)
-                calls += 1
-                confirmation = await again()
+                calls += 1  # before the call: a try that raises counts
+                answer = await again()
+                if isinstance(answer, str):  # not made
+                    return pending(key, answer, calls - 1)
+                confirmation = answer
     except OutcomeUnknownError as exc:
         if not deduplicating:
             return Outcome(key, "unknown", None, f"outcome unknown: {exc}", calls)

@@ -12,8 +12,11 @@
 -- vacuum however long the run, and its completion reads the start the work connection committed.
 -- It tries the run lock for the length of this transaction, names the session in
 -- pg_stat_activity, lifts idle_in_transaction_session_timeout and (PostgreSQL 17+)
--- transaction_timeout, and bounds a dead peer (bound_dead_peer, migration 6). Every setting is
--- transaction-local: nothing outlives it on a pooled server connection.
+-- transaction_timeout, bounds a dead peer (bound_dead_peer, migration 6) and every lock wait of
+-- the provider's statements in it (lock_timeout). Every setting is transaction-local: nothing
+-- outlives it on a pooled server connection. holder names the lock transaction itself (its
+-- virtual transaction id, migration 8): with the pid, what the fencing checks compare, since a
+-- pid alone is reused.
 -- already_held is read first (the MATERIALIZED CTE is scanned before the SELECT list runs):
 -- a session that already holds the key before this transaction tried it is shared with
 -- another client (a session-level lock left on a pooled server connection), and taking the
@@ -27,6 +30,9 @@ WITH before AS MATERIALIZED (
 SELECT before.already_held,
        pg_try_advisory_xact_lock(%(lock_key)s) AS acquired,
        pg_backend_pid() AS backend_pid,
+       (SELECT l.virtualtransaction FROM pg_catalog.pg_lock_status() AS l
+        WHERE l.pid = pg_backend_pid() AND l.locktype = 'virtualxid' LIMIT 1) AS holder,
+       set_config('lock_timeout', %(lock_wait_ms)s, true) AS lock_timeout,
        set_config('application_name', %(application_name)s, true) AS application_name,
        set_config('idle_in_transaction_session_timeout', '0', true) AS idle_timeout,
        -- CASE evaluates lazily: older servers do not know the setting and would refuse it
@@ -43,6 +49,9 @@ SELECT a.pid,
        a.application_name,
        host(a.client_addr) AS client_addr,
        a.client_hostname,
+       coalesce(a.client_hostname, host(a.client_addr),
+                CASE a.client_port WHEN -1 THEN 'local socket' ELSE 'not shown to this role' END)
+           AS client,
        a.usename AS user_name,
        a.backend_start,
        a.state,
@@ -70,31 +79,54 @@ LEFT JOIN LATERAL (
 WHERE h.lock_key = %(lock_key)s;
 
 -- name: lock_is_held_by
--- Fencing check, from any session: does the backend that took the lock still hold it?
-SELECT EXISTS (
-    SELECT 1 FROM {schema}.held_run_locks() AS h
-    WHERE h.lock_key = %(lock_key)s AND h.pid = %(lock_backend_pid)s
-) AS held;
+-- Fencing check, from any session: does the lock transaction that took the lock still hold it?
+SELECT {schema}.run_lock_held_by(%(lock_key)s, %(lock_backend_pid)s, %(lock_holder)s) AS held;
 
 -- name: fence_enter
 -- The first statement of every fenced transaction (RunContext.transaction(), the ledger's claims):
--- see migration 6. Raises SQLSTATE IF001 when this attempt's lock session no longer holds the
--- run lock; bounds a dead peer for the rest of the transaction.
-SELECT {schema}.fence_enter(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s),
+-- see migrations 6 and 8. Raises SQLSTATE IF001 when this attempt's lock transaction no longer
+-- holds the run lock, IF002 when the fence was not free within lock_wait_ms; arms the check at
+-- COMMIT; bounds a dead peer for the rest of the transaction.
+SELECT {schema}.fence_enter(%(lock_key)s, %(lock_backend_pid)s, %(lock_holder)s,
+                            %(attempt_id)s, %(lock_wait_ms)s),
        {schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s,
                                 %(keepalives_count)s, %(tcp_user_timeout)s);
 
 -- name: fence_arm
 -- The last statement before COMMIT of a read-write fenced transaction (sent with the COMMIT):
--- arms the commit-time check of migration 6.
-SELECT {schema}.fence_arm(%(lock_key)s, %(lock_backend_pid)s, %(attempt_id)s);
+-- arms the commit-time check of migration 6 again, so that it runs after the work's own deferred
+-- triggers (fence_enter armed it first).
+SELECT {schema}.fence_arm(%(lock_key)s, %(lock_backend_pid)s, %(lock_holder)s, %(attempt_id)s);
 
 -- name: fence_take_over
 -- The first statement of an attempt's start: waits until every fenced transaction of the key's
--- previous attempts has ended, and forgets their arms (migration 6).
-SELECT {schema}.fence_take_over(%(lock_key)s),
+-- previous attempts has ended (at most lock_wait_ms, then IF002 naming them), and forgets their
+-- arms (migrations 6 and 8). Every lock wait of the start's transaction is bounded by it.
+SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s),
        {schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s,
                                 %(keepalives_count)s, %(tcp_user_timeout)s);
+
+-- name: bound_lock_waits
+-- The first statement of a transaction of the provider's own (after fence_enter in a fenced one):
+-- every lock wait in it ends after lock_wait_ms with lock_not_available (55P03).
+SELECT set_config('lock_timeout', %(lock_wait_ms)s, true);
+
+-- name: bookkeeping_lock_holders
+-- Who holds, or waits for, a lock on a table of the bookkeeping schema that a writer or a
+-- reader of it would queue behind (for the message of a lock wait that reached its bound): a
+-- migration's ALTER (granted or pending), an explicit table lock. Error paths only (percent signs
+-- doubled: psycopg's placeholders).
+SELECT format('backend pid %%s (application_name %%L, %%s %%s on %%s)', l.pid,
+              coalesce(a.application_name, ''), CASE WHEN l.granted THEN 'holds' ELSE 'awaits' END,
+              l.mode, c.relname) AS holder
+FROM pg_catalog.pg_locks AS l
+JOIN pg_catalog.pg_class AS c ON c.oid = l.relation
+JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+WHERE n.nspname = %(schema)s
+  AND l.pid <> pg_backend_pid()
+  AND l.mode IN ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
+ORDER BY l.pid, c.relname;
 
 -- name: get_run
 -- completed_counts: what the completing attempt's work returned (details also keeps what
@@ -105,6 +137,16 @@ SELECT job_name, run_key, status, triggered_by, triggering_user, dag_id, run_id,
         WHERE a.attempt_id = r.current_attempt_id AND r.status = 'completed') AS completed_counts
 FROM {schema}.job_runs AS r
 WHERE job_name = %(job_name)s AND run_key = %(run_key)s;
+
+-- name: key_zone_conflict
+-- The other zone the job's run keys were made in, if any (the DAG's timezone changed since):
+-- that zone, its latest key and how many keys it holds. job_runs_key_zone_idx serves it.
+SELECT key_zone, max(run_key) AS run_key, count(*) AS keys
+FROM {schema}.job_runs
+WHERE job_name = %(job_name)s AND key_zone IS NOT NULL AND key_zone <> %(key_zone)s
+GROUP BY key_zone
+ORDER BY keys DESC
+LIMIT 1;
 
 -- name: insert_attempt
 INSERT INTO {schema}.job_run_attempts (
@@ -164,14 +206,15 @@ abandoned AS (
 run AS (
     INSERT INTO {schema}.job_runs (
         job_name, run_key, lock_key, status, triggered_by, triggering_user, dag_id, run_id,
-        task_id, attempt_count, current_attempt_id, started_at, updated_at
+        task_id, attempt_count, current_attempt_id, started_at, updated_at, key_zone
     )
     SELECT %(job_name)s, %(run_key)s, %(lock_key)s, 'started', %(triggered_by)s,
            %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, 1, attempt.attempt_id,
-           statement_timestamp(), statement_timestamp()
+           statement_timestamp(), statement_timestamp(), %(key_zone)s
     FROM attempt
     ON CONFLICT (job_name, run_key) DO UPDATE
     SET status = 'started',
+        key_zone = coalesce(EXCLUDED.key_zone, job_runs.key_zone),
         triggered_by = EXCLUDED.triggered_by,
         triggering_user = EXCLUDED.triggering_user,
         dag_id = EXCLUDED.dag_id,
@@ -360,6 +403,22 @@ FROM {schema}.outbound_ledger
 WHERE remote_system = %(remote_system)s AND idempotency_key = %(key)s
 FOR UPDATE;
 
+-- name: ledger_call_in_flight
+-- The call of an unknown effect that may still be in flight: its intent is younger than
+-- %(bound)s seconds and the attempt that recorded it has not said it ended (a worker that
+-- lost its lock, or was paused, may still be calling; a callback's intent, with no attempt:
+-- its age alone). No row: no call of it can still be under way.
+SELECT l.intent_at, l.last_attempt_id, a.hostname, a.pid,
+       extract(epoch FROM statement_timestamp() - l.intent_at)::float8 AS age_seconds
+FROM {schema}.outbound_ledger AS l
+LEFT JOIN {schema}.job_run_attempts AS a ON a.attempt_id = l.last_attempt_id
+WHERE l.ledger_id = %(ledger_id)s
+  AND l.intent_at > statement_timestamp() - make_interval(secs => %(bound)s)
+  AND (a.attempt_id IS NULL OR a.outcome = 'running'
+       -- closed by a successor (start_attempt: "abandoned"), not by its own worker, which
+       -- adds its late outcome when it does end
+       OR (a.error LIKE 'abandoned:%%' AND NOT a.details ? 'late_outcome'));
+
 -- name: ledger_resolve_unknown
 -- An operator's explicit choice for an effect left unknown, audited in one statement: the row
 -- moves (mark_sent: succeeded; resend: pending, sent by the next run of its key) only if it is
@@ -412,7 +471,11 @@ ORDER BY attempt_id;
 -- name: cli_locks
 -- Advisory locks held right now in this database, matched to the run they protect.
 SELECT r.job_name, r.run_key, r.status, a.pid AS backend_pid, a.application_name,
-       coalesce(a.client_hostname, host(a.client_addr), 'local socket') AS client,
+       -- PostgreSQL shows another role's client only to pg_read_all_stats: NULL then, as
+       -- for a Unix socket, whose client_port is -1
+       coalesce(a.client_hostname, host(a.client_addr),
+                CASE a.client_port WHEN -1 THEN 'local socket' ELSE 'not shown to this role' END)
+           AS client,
        a.backend_start, att.hostname AS worker_host, att.pid AS worker_pid,
        att.started_at AS attempt_started_at, att.dag_id, att.run_id
 FROM {schema}.held_run_locks() AS h
@@ -468,9 +531,12 @@ WHERE job_name = %(job)s AND run_key = %(run_key)s AND status IN ('failed', 'sta
 RETURNING status;
 
 -- name: cli_attempts_since
-SELECT job_name, outcome, error
+-- The attempts of one business date of a DAG since a moment: its plain key and the keys of
+-- its segments (a task mapped over segments records eu|2026-10-01, us|2026-10-01, ...).
+SELECT job_name, run_key, outcome, error
 FROM {schema}.job_run_attempts
-WHERE run_key = %(run_key)s AND dag_id = %(dag_id)s AND started_at >= %(since)s
+WHERE (run_key = %(run_key)s OR %(run_key)s = ANY (string_to_array(run_key, '|')))
+  AND dag_id = %(dag_id)s AND started_at >= %(since)s
 ORDER BY attempt_id;
 
 -- Read-only statements of the Run keys view in the Airflow UI (airflow_idempotency.ui).
@@ -525,7 +591,11 @@ LIMIT %(limit)s;
 -- with the holder's lock transaction start (held since) and its age.
 -- A lock taken a moment ago whose attempt is not recorded yet is not shown.
 SELECT att.job_name, att.run_key, r.status, a.pid AS backend_pid,
-       coalesce(a.client_hostname, host(a.client_addr), 'local socket') AS client,
+       -- PostgreSQL shows another role's client only to pg_read_all_stats: NULL then, as
+       -- for a Unix socket, whose client_port is -1
+       coalesce(a.client_hostname, host(a.client_addr),
+                CASE a.client_port WHEN -1 THEN 'local socket' ELSE 'not shown to this role' END)
+           AS client,
        a.backend_start, a.xact_start AS held_since,
        statement_timestamp() - coalesce(a.xact_start, att.started_at) AS age,
        att.attempt_id, att.hostname AS worker_host, att.pid AS worker_pid,
@@ -916,7 +986,8 @@ SELECT pg_try_advisory_xact_lock(%(lock_key)s) AS acquired;
 -- name: adopt_run
 -- `adopt --apply`, under the key's run lock: a key without any record becomes completed,
 -- triggered_by 'adopted', with one completed attempt; both name the Airflow run adopted
--- (details.adopted_from). A key recorded meanwhile returns no row and is left as it is.
+-- (details.adopted_from), and the zone its key was made in (key_zone: the zone rule). A key
+-- recorded meanwhile returns no row and is left as it is.
 -- A new statement after the lock: its snapshot sees every run that released the lock.
 WITH attempt AS (
     INSERT INTO {schema}.job_run_attempts (
@@ -933,10 +1004,10 @@ WITH attempt AS (
 )
 INSERT INTO {schema}.job_runs (
     job_name, run_key, lock_key, status, triggered_by, dag_id, run_id, task_id,
-    attempt_count, current_attempt_id, started_at, completed_at, updated_at, details
+    attempt_count, current_attempt_id, started_at, completed_at, updated_at, details, key_zone
 )
 SELECT %(job_name)s, %(run_key)s, %(lock_key)s, 'completed', 'adopted', %(dag_id)s,
        %(run_id)s, %(task_id)s, 1, attempt.attempt_id, statement_timestamp(),
-       statement_timestamp(), statement_timestamp(), %(details)s
+       statement_timestamp(), statement_timestamp(), %(details)s, %(key_zone)s
 FROM attempt
 RETURNING job_name;

@@ -1,5 +1,6 @@
-"""The view's connections to the job database: a bounded pool per process, and what a page
-says when it cannot read.
+"""The view's connections to the job database: a bounded pool per process.
+
+And what a page says when it cannot read.
 
 Line-neutral (Airflow 3's api-server and 2.11's webserver alike). Every page checks out one
 connection of its process's pool (:class:`ReaderPools`): at most ``[idempotency]

@@ -1,6 +1,7 @@
-"""What a route of the Airflow 3 view gets from FastAPI: the settings, the user's access and
-a reader of the job database (``Annotated[..., Depends()]``, as Airflow's own routes take
-their session and auth manager).
+"""What a route of the Airflow 3 view gets from FastAPI: settings, access, a reader.
+
+The settings, the user's access and a reader of the job database (``Annotated[...,
+Depends()]``, as Airflow's own routes take their session and auth manager).
 
 Authentication is Airflow's (the UI's ``_token`` cookie or a Bearer token, through
 ``GetUserDep``); what a user sees is what the auth manager lets them read

@@ -1,5 +1,8 @@
-"""How the Airflow 3 view answers what it cannot show: a page that says why (HTML), or the
-same ``{"detail": ...}`` as JSON under ``/api``; a missing session is Airflow's login."""
+"""How the Airflow 3 view answers what it cannot show: a page saying why, or JSON.
+
+A page that says why (HTML), or the same ``{"detail": ...}`` as JSON under ``/api``; a missing
+session is Airflow's login.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""How the view's pages are rendered: the Jinja templates, their filters, the links between
-pages, and the JSON encoding of the same data (line-neutral).
+"""How the view's pages are rendered: templates, filters, links, and their JSON twins.
+
+The Jinja templates, their filters, the links between pages, and the JSON encoding of the same
+data (line-neutral).
 
 The templates (``templates/``) are rendered by this module's own Jinja environment on both
 Airflow lines; what differs between the lines is the :class:`Links` object a page gets

@@ -1,0 +1,47 @@
+"""The zone rule: a job's day, week and month keys are read in one timezone.
+
+``2026-10-01`` names a day only together with a zone: in Europe/Amsterdam it starts at
+2026-09-30 22:00 UTC, in UTC two hours later. A DAG whose timezone changes would silently
+redefine every key of its jobs: the same text, another day, and a completed key a no-op
+for data it never saw. So every run records the zone its key was made in
+(``job_runs.key_zone``, migration 0009), and a run whose key was made in another zone than
+the job's earlier keys is refused before anything is written, naming both zones and what
+to do (:func:`check_key_zone`). Hour keys are UTC (``2026-10-25T01Z``) and keys of no period
+have no zone: neither is checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from airflow_idempotency._sql import query_row
+from airflow_idempotency.exceptions import ConfigurationError
+
+
+def check_key_zone(
+    conn: psycopg.Connection, schema: str, job_name: str, run_key: str, zone: str | None
+) -> None:
+    """Refuse ``run_key`` of ``job_name``, made in ``zone``, when the job's recorded keys
+    were made in another zone (``None``: a key of no zone, never refused)."""
+    if zone is None:
+        return
+    params = {"job_name": job_name, "key_zone": zone}
+    earlier = query_row(conn, "key_zone_conflict", schema, params)
+    if earlier is not None:
+        raise ConfigurationError(zone_changed_message(job_name, run_key, zone, earlier))
+
+
+def zone_changed_message(job_name: str, run_key: str, zone: str, earlier: dict[str, Any]) -> str:
+    """What a run refused by the zone rule says: both zones and the three ways on."""
+    old = earlier["key_zone"]
+    return (
+        f"job {job_name!r}: run key {run_key!r} was made in the timezone {zone}, but the job's "
+        f"{earlier['keys']} earlier key(s) (the latest {earlier['run_key']!r}) were made in "
+        f"{old}: the same key would now name another period, so nothing was done. If the "
+        f"DAG's timezone changed by mistake, set it back to {old}. To keep the job's keys "
+        f"in {old} while the DAG runs in {zone}, give the operator "
+        f"run_key_rule=RunKeyRule(..., timezone={old!r}). To start the job's keys afresh in "
+        f"{zone}, give the task a new job_name (the old keys stay with the old name)."
+    )

@@ -1,0 +1,139 @@
+"""A run's failures: the provider's error for a database failure, and how it is recorded.
+
+:func:`named_failure` names a failure the work did not (a pooler's refusal, every session
+of the attempt ended); :func:`record_failure` marks the attempt (and the run) failed without
+ever masking the error, and a start that never got its attempt row is recorded by
+:func:`record_refused_start`. The steps themselves are :mod:`airflow_idempotency.runner`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import psycopg
+
+from airflow_idempotency import metrics
+from airflow_idempotency._transactions import bounded_transaction
+from airflow_idempotency.exceptions import (
+    ConfigurationError,
+    IdempotencyError,
+    LockLostError,
+    LockWaitError,
+    PoolExhaustedError,
+)
+from airflow_idempotency.locks import pooler_refusal, session_ended
+from airflow_idempotency.records import AttemptOutcome, RunRecords
+from airflow_idempotency.run_context import RunLogger, RunSpec, autocommit_connection
+
+
+def named_failure(
+    lock_conn: psycopg.Connection, exc: BaseException, spec: RunSpec
+) -> BaseException:
+    """The provider's error for a database failure the work did not name: a connection
+    refused for want of slots (:func:`pooler_refusal`: the sizing rule), or a connection
+    the server ended while the lock session ended too (every session of this attempt
+    terminated at once: a failover, a restart, an operator) as :class:`LockLostError`.
+    Anything else is ``exc`` itself."""
+    if not isinstance(exc, psycopg.Error):
+        return exc
+    refusal = pooler_refusal(exc)
+    if refusal is not None:
+        return refusal
+    if isinstance(exc, psycopg.OperationalError) and session_ended(lock_conn):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return LockLostError(
+            f"job {spec.run.job_name!r} run_key {spec.run.run_key!r}: the job database ended "
+            f"this attempt's sessions, its lock session with them ({type(exc).__name__}: "
+            f"{first}): a failover, a restart or an operator's pg_terminate_backend. Its "
+            "lock is gone and its open transaction did not commit; what committed before "
+            "stays. A rerun converges."
+        )
+    return exc
+
+
+def _count(spec: RunSpec, outcome: str) -> None:
+    metrics.run_outcome(spec.environment.metrics, outcome, spec.run.job_name)
+
+
+def record_refused_start(
+    lock_conn: psycopg.Connection,
+    exc: BaseException,
+    spec: RunSpec,
+    records: RunRecords,
+    log: RunLogger,
+) -> None:
+    """A start that a pooler refused (its pool exhausted) or whose bounded takeover ended
+    is recorded as a failed attempt, in the lock transaction (which has its server
+    connection), naming the cause."""
+    refusal: BaseException | None = None
+    if type(exc) in (PoolExhaustedError, ConfigurationError) or isinstance(exc, LockWaitError):
+        refusal = exc
+    elif isinstance(exc, psycopg.Error):
+        refusal = pooler_refusal(exc)
+    if refusal is None or lock_conn.closed or lock_conn.broken:
+        return
+    log.error("%s", refusal)
+    _count(spec, "failed")
+    with contextlib.suppress(psycopg.Error):
+        log.attempt = records.insert_attempt(
+            lock_conn,
+            "failed",
+            lock=None,
+            options=spec.options,
+            error=str(refusal),
+            and_commit=True,
+        )
+
+
+def record_failure(
+    lock_conn: psycopg.Connection,
+    exc: BaseException,
+    spec: RunSpec,
+    records: RunRecords,
+    log: RunLogger,
+    attempt_id: int | None,
+) -> None:
+    """Mark the attempt (and, unless dry run, the run) failed; never mask ``exc``.
+
+    Written in the lock transaction, which then commits: the failure is recorded and
+    the lock released at one instant. When the lock session is gone, it is written from
+    a fresh session instead; mark_failed only touches the run if this attempt still
+    owns it, so a successor is never overwritten.
+    """
+    if attempt_id is None:  # the start itself failed: nothing was recorded yet
+        record_refused_start(lock_conn, exc, spec, records, log)
+        return
+    outcome: AttemptOutcome = "lock_lost" if isinstance(exc, LockLostError) else "failed"
+    error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:4000]
+    log.error("%s: %s", outcome, error)
+    _count(spec, outcome)
+
+    def write(conn: psycopg.Connection) -> None:
+        records.finish_attempt(conn, attempt_id, outcome, error=error)
+        if not spec.options.dry_run:
+            records.mark_failed(conn, attempt_id, error)
+
+    schema = spec.environment.schema
+    if not (lock_conn.closed or lock_conn.broken):
+        try:
+            if lock_conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+                write(lock_conn)
+                lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
+            else:  # the lock transaction already ended (a completion that found no row)
+                with bounded_transaction(lock_conn, schema):
+                    write(lock_conn)
+            return
+        except psycopg.Error:
+            # Terminated server-side (psycopg only learns it from a failed statement),
+            # or the lock transaction is aborted: give it up, write from a fresh one.
+            with contextlib.suppress(psycopg.Error):
+                lock_conn.execute("ROLLBACK")
+    try:
+        with (
+            autocommit_connection(spec.connect) as conn,
+            bounded_transaction(conn, schema),
+        ):
+            write(conn)  # READ COMMITTED: autocommit_connection pins it
+    except (psycopg.Error, IdempotencyError) as record_exc:
+        log.warning("could not record the failure (%s); job_runs may still say started", record_exc)

@@ -1,0 +1,101 @@
+"""Past ``max_connections``: a run refused a connection fails with an error naming the sizing
+rule, its attempt recorded when it had a connection to record it on, and a retry converges.
+
+A PRIVATE embedded PostgreSQL (devtools.postgres.private_embedded) with a small
+``max_connections``, its every slot then taken by idle connections of the test: nobody else's
+server runs out of connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_idempotency import run_idempotently
+from airflow_idempotency.exceptions import PoolExhaustedError
+from devtools.postgres import PostgresServer, private_embedded
+from support.db import rows
+from support.faults import figures, refusal
+
+pytestmark = pytest.mark.slow
+
+MAX_CONNECTIONS = 10
+
+
+@pytest.fixture
+def small_server() -> Iterator[tuple[PostgresServer, str]]:
+    """A private server with MAX_CONNECTIONS slots (none reserved) and a migrated database."""
+    with private_embedded("overload") as server:
+        with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
+            conn.execute(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}")
+            conn.execute("ALTER SYSTEM SET superuser_reserved_connections = 0")
+        server.restart()
+        dsn = server.dsn(server.create_database("overload"))
+        run_idempotently(  # the bookkeeping schema, made while slots are free
+            connect=lambda: psycopg.connect(dsn), job_name="setup", run_key="k", work=lambda r: None
+        )
+        yield server, dsn
+
+
+@contextlib.contextmanager
+def every_slot_taken(dsn: str, leave_free: int = 0) -> Iterator[list[psycopg.Connection]]:
+    """Idle connections in every slot of the server but ``leave_free``; closed afterwards."""
+    held: list[psycopg.Connection] = []
+    try:
+        while True:
+            try:
+                held.append(psycopg.connect(dsn, autocommit=True))
+            except psycopg.OperationalError as exc:
+                assert "too many clients" in str(exc), exc
+                break
+        for _ in range(leave_free):
+            held.pop().close()
+        yield held
+    finally:
+        for conn in held:
+            conn.close()
+
+
+def attempt(dsn: str, run_key: str) -> BaseException:
+    with pytest.raises(PoolExhaustedError) as refused:
+        run_idempotently(
+            connect=lambda: psycopg.connect(dsn), job_name="job", run_key=run_key,
+            work=lambda run: {"done": 1},
+        )  # fmt: skip
+    return refused.value
+
+
+def test_past_max_connections_the_run_names_the_sizing_rule_and_records_its_attempt(
+    small_server: Any,
+) -> None:
+    """No slot at all: the run fails with PoolExhaustedError naming the sizing rule (docs/deploying.md), nothing could be recorded; one slot (its lock's): the work's connection is refused, the attempt is recorded failed with the same message; with slots free again the key completes."""
+    _, dsn = small_server
+    with every_slot_taken(dsn) as held:
+        none_free = attempt(dsn, "2026-10-01")
+    with every_slot_taken(dsn, leave_free=1):
+        one_free = attempt(dsn, "2026-10-02")
+    for error in (none_free, one_free):
+        assert "docs/deploying.md" in str(error) and "max_connections" in str(error)
+        assert "too many clients already" in str(error)
+    recorded = rows(
+        dsn,
+        "SELECT run_key, outcome, error FROM idempotency.job_run_attempts"
+        " WHERE job_name = 'job' ORDER BY attempt_id",
+    )
+    assert [(k, o) for k, o, _ in recorded] == [("2026-10-02", "failed")]
+    assert "max_connections" in recorded[0][2]
+    for key in ("2026-10-01", "2026-10-02"):
+        done = run_idempotently(
+            connect=lambda: psycopg.connect(dsn), job_name="job", run_key=key,
+            work=lambda run: {"done": 1},
+        )  # fmt: skip
+        assert done.outcome.value == "completed"
+    figures(
+        f"max_connections {MAX_CONNECTIONS}, {len(held)} taken by the test: no slot: "
+        f"{refusal(none_free)} (nothing recorded); one slot: the attempt recorded failed; "
+        "both keys completed once slots were free"
+    )
