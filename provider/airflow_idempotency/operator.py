@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
-import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
-import pendulum
-
+from airflow_idempotency import airflow_task
+from airflow_idempotency.airflow_task import OnLocked
+from airflow_idempotency.airflow_task import conf_flag as conf_flag
 from airflow_idempotency.arguments import (
     check_arguments,
     check_mapped_arguments,
     check_work_function,
-    unsegmented_mapped_task,
 )
 from airflow_idempotency.compat import (
-    AIRFLOW_NOT_FOUND,
-    AirflowException,
-    AirflowFailException,
-    AirflowRescheduleException,
     AirflowRun,
     AirflowSkipException,
     Context,
@@ -29,37 +23,20 @@ from airflow_idempotency.compat import (
     ReschedulingOperator,
     add_partition_event,
     airflow_run,
-    reschedule_count,
 )
-from airflow_idempotency.exceptions import (
-    ConfigurationError,
-    EffectsUnknownError,
-    IdempotencyError,
-    InvalidInputError,
-    RunLockedError,
-)
+from airflow_idempotency.exceptions import IdempotencyError, InvalidInputError
 from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE, run_key_links
-from airflow_idempotency.locks import ON_LOCKED_ENV
-from airflow_idempotency.metrics import AIRFLOW_METRICS
-from airflow_idempotency.partitions import SEGMENT_DELIMITER, dag_partitioning
-from airflow_idempotency.records import RunOptions, Trigger
-from airflow_idempotency.run_context import RunContext, RunEnvironment
-from airflow_idempotency.run_key import (
-    OVERRIDE_FLAG,
-    ResolvedRunKey,
-    RunFacts,
-    RunKeyRule,
-    check_text,
-    resolve_run_key,
-)
-from airflow_idempotency.runner import RunOutcome, RunResult, run_idempotently
+from airflow_idempotency.partitions import SEGMENT_DELIMITER
+from airflow_idempotency.records import RunOptions
+from airflow_idempotency.run_context import RunContext
+from airflow_idempotency.run_key import ResolvedRunKey, RunKeyRule, check_text
+from airflow_idempotency.runner import RunOutcome, RunResult
 from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
 
 if TYPE_CHECKING:
     from airflow_idempotency.connection import JobDatabase
     from airflow_idempotency.hook import IdempotencyHook
 
-OnLocked = Literal["reschedule", "fail", "skip"]
 OnCompleted = Literal["succeed", "skip"]
 
 
@@ -96,22 +73,6 @@ def idempotency_params(period: str = "day", *, segments: bool = False) -> dict[s
             description="Run the work in a transaction that is rolled back; no external calls.",
         ),
     }
-
-
-def conf_flag(context: Context, name: str) -> bool:
-    """A boolean switch of the run: its conf wins over its params; anything else is refused."""
-    return _flag(context["dag_run"].conf or {}, context.get("params") or {}, name)
-
-
-def _flag(conf: Mapping[str, Any], params: Mapping[str, Any], name: str) -> bool:
-    value = conf.get(name, params.get(name, False))
-    if value is None:
-        return False
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise InvalidInputError(f"{name} must be true or false, got {value!r} in the run's conf/params")
 
 
 def _return_value(result: RunResult) -> dict[str, Any] | None:
@@ -280,15 +241,7 @@ class IdempotentRunOperator(ReschedulingOperator):
     def resolve_run_key(self, context: Context, run: AirflowRun | None = None) -> ResolvedRunKey:
         """The run key of this task execution (decided by :func:`resolve_run_key`);
         ``run``: what was read of it from ``context`` already."""
-        run = run or airflow_run(context)
-        return self._resolve(
-            kind=run.run_type,
-            logical_date=run.logical_date,
-            conf=context["dag_run"].conf or {},
-            params=context.get("params") or {},
-            context=context,
-            partition=(run.partition_key, run.partition_date),
-        )
+        return airflow_task.context_run_key(self._key_mapping, self._dag_or_none(), context, run)
 
     def explain_run_key(
         self,
@@ -308,64 +261,19 @@ class IdempotentRunOperator(ReschedulingOperator):
         The DAG's params are merged with ``conf`` as Airflow does. A callable rule is called
         with a context of those facts only (logical_date, partition_key, params, dag, dag_run).
         """
-        dag = self._dag_or_none()
-        params = {**(dag.params.dump() if dag else {}), **conf}
-        run = types.SimpleNamespace(
-            conf=dict(conf),
-            run_type=kind,
-            logical_date=logical_date,
-            run_after=logical_date,
-            partition_key=partition_key,
-            partition_date=partition_date,
-        )
-        context = {
-            "logical_date": logical_date,
-            "partition_key": partition_key,
-            "partition_date": partition_date,
-            "params": params,
-            "dag": dag,
-            "dag_run": run,
-        }
-        return self._resolve(
+        return airflow_task.explained_run_key(
+            self._key_mapping,
+            self._dag_or_none(),
             kind=kind,
             logical_date=logical_date,
             conf=conf,
-            params=params,
-            context=context,
             partition=(partition_key, partition_date),
             timetable_name=timetable_name,
         )
 
-    def _resolve(
-        self,
-        *,
-        kind: str,
-        logical_date: dt.datetime | None,
-        conf: Mapping[str, Any],
-        params: Mapping[str, Any],
-        context: Any,
-        partition: tuple[str | None, dt.datetime | None],
-        timetable_name: str | None = None,
-    ) -> ResolvedRunKey:
-        dag = self._dag_or_none()
-        partitioned, spec = dag_partitioning(dag)
-        facts = RunFacts(
-            run_type=kind,
-            timezone=self._timezone_name(),
-            now=pendulum.now("UTC"),
-            timetable_name=timetable_name or (type(dag.timetable).__name__ if dag else None),
-            logical_date=logical_date,
-            partition_key=partition[0],
-            partition_date=partition[1],
-            partitioned=partitioned,
-            partition_spec=spec,
-            conf_run_key=conf.get("run_key"),
-            params_run_key=params.get("run_key"),
-            override_partition=_flag(conf, params, OVERRIDE_FLAG),
-            key_segment=self.key_segment,
-            context=context,
-        )
-        return resolve_run_key(self.run_key_rule, facts)
+    @property
+    def _key_mapping(self) -> airflow_task.KeyMapping:
+        return airflow_task.KeyMapping(self.run_key_rule, self.key_segment)
 
     @property
     def effective_job_name(self) -> str:
@@ -374,29 +282,10 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     def run_options(self, context: Context) -> RunOptions:
         """``force`` and ``dry_run`` of this run, from its conf or params (booleans)."""
-        return RunOptions(force=conf_flag(context, "force"), dry_run=conf_flag(context, "dry_run"))
+        return airflow_task.run_options(context)
 
     def _dag_or_none(self) -> Any:
-        return self.dag if self.has_dag() else None  # type: ignore[no-untyped-call]
-
-    def _timezone_name(self) -> str:
-        dag = self._dag_or_none()
-        tz = dag.timezone if dag else None
-        return str(getattr(tz, "name", None) or tz or "UTC")
-
-    def _trigger(self, context: Context, run: AirflowRun, key_zone: str | None) -> Trigger:
-        ti = context["ti"]
-        return Trigger(
-            triggered_by=run.triggered_by,
-            triggering_user=run.triggering_user,
-            dag_id=ti.dag_id,
-            run_id=ti.run_id,
-            task_id=ti.task_id,
-            try_number=ti.try_number,
-            map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
-            partition_key=run.partition_key,
-            key_zone=key_zone,
-        )
+        return airflow_task.dag_of(self)
 
     def execute(self, context: Context) -> dict[str, Any] | None:
         try:
@@ -407,54 +296,28 @@ class IdempotentRunOperator(ReschedulingOperator):
     def _execute(self, context: Context) -> dict[str, Any] | None:
         self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
         job_name = check_text(self.effective_job_name, "job name")
-        self._check_mapped_segment(context)
+        airflow_task.check_mapped_segment(self._key_mapping, self, context)
         run = airflow_run(context)
         resolved = self.resolve_run_key(context, run)
         options = self.run_options(context)
         # The "Run key" extra link (computed by the worker when the task ends) names this key.
         setattr(self, LINK_TARGET_ATTRIBUTE, (job_name, resolved.run_key))
-        self.log.info(
-            "job=%s run_key=%s %s (force=%s, dry_run=%s)",
-            job_name,
-            resolved.run_key,
-            resolved.explanation,
-            options.force,
-            options.dry_run,
-        )
         self._check_connection()
-        # A dry run notifies nothing, even when it fails (notify_once reads this).
-        self.last_run_outcome = RunOutcome.DRY_RUN.value if options.dry_run else None
-        result = run_idempotently(
-            connect=self.job_database.new_connection,
-            job_name=job_name,
-            run_key=resolved.run_key,
-            work=self.run,
-            options=options,
-            trigger=self._trigger(context, run, resolved.zone),
-            environment=RunEnvironment(
-                schema=self.schema,
-                logger=self.log,
-                metrics=AIRFLOW_METRICS,
-                airflow_context=context,
-            ),
+        task_run = airflow_task.TaskRun(
+            job_name,
+            resolved,
+            options,
+            airflow_task.trigger(context, run, resolved.zone),
+            self.schema,
+            self.log,
         )
-        self.last_run_outcome = result.outcome.value
+        result = airflow_task.run_task(self.job_database, task_run, self.run, context, self)
         if result.outcome is RunOutcome.NOOP and self.on_completed == "skip":
             raise AirflowSkipException(
                 f"job={job_name} run_key={resolved.run_key}: already completed, skipping"
             )
         self._asset_events(context, result.outcome, resolved.run_key, run.partition_key)
         return _return_value(result)
-
-    def _check_mapped_segment(self, context: Context) -> None:
-        """Refuse a mapped instance without its own segment of the key, unless a function
-        keys it (it may tell the instances apart): its siblings would share its key."""
-        map_index = getattr(context.get("ti"), "map_index", None)
-        if map_index is None or map_index < 0 or self.key_segment is not None:
-            return
-        if isinstance(self.run_key_rule, RunKeyRule):
-            where = f"task {self.task_id!r} of DAG {self.dag_id!r} (map index {map_index})"
-            raise InvalidInputError(unsegmented_mapped_task(where))
 
     def _asset_events(
         self, context: Context, outcome: RunOutcome, run_key: str, partition_key: str | None
@@ -485,44 +348,12 @@ class IdempotentRunOperator(ReschedulingOperator):
             )
 
     def airflow_failure(self, context: Context, exc: IdempotencyError) -> BaseException:
-        """The Airflow exception that ends this try for ``exc``: the one place that maps them.
-
-        Bad input and configuration: fail without retrying (a retry would meet the same
-        refusal), and so do effects left unknown (only an operator's resolution lets the
-        key go on). A locked key: the ``on_locked`` policy. A lost lock or unfinished
-        effects: an ordinary failure, so Airflow's retries apply and a retry converges.
-        """
-        if isinstance(exc, RunLockedError):
-            return self._on_locked(context, exc)
-        if isinstance(exc, InvalidInputError | ConfigurationError | EffectsUnknownError):
-            return AirflowFailException(str(exc))
-        return AirflowException(str(exc))
+        """The Airflow exception that ends this try for ``exc``
+        (:func:`airflow_task.airflow_failure`, with this task's ``on_locked`` policy)."""
+        wait = airflow_task.LockWait(self.on_locked, self.reschedule_interval, self.lock_timeout)
+        return airflow_task.airflow_failure(context, exc, wait, self.log)
 
     def _check_connection(self) -> None:
-        try:
-            self.job_database.connection  # noqa: B018 - resolves the id, fails if unknown
-        except AIRFLOW_NOT_FOUND as exc:
-            raise AirflowFailException(
-                f"Airflow connection {self.postgres_conn_id!r} is not defined. Create it (for "
-                f"example AIRFLOW_CONN_{self.postgres_conn_id.upper()}='postgresql://user:pass@"
-                "host:5432/db') or pass postgres_conn_id= to the operator."
-            ) from exc
-
-    def _on_locked(self, context: Context, exc: RunLockedError) -> BaseException:
-        # The CLI's `run` sets this so that a locked key fails at once (exit code 75).
-        policy = os.environ.get(ON_LOCKED_ENV) or self.on_locked
-        if policy not in ("reschedule", "fail", "skip"):
-            return AirflowFailException(f"{ON_LOCKED_ENV}={policy!r}: use reschedule, fail or skip")
-        if policy == "skip":
-            return AirflowSkipException(f"{exc}; skipping (on_locked='skip')")
-        if policy == "fail":
-            return AirflowFailException(f"{exc}; failing (on_locked='fail')")
-        waited = self.reschedule_interval * reschedule_count(context)
-        if waited >= self.lock_timeout:
-            return AirflowException(
-                f"{exc}; still locked after about {waited} of rescheduling "
-                f"(lock_timeout={self.lock_timeout}): giving up this try"
-            )
-        when = pendulum.now("UTC") + self.reschedule_interval
-        self.log.info("lock held elsewhere: rescheduling to %s (waited ~%s so far)", when, waited)
-        return AirflowRescheduleException(when)  # type: ignore[no-untyped-call]
+        airflow_task.check_connection(
+            self.job_database, self.postgres_conn_id, "pass postgres_conn_id= to the operator"
+        )

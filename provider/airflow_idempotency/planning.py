@@ -125,7 +125,7 @@ def _other_line_runs(
         )
     cron = schedule_of(dag)
     if not isinstance(cron, str):  # an explicit timetable: the same on both lines
-        infos = _iterate(dag.timetable, from_date, to_date)
+        infos = timetable_runs(dag.timetable, from_date, to_date)
         name = type(dag.timetable).__name__
     else:
         from airflow.timetables.interval import CronDataIntervalTimetable
@@ -135,14 +135,14 @@ def _other_line_runs(
             other: Any = CronDataIntervalTimetable(cron, dag.timezone)
         else:
             other = CronTriggerTimetable(cron, timezone=dag.timezone)
-        infos = _iterate(other, from_date, to_date)
+        infos = timetable_runs(other, from_date, to_date)
         name = type(other).__name__
     if command == "backfill-create":
         infos = [i for i in infos if i.data_interval is not None and i.data_interval.end < now]
     return [PlannedRun(i.logical_date, None, name, _fires_at(i)) for i in infos]
 
 
-def _iterate(timetable: Any, first: dt.datetime, last: dt.datetime) -> list[Any]:
+def timetable_runs(timetable: Any, first: dt.datetime, last: dt.datetime) -> list[Any]:
     """The timetable's runs whose logical date is within [first, last] (its public
     ``next_dagrun_info``, the same on both lines)."""
     import pendulum

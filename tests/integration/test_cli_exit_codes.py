@@ -158,6 +158,10 @@ CASES: dict[tuple[str, int], Case] = {
                        *DAGS), says="is after --to"),
     ("plan", 69): Case(("plan", "core_slow_job", "--from", "2026-10-02", "--to", "2026-10-03",
                         *DAGS), unreachable=True, says="cannot reach the job database"),
+    ("adopt", 2): Case(("adopt", "core_slow_job", "--from", "2026-10-03", "--to", "2026-10-02",
+                        *DAGS), says="is after --to"),
+    ("adopt", 69): Case(("adopt", "core_slow_job", "--from", "2026-10-02", "--to", "2026-10-03",
+                         "--apply", *DAGS), unreachable=True, says="cannot reach the job database"),
 }  # fmt: skip
 
 # Rows whose case starts Airflow's processes (`airflow dags test`): tests of the stack tier.
@@ -165,6 +169,7 @@ STACK_CASES = {
     ("run", 0): "tests/stack/test_cli.py::test_run_exit_codes_through_airflow",
     ("run", 1): "tests/stack/test_cli.py::test_run_judges_a_task_mapped_over_segments_by_every_segment",
     ("run", 75): "tests/stack/test_cli.py::test_run_exit_codes_through_airflow",
+    ("adopt", 0): "tests/stack/test_policy_stack.py::test_policy_and_adopt_on_airflow3",
 }  # fmt: skip
 
 

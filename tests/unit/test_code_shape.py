@@ -46,13 +46,7 @@ MAX_CLASS_METHODS = 20
 MEASURED = {"provider/airflow_idempotency": "airflow_idempotency", "devtools": "devtools"}
 
 # Qualified by package: "<package>.<module>" or "<package>.<module>.<class>", with the reason.
-LARGE_ALLOWED: dict[str, str] = {
-    "airflow_idempotency.operator.IdempotentRunOperator": (
-        "an Airflow operator is one class: its constructor takes every setting a DAG author "
-        "writes (with their docstring), and Airflow calls its execute, templating and "
-        "run-key hooks on it; what it runs lives in runner.py, the decision in run_key.py"
-    ),
-}
+LARGE_ALLOWED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -333,6 +333,7 @@ _TASK_MODULES = {
     "airflow_idempotency",
     "airflow_idempotency._sql",
     "airflow_idempotency._transactions",
+    "airflow_idempotency.airflow_task",  # the operator's run mapping, shared with the policy
     "airflow_idempotency.arguments",
     "airflow_idempotency.compat",
     "airflow_idempotency.crashpoints",

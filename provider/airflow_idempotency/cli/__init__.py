@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import psycopg
 
 from airflow_idempotency.cli import (
+    adopt,
     explain,
     gaps,
     ledger,
@@ -54,9 +55,9 @@ from airflow_idempotency.exceptions import ConfigurationError, InvalidInputError
 from airflow_idempotency.provider_info import __version__
 
 RECORD_COMMANDS = (runs, show, locks, ledger, reset, migrate, gaps, prune)
-DAG_COMMANDS = (run, explain, plan)
+DAG_COMMANDS = (run, explain, plan, adopt)
 # In the order `--help` lists them.
-COMMANDS = (runs, show, locks, ledger, reset, migrate, run, gaps, prune, explain, plan)
+COMMANDS = (runs, show, locks, ledger, reset, migrate, run, gaps, prune, explain, plan, adopt)
 
 
 def build_parser() -> argparse.ArgumentParser:

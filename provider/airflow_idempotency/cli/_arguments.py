@@ -118,3 +118,31 @@ def age_in_days(value: str) -> dt.timedelta:
         return retention.parse_age(value)
     except InvalidInputError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def http_url(value: str) -> str:
+    """argparse type: the http(s) URL of a server (``http://airflow:8080``), without
+    credentials, a query or a fragment (credentials go in the environment, not the process
+    list); never quoted back (it may hold a password)."""
+    import urllib.parse
+
+    try:
+        parts = urllib.parse.urlsplit(value)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        parts = None
+    if (
+        parts is None
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or any(unicodedata.category(c) in ("Cc", "Cs", "Zs") for c in value)
+    ):
+        raise argparse.ArgumentTypeError(
+            "is not the http(s) URL of a server (not shown), e.g. http://airflow:8080"
+        )
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(
+            "holds credentials, a query or a fragment (not shown): give the server's address "
+            "only, e.g. http://airflow:8080; credentials go in the environment (docs/adopt.md)"
+        )
+    return value

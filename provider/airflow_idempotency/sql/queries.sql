@@ -971,3 +971,43 @@ WHERE n.nspname = %(schema)s
   AND c.relkind IN ('r', 'p')
   AND NOT has_table_privilege(c.oid, p.privilege)
 ORDER BY 1;
+
+-- name: adopt_states
+-- `adopt`: the job_runs status of (job, run key) pairs, for those that have a record.
+SELECT r.job_name, r.run_key, r.status
+FROM unnest(%(job_names)s::text[], %(run_keys)s::text[]) AS p(job_name, run_key)
+JOIN {schema}.job_runs AS r ON r.job_name = p.job_name AND r.run_key = p.run_key;
+
+-- name: adopt_lock
+-- `adopt --apply`, first statement of a key's transaction: the key's run lock for the rest of
+-- the transaction, if nobody holds it (a run in progress keeps its key: adopt leaves it alone).
+SELECT pg_try_advisory_xact_lock(%(lock_key)s) AS acquired;
+
+-- name: adopt_run
+-- `adopt --apply`, under the key's run lock: a key without any record becomes completed,
+-- triggered_by 'adopted', with one completed attempt; both name the Airflow run adopted
+-- (details.adopted_from), and the zone its key was made in (key_zone: the zone rule). A key
+-- recorded meanwhile returns no row and is left as it is.
+-- A new statement after the lock: its snapshot sees every run that released the lock.
+WITH attempt AS (
+    INSERT INTO {schema}.job_run_attempts (
+        job_name, run_key, lock_key, outcome, triggered_by, dag_id, run_id, task_id,
+        hostname, pid, started_at, finished_at, details
+    )
+    SELECT %(job_name)s, %(run_key)s, %(lock_key)s, 'completed', 'adopted', %(dag_id)s,
+           %(run_id)s, %(task_id)s, %(hostname)s, %(pid)s, statement_timestamp(),
+           statement_timestamp(), %(details)s
+    WHERE NOT EXISTS (
+        SELECT 1 FROM {schema}.job_runs WHERE job_name = %(job_name)s AND run_key = %(run_key)s
+    )
+    RETURNING attempt_id
+)
+INSERT INTO {schema}.job_runs (
+    job_name, run_key, lock_key, status, triggered_by, dag_id, run_id, task_id,
+    attempt_count, current_attempt_id, started_at, completed_at, updated_at, details, key_zone
+)
+SELECT %(job_name)s, %(run_key)s, %(lock_key)s, 'completed', 'adopted', %(dag_id)s,
+       %(run_id)s, %(task_id)s, 1, attempt.attempt_id, statement_timestamp(),
+       statement_timestamp(), statement_timestamp(), %(details)s, %(key_zone)s
+FROM attempt
+RETURNING job_name;

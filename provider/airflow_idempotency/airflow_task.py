@@ -1,0 +1,327 @@
+"""An Airflow task execution mapped to the contract, for the operator and the policy.
+
+Its run key, its switches, its trigger, the call of
+:func:`~airflow_idempotency.runner.run_idempotently`, and the Airflow exception that ends a
+refused try.
+
+Shared by :class:`~airflow_idempotency.operator.IdempotentRunOperator` (whose own work is
+the contract's work) and the cluster policy (:mod:`airflow_idempotency.policy`, which puts
+any task of a tagged DAG under the contract), so that both key a run by the same rules.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import pendulum
+
+from airflow_idempotency.arguments import unsegmented_mapped_task
+from airflow_idempotency.compat import (
+    AIRFLOW_NOT_FOUND,
+    AirflowException,
+    AirflowFailException,
+    AirflowRescheduleException,
+    AirflowRun,
+    Context,
+    airflow_run,
+    reschedule_count,
+)
+from airflow_idempotency.exceptions import (
+    ConfigurationError,
+    EffectsUnknownError,
+    IdempotencyError,
+    InvalidInputError,
+    RunLockedError,
+)
+from airflow_idempotency.locks import ON_LOCKED_ENV
+from airflow_idempotency.metrics import AIRFLOW_METRICS
+from airflow_idempotency.partitions import dag_partitioning
+from airflow_idempotency.records import RunOptions, Trigger
+from airflow_idempotency.run_context import RunEnvironment
+from airflow_idempotency.run_key import (
+    OVERRIDE_FLAG,
+    ResolvedRunKey,
+    RunFacts,
+    RunKeyCallable,
+    RunKeyRule,
+    resolve_run_key,
+)
+from airflow_idempotency.runner import RunOutcome, RunResult, Work, run_idempotently
+
+if TYPE_CHECKING:
+    from airflow_idempotency.connection import JobDatabase
+
+OnLocked = Literal["reschedule", "fail", "skip"]
+
+
+def conf_flag(context: Context, name: str) -> bool:
+    """A boolean switch of the run: its conf wins over its params; anything else is refused."""
+    return flag(context["dag_run"].conf or {}, context.get("params") or {}, name)
+
+
+def flag(conf: Mapping[str, Any], params: Mapping[str, Any], name: str) -> bool:
+    """:func:`conf_flag` on the run's conf and params as given."""
+    value = conf.get(name, params.get(name, False))
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidInputError(f"{name} must be true or false, got {value!r} in the run's conf/params")
+
+
+def run_options(context: Context) -> RunOptions:
+    """``force`` and ``dry_run`` of this run, from its conf or params (booleans)."""
+    return RunOptions(force=conf_flag(context, "force"), dry_run=conf_flag(context, "dry_run"))
+
+
+@dataclass(frozen=True)
+class KeyMapping:
+    """How one task's runs map to run keys: its rule and its own segment of the work."""
+
+    rule: RunKeyRule | RunKeyCallable
+    key_segment: str | None = None
+
+
+def dag_of(task: Any) -> Any:
+    """The task's DAG, or ``None`` for a task outside one."""
+    return task.dag if task.has_dag() else None
+
+
+def timezone_name(dag: Any) -> str:
+    tz = dag.timezone if dag else None
+    return str(getattr(tz, "name", None) or tz or "UTC")
+
+
+@dataclass(frozen=True)
+class RunSeen:
+    """What the run key is decided from: the run's kind, dates, conf and params."""
+
+    kind: str
+    logical_date: dt.datetime | None
+    conf: Mapping[str, Any]
+    params: Mapping[str, Any]
+    context: Any
+    partition: tuple[str | None, dt.datetime | None] = (None, None)
+    timetable_name: str | None = None
+
+
+def resolve(mapping: KeyMapping, dag: Any, seen: RunSeen) -> ResolvedRunKey:
+    """The run key of a run ``seen`` of a task of ``dag`` (:func:`resolve_run_key`)."""
+    partitioned, spec = dag_partitioning(dag)
+    facts = RunFacts(
+        run_type=seen.kind,
+        timezone=timezone_name(dag),
+        now=pendulum.now("UTC"),
+        timetable_name=seen.timetable_name or (type(dag.timetable).__name__ if dag else None),
+        logical_date=seen.logical_date,
+        partition_key=seen.partition[0],
+        partition_date=seen.partition[1],
+        partitioned=partitioned,
+        partition_spec=spec,
+        conf_run_key=seen.conf.get("run_key"),
+        params_run_key=seen.params.get("run_key"),
+        override_partition=flag(seen.conf, seen.params, OVERRIDE_FLAG),
+        key_segment=mapping.key_segment,
+        context=seen.context,
+    )
+    return resolve_run_key(mapping.rule, facts)
+
+
+def context_run_key(
+    mapping: KeyMapping, dag: Any, context: Context, run: AirflowRun | None = None
+) -> ResolvedRunKey:
+    """The run key of the task execution of ``context``."""
+    run = run or airflow_run(context)
+    seen = RunSeen(
+        kind=run.run_type,
+        logical_date=run.logical_date,
+        conf=context["dag_run"].conf or {},
+        params=context.get("params") or {},
+        context=context,
+        partition=(run.partition_key, run.partition_date),
+    )
+    return resolve(mapping, dag, seen)
+
+
+def explained_run_key(
+    mapping: KeyMapping,
+    dag: Any,
+    *,
+    kind: str,
+    logical_date: dt.datetime | None,
+    conf: Mapping[str, Any],
+    partition: tuple[str | None, dt.datetime | None] = (None, None),
+    timetable_name: str | None = None,
+) -> ResolvedRunKey:
+    """The run key a run of ``kind`` at ``logical_date`` (or for the partition
+    ``(partition_key, partition_date)``: its key, and its exact instant when known) with
+    ``conf`` would get: the DAG's params merged with ``conf`` as Airflow does; a callable
+    rule gets a context of those facts only."""
+    partition_key, partition_date = partition
+    params = {**(dag.params.dump() if dag else {}), **conf}
+    run = types.SimpleNamespace(
+        conf=dict(conf),
+        run_type=kind,
+        logical_date=logical_date,
+        run_after=logical_date,
+        partition_key=partition_key,
+        partition_date=partition_date,
+    )
+    context = {
+        "logical_date": logical_date,
+        "partition_key": partition_key,
+        "partition_date": partition_date,
+        "params": params,
+        "dag": dag,
+        "dag_run": run,
+    }
+    seen = RunSeen(kind, logical_date, conf, params, context, partition, timetable_name)
+    return resolve(mapping, dag, seen)
+
+
+def map_index(context: Context) -> int | None:
+    """The index of this execution when its task is mapped, else ``None`` (a context
+    without a ti, as the fuzz tests build, is not mapped)."""
+    index = getattr(context.get("ti"), "map_index", None)
+    return index if index is not None and index >= 0 else None
+
+
+def check_mapped_segment(mapping: KeyMapping, task: Any, context: Context) -> None:
+    """Refuse a mapped instance without its own segment of the key, unless a function
+    keys it (it may tell the instances apart): its siblings would share its key."""
+    index = map_index(context)
+    if index is None or mapping.key_segment is not None:
+        return
+    if isinstance(mapping.rule, RunKeyRule):
+        where = f"task {task.task_id!r} of DAG {task.dag_id!r} (map index {index})"
+        raise InvalidInputError(unsegmented_mapped_task(where))
+
+
+def trigger(context: Context, run: AirflowRun, key_zone: str | None) -> Trigger:
+    """Who started this execution, the Airflow ids it runs under, and the zone its key was
+    made in (``ResolvedRunKey.zone``: the key zone rule)."""
+    ti = context["ti"]
+    return Trigger(
+        triggered_by=run.triggered_by,
+        triggering_user=run.triggering_user,
+        dag_id=ti.dag_id,
+        run_id=ti.run_id,
+        task_id=ti.task_id,
+        try_number=ti.try_number,
+        map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
+        partition_key=run.partition_key,
+        key_zone=key_zone,
+    )
+
+
+def check_connection(job_database: JobDatabase, conn_id: str, where: str) -> None:
+    """Fail the task (no retry) when the Airflow connection ``conn_id`` is not defined."""
+    try:
+        job_database.connection  # noqa: B018 - resolves the id, fails if unknown
+    except AIRFLOW_NOT_FOUND as exc:
+        raise AirflowFailException(
+            f"Airflow connection {conn_id!r} is not defined. Create it (for example "
+            f"AIRFLOW_CONN_{conn_id.upper()}='postgresql://user:pass@host:5432/db') "
+            f"or {where}."
+        ) from exc
+
+
+@dataclass(frozen=True)
+class TaskRun:
+    """One task execution under the contract: what :func:`run_task` needs."""
+
+    job_name: str
+    resolved: ResolvedRunKey
+    options: RunOptions
+    trigger: Trigger
+    schema: str
+    logger: logging.Logger | Any
+
+
+def run_task(
+    job_database: JobDatabase, task_run: TaskRun, work: Work, context: Context, task: Any
+) -> RunResult:
+    """Run ``work`` under the contract for ``task_run``, logging the key and its reason;
+    ``task.last_run_outcome`` says how it ended (``notify_once`` callbacks read it)."""
+    task_run.logger.info(
+        "job=%s run_key=%s %s (force=%s, dry_run=%s)",
+        task_run.job_name,
+        task_run.resolved.run_key,
+        task_run.resolved.explanation,
+        task_run.options.force,
+        task_run.options.dry_run,
+    )
+    # A dry run notifies nothing, even when it fails.
+    task.last_run_outcome = RunOutcome.DRY_RUN.value if task_run.options.dry_run else None
+    result = run_idempotently(
+        connect=job_database.new_connection,
+        job_name=task_run.job_name,
+        run_key=task_run.resolved.run_key,
+        work=work,
+        options=task_run.options,
+        trigger=task_run.trigger,
+        environment=RunEnvironment(
+            schema=task_run.schema,
+            logger=task_run.logger,
+            metrics=AIRFLOW_METRICS,
+            airflow_context=context,
+        ),
+    )
+    task.last_run_outcome = result.outcome.value
+    return result
+
+
+@dataclass(frozen=True)
+class LockWait:
+    """What a try does when another execution holds its key (``on_locked``)."""
+
+    on_locked: OnLocked = "reschedule"
+    reschedule_interval: dt.timedelta = dt.timedelta(seconds=30)
+    lock_timeout: dt.timedelta = dt.timedelta(hours=6)
+
+
+def airflow_failure(
+    context: Context, exc: IdempotencyError, wait: LockWait, logger: Any
+) -> BaseException:
+    """The Airflow exception that ends this try for ``exc``: the one place that maps them.
+
+    Bad input and configuration: fail without retrying (a retry would meet the same
+    refusal), and so do effects left unknown (only an operator's resolution lets the key go
+    on). A locked key: ``wait``. A lost lock or unfinished effects: an ordinary failure, so
+    Airflow's retries apply and a retry converges.
+    """
+    if isinstance(exc, RunLockedError):
+        return _on_locked(context, exc, wait, logger)
+    if isinstance(exc, InvalidInputError | ConfigurationError | EffectsUnknownError):
+        return AirflowFailException(str(exc))
+    return AirflowException(str(exc))
+
+
+def _on_locked(context: Context, exc: RunLockedError, wait: LockWait, logger: Any) -> BaseException:
+    from airflow_idempotency.compat import AirflowSkipException
+
+    # The CLI's `run` sets this so that a locked key fails at once (exit code 75).
+    policy = os.environ.get(ON_LOCKED_ENV) or wait.on_locked
+    if policy not in ("reschedule", "fail", "skip"):
+        return AirflowFailException(f"{ON_LOCKED_ENV}={policy!r}: use reschedule, fail or skip")
+    if policy == "skip":
+        return AirflowSkipException(f"{exc}; skipping (on_locked='skip')")
+    if policy == "fail":
+        return AirflowFailException(f"{exc}; failing (on_locked='fail')")
+    waited = wait.reschedule_interval * reschedule_count(context)
+    if waited >= wait.lock_timeout:
+        return AirflowException(
+            f"{exc}; still locked after about {waited} of rescheduling "
+            f"(lock_timeout={wait.lock_timeout}): giving up this try"
+        )
+    when = pendulum.now("UTC") + wait.reschedule_interval
+    logger.info("lock held elsewhere: rescheduling to %s (waited ~%s so far)", when, waited)
+    return AirflowRescheduleException(when)  # type: ignore[no-untyped-call]

@@ -1,0 +1,263 @@
+"""The cluster policy: every task of a tagged DAG runs under the contract, by configuration.
+
+Installed with the provider through the ``airflow.policy`` entry point (Airflow's pluggy
+policies, 2.6+) and inert unless ``[idempotency] policy_dag_tags``
+(``AIRFLOW__IDEMPOTENCY__POLICY_DAG_TAGS``, comma-separated tags) names a tag the DAG
+carries. Airflow calls :func:`dag_policy` wherever it parses a DAG file (the DAG processor,
+the worker before it runs a task, ``dags test``, ``dags backfill``), so the task that runs is
+the one the policy changed. For such a DAG:
+
+- every task (classic operator or TaskFlow) gets a subclass of its own class (same name,
+  same module, so the UI shows it as before) whose ``execute`` runs the original one under
+  the contract: run key from the run's schedule or partition (the operator's rules,
+  :mod:`airflow_idempotency.airflow_task`), lock, job name ``<dag_id>.<task_id>``, a no-op
+  once completed, ``force`` / ``dry_run`` from the trigger's conf;
+- left alone: tasks with ``params={"idempotency_exempt": True}`` (or :func:`exempt`),
+  tasks that are already idempotent (:class:`IdempotentRunOperator`,
+  ``@task.idempotent_run``), sensors, and mapped tasks (their instances are made at run
+  time, where a policy does not reach: use ``key_segment`` with the operator instead);
+- a DAG whose runs have no business date (``schedule=None``, asset-triggered) or whose
+  schedule fires more than once a day is refused, with the reason, as the file's import
+  error: the policy keys runs by day, and two runs of one day would make the second a no-op.
+
+This module imports only pluggy's marker at import time: Airflow loads the entry point
+while it sets itself up.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+from typing import Any
+
+from airflow.policies import hookimpl
+
+CONFIG_SECTION = "idempotency"
+EXEMPT_PARAM = "idempotency_exempt"
+"""A task's param that leaves it out of the policy: ``params={"idempotency_exempt": True}``."""
+MAX_REPLAYED_BYTES = 65_536
+"""A return value (XCom) up to this size in JSON is kept with the run and given again on a
+no-op, so that a downstream task reads what the first run returned."""
+
+_KEYED_TIMETABLES = frozenset(
+    {
+        "CronTriggerTimetable",
+        "CronDataIntervalTimetable",
+        "DeltaDataIntervalTimetable",
+        "DeltaTriggerTimetable",
+        "MultipleCronTriggerTimetable",
+        "CronPartitionTimetable",
+    }
+)
+
+
+def _setting(name: str, fallback: str) -> str:
+    from airflow.configuration import conf
+
+    return str(conf.get(CONFIG_SECTION, name, fallback=fallback) or fallback)
+
+
+def policy_tags() -> frozenset[str]:
+    """The tags of ``[idempotency] policy_dag_tags``; empty: the policy does nothing."""
+    return frozenset(t.strip() for t in _setting("policy_dag_tags", "").split(",") if t.strip())
+
+
+def exempt(task: Any) -> Any:
+    """Leave ``task`` (an operator, or what a TaskFlow call returned) out of the policy."""
+    operator = getattr(task, "operator", task)
+    operator.params[EXEMPT_PARAM] = True
+    return task
+
+
+@hookimpl
+def dag_policy(dag: Any) -> None:
+    """Put every task of ``dag`` under the contract when it carries a configured tag."""
+    tags = policy_tags()
+    if not tags or not tags & set(dag.tags or ()):
+        return
+    from airflow.exceptions import AirflowClusterPolicyViolation
+
+    refusal = key_refusal(dag)
+    if refusal:
+        raise AirflowClusterPolicyViolation(
+            f"DAG {dag.dag_id!r} carries the tag(s) {sorted(tags & set(dag.tags))} of "
+            f"[idempotency] policy_dag_tags, but {refusal}. Give it a daily (or slower) cron "
+            "schedule or timedelta, remove the tag, or protect its tasks with "
+            "IdempotentRunOperator and an explicit run_key_rule."
+        )
+    for task in dag.tasks:
+        if covered(task):
+            task.__class__ = _contract_class(type(task))  # type: ignore[arg-type]
+
+
+def covered(task: Any) -> bool:
+    """Whether the policy puts ``task`` of a tagged DAG under the contract."""
+    from airflow_idempotency.compat import BaseOperator
+    from airflow_idempotency.operator import IdempotentRunOperator
+
+    if not isinstance(task, BaseOperator) or isinstance(task, IdempotentRunOperator):
+        return False  # a mapped task, or one under the contract already
+    if protected(task):
+        return False  # done already (a DAG parsed twice in one process)
+    if any(c.__name__ == "BaseSensorOperator" for c in type(task).__mro__):
+        return False
+    params = task.params or {}
+    return not (EXEMPT_PARAM in params and _truthy(params[EXEMPT_PARAM]))
+
+
+def protected(task: Any) -> bool:
+    """Whether the policy has put ``task`` under the contract (its DAG parsed with the tag
+    configured)."""
+    return bool(getattr(type(task), "_idempotency_policy", False))
+
+
+def _truthy(value: Any) -> bool:
+    value = getattr(value, "value", value)  # a Param
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def key_refusal(dag: Any) -> str | None:
+    """Why the policy cannot give ``dag``'s runs one key per business day, or ``None``."""
+    timetable = dag.timetable
+    name = type(timetable).__name__
+    if name not in _KEYED_TIMETABLES:
+        return (
+            f"its runs have no business date to key them by (timetable {name}: "
+            "schedule=None or assets); only a run_key in every trigger's conf would name one"
+        )
+    expression = getattr(timetable, "expression", None) or getattr(timetable, "_expression", None)
+    if isinstance(expression, str):
+        days = _fire_days(expression, getattr(timetable, "_timezone", None) or dag.timezone)
+        if len(set(days)) < len(days):
+            return (
+                f"its schedule {expression!r} fires more than once a day, and the policy keys "
+                "runs by day (the day's later runs would be no-ops)"
+            )
+    delta = getattr(timetable, "_delta", None) or getattr(timetable, "delta", None)
+    if isinstance(delta, dt.timedelta) and delta < dt.timedelta(days=1):
+        return f"its schedule fires every {delta}, more than once a day"
+    return None
+
+
+def _fire_days(expression: str, timezone: Any) -> list[dt.date]:
+    """The local days of the cron ``expression``'s first eight fire times from 2026-01-05
+    (Airflow's own cron timetable, the same on both lines)."""
+    import pendulum
+    from airflow.timetables.trigger import CronTriggerTimetable
+
+    from airflow_idempotency.planning import timetable_runs
+
+    tz = pendulum.timezone(str(getattr(timezone, "name", None) or timezone or "UTC"))
+    start = pendulum.datetime(2026, 1, 5, tz=tz)
+    runs = timetable_runs(CronTriggerTimetable(expression, timezone=tz), start, start.add(days=40))
+    return [r.logical_date.in_timezone(tz).date() for r in runs[:8]]
+
+
+@functools.cache
+def _contract_class(cls: type) -> type:
+    """``cls`` with its ``execute`` under the contract: a subclass of the same name and
+    module. ``execute`` is set after the class is made, so that Airflow's metaclass does not
+    wrap it in a second ExecutorSafeguard (2.x: the original gets the sentinel it passes)."""
+    sub = type(cls)(
+        cls.__name__,
+        (cls,),
+        {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_idempotency_policy": True,
+        },
+    )
+
+    original = cls.execute  # type: ignore[attr-defined]
+
+    def execute(self: Any, context: Any, **kwargs: Any) -> Any:
+        return run_under_policy(self, context, lambda: original(self, context, **kwargs))
+
+    sub.execute = execute  # type: ignore[attr-defined]
+    return sub
+
+
+def run_under_policy(task: Any, context: Any, original: Any) -> Any:
+    """Run ``original`` (the task's own execute) under the contract for ``task``."""
+    from airflow_idempotency import airflow_task
+    from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS, airflow_run
+    from airflow_idempotency.connection import JobDatabase
+    from airflow_idempotency.exceptions import IdempotencyError
+    from airflow_idempotency.run_key import RunKeyRule
+    from airflow_idempotency.runner import RunOutcome
+    from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
+
+    conn_id = _setting("policy_conn_id", DEFAULT_CONN_ID)
+    # 2.x reschedules only tasks made for it (sensors): a locked key fails the try there,
+    # and Airflow's retries try again.
+    wait = airflow_task.LockWait("reschedule" if AIRFLOW_V_3_0_PLUS else "fail")
+    task.last_run_outcome = None  # read by notify_once callbacks (this process)
+    try:
+        _check_not_mapped(task, context)
+        run = airflow_run(context)
+        mapping = airflow_task.KeyMapping(RunKeyRule())
+        resolved = airflow_task.context_run_key(mapping, task.dag, context, run)
+        task_run = airflow_task.TaskRun(
+            job_name=f"{task.dag_id}.{task.task_id}",
+            resolved=resolved,
+            options=airflow_task.run_options(context),
+            trigger=airflow_task.trigger(context, run, resolved.zone),
+            schema=_setting("policy_schema", DEFAULT_SCHEMA),
+            logger=task.log,
+        )
+        database = JobDatabase(conn_id)
+        airflow_task.check_connection(database, conn_id, "set [idempotency] policy_conn_id")
+        returned: list[Any] = []
+        result = airflow_task.run_task(
+            database, task_run, functools.partial(_work, task, original, returned), context, task
+        )
+    except IdempotencyError as exc:
+        raise airflow_task.airflow_failure(context, exc, wait, task.log) from exc
+    if result.outcome is RunOutcome.COMPLETED:
+        return returned[0] if returned else None
+    return (result.counts or {}).get("return_value")  # a no-op: what the first run returned
+
+
+def _check_not_mapped(task: Any, context: Any) -> None:
+    """Refuse an instance of a mapped task group's task: the policy keys a task by its day
+    alone, so its instances would share one key and all but the first would be no-ops."""
+    from airflow_idempotency import airflow_task
+    from airflow_idempotency.exceptions import InvalidInputError
+
+    index = airflow_task.map_index(context)
+    if index is not None:
+        raise InvalidInputError(
+            f"task {task.task_id!r} of DAG {task.dag_id!r} (map index {index}) is mapped (a "
+            "mapped task group), and the policy gives all its instances one run key: the "
+            "first would do its work and every other would be a no-op. Leave it out of the "
+            f'policy (params={{"{EXEMPT_PARAM}": True}}), or use IdempotentRunOperator '
+            "with a key_segment per instance"
+        )
+
+
+def _work(task: Any, original: Any, returned: list[Any], ctx: Any) -> dict[str, Any]:
+    """The task's own execute as the contract's work; its return value kept when small."""
+    if ctx.dry_run:
+        task.log.info("dry run: %s is not executed (the policy cannot roll it back)", task)
+        return {}
+    value = original()
+    returned.append(value)
+    try:
+        size = len(json.dumps(value))
+    except (TypeError, ValueError):
+        size = MAX_REPLAYED_BYTES + 1
+    if value is None or size > MAX_REPLAYED_BYTES:
+        return {}
+    return {"return_value": value}
+
+
+__all__ = [
+    "EXEMPT_PARAM",
+    "covered",
+    "dag_policy",
+    "exempt",
+    "key_refusal",
+    "policy_tags",
+    "protected",
+]
