@@ -1,5 +1,4 @@
-"""What the fence tests' work writes and reads: the ``public.facts`` table, and a remote
-that keeps every call it receives.
+"""What the fence tests' work writes and reads: the `public.facts` table; a recording remote.
 
 The ``facts`` fixture (tests/conftest.py) creates the table; :func:`writer` is work that
 writes one row of it inside ``run.transaction()``; :func:`written` and :func:`outcomes` read

@@ -1,8 +1,8 @@
-"""One effect's call to its remote: its first try, then its retries; what both ways of
-making a claimed batch's calls share (:class:`DeliveryPath`).
+"""One effect's call to its remote: its first try, then its retries.
 
 Each try notes whether the remote answered at all (:mod:`.reachability`); the retries are
-:mod:`.retries`.
+:mod:`.retries`. What both ways of making a claimed batch's calls share (the deduplicating
+batches, the pipeline) is :class:`DeliveryPath`.
 """
 
 from __future__ import annotations
