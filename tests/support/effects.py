@@ -48,7 +48,7 @@ def run_once(
         work=work,
         options=RunOptions(force=force, dry_run=dry_run),
         environment=environment,
-        trigger=trigger,
+        **({"trigger": trigger} if trigger is not None else {}),
     )
 
 
