@@ -1,4 +1,4 @@
-"""The invoice example's date state and its invariants, in one place.
+"""The invoice example's date state and its invariants, in one place (their SQL: invariants.sql).
 
 The tests (``tests/support/invoice_env.py``), the fault scenarios (``tests/support/faults.py``), the
 demo (``devtools/demo/rig.py``) and chaos (``devtools/chaos/``) all read the example's

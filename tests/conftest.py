@@ -142,3 +142,12 @@ def accounting(pg_dsn: str) -> Iterator[AccountingService]:
 
     with run_accounting_service(pg_dsn) as service:
         yield service
+
+
+@pytest.fixture
+def facts(pg_dsn: str) -> str:
+    """The test database with a table ``public.facts`` the work writes to (the fence tests:
+    support.fenced_work)."""
+    from support.fenced_work import create_facts
+
+    return create_facts(pg_dsn)

@@ -1,4 +1,4 @@
-"""The fence's Python: fenced transactions and their errors; its SQL is migrations 0006 and 0008.
+"""The fence's Python (fenced transactions, errors); its SQL: migrations 0006, 0008, queries.sql.
 
 A fenced transaction on a connection of one attempt, and what its errors mean (:class:`Fence`).
 The fence itself is SQL (migrations 0006 and 0008, the ``fence_enter``/``fence_arm``/

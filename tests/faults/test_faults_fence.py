@@ -22,65 +22,21 @@ import pytest
 from airflow_idempotency.effects.outputs import OutputFile
 from airflow_idempotency.exceptions import LockLostError, LockWaitError
 from airflow_idempotency.ledger import OutboundLedger
-from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
+from airflow_idempotency.ledger.senders import Effect
 from airflow_idempotency.locks import LOCK_WAIT_ENV
 from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
 from support.db import rows
 from support.faults import figures
+from support.fenced_work import FENCE_KEYS, Recorder, insert, outcomes, writer, written
 from support.locks import Background, terminate_lock_session, wait_for, waiting_backends
 
 JOB, KEY = "fenced_export", "2026-10-01"
-FENCE_KEYS = 2  # pg_locks.objsubid of the fence keys (the (int4, int4) advisory space)
-
-
-@pytest.fixture
-def facts(pg_dsn: str) -> str:
-    """A table the work writes to."""
-    rows(pg_dsn, "CREATE TABLE public.facts (writer text NOT NULL)")
-    return pg_dsn
 
 
 def run(dsn: str, work: Callable[[RunContext], Any], **connect: Any) -> RunResult:
     return run_idempotently(
         connect=lambda: psycopg.connect(dsn, **connect), job_name=JOB, run_key=KEY, work=work
     )
-
-
-def written(dsn: str) -> list[str]:
-    return [w for (w,) in rows(dsn, "SELECT writer FROM public.facts ORDER BY writer")]
-
-
-def outcomes(dsn: str) -> list[str]:
-    found = rows(dsn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id")
-    return [outcome for (outcome,) in found]
-
-
-def insert(cur: psycopg.Cursor[Any], name: str) -> None:
-    cur.execute("INSERT INTO public.facts VALUES (%s)", (name,))
-
-
-def writer(name: str) -> Callable[[RunContext], None]:
-    def work(ctx: RunContext) -> None:
-        with ctx.transaction() as cur:
-            insert(cur, name)
-
-    return work
-
-
-class Recorder(BlockingEffectSender[None]):
-    """A remote that keeps every call it receives."""
-
-    kind = "webhook"
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def connect(self) -> None:
-        return None
-
-    def send(self, connection: None, effect: Effect) -> Confirmation:
-        self.calls.append(effect.idempotency_key)
-        return Confirmation(reference=effect.idempotency_key)
 
 
 def send_through_the_ledger(ctx: RunContext, remote: Recorder, folder: Path) -> None:

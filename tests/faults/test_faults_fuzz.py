@@ -44,9 +44,10 @@ from airflow_idempotency.run_key import (
     key_parts,
     resolve_run_key,
 )
-from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunContext, RunOutcome
 from airflow_idempotency.schema import ensure_schema
 from devtools.postgres import temporary_database
+from support.effects import run_once
 from support.faults import figures, refusal
 from support.locks import advisory_locks
 
@@ -374,12 +375,7 @@ def test_job_names_and_run_keys_round_trip_exactly_or_nothing_is_written(fuzz_ds
             return {"job": run.job_name, "key": run.run_key}
 
         try:
-            result = run_idempotently(
-                connect=lambda: psycopg.connect(fuzz_dsn),
-                job_name=job_name,
-                run_key=run_key,
-                work=work,
-            )
+            result = run_once(fuzz_dsn, work, job=job_name, run_key=run_key)
         except InvalidInputError:
             tally["refused"] += 1
             assert seen == []
@@ -449,13 +445,7 @@ def send(dsn: str, url: str, effects: list[Effect], calls: list[str]) -> Any:
         ledger = OutboundLedger(run, "accounting", retries=retries)
         box["summary"] = ledger.send_all(effects, counting, base_url=url)
 
-    run_idempotently(
-        connect=lambda: psycopg.connect(dsn),
-        job_name="fuzz",
-        run_key="2026-10-01",
-        work=work,
-        options=RunOptions(force=True),
-    )
+    run_once(dsn, work, job="fuzz", force=True)
     return box["summary"]
 
 
@@ -574,12 +564,7 @@ def test_a_percent_sign_in_a_job_name_or_run_key_is_logged_verbatim(
 
     empty(fuzz_dsn)
     caplog.set_level(logging.INFO, logger="airflow_idempotency")
-    result = run_idempotently(
-        connect=lambda: psycopg.connect(fuzz_dsn),
-        job_name="fees 100%",
-        run_key="50% off",
-        work=lambda run: {"ok": 1},
-    )
+    result = run_once(fuzz_dsn, lambda run: {"ok": 1}, job="fees 100%", run_key="50% off")
     assert result.outcome is RunOutcome.COMPLETED
     line = f"job=fees 100% run_key=50% off attempt={result.attempt_id} started"
     assert line in caplog.text

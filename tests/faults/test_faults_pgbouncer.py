@@ -33,6 +33,7 @@ from devtools.airflow_env import DAGS_FOLDER, connection_env
 from devtools.postgres import PostgresServer
 from support.dag_runs import FAILED, SUCCESS, load_dag_bag, run_dag, scheduled_logical_date
 from support.db import rows
+from support.effects import run_once
 from support.faults import figures, refusal
 from support.locks import advisory_locks
 from support.workers import Until, race, start_worker, work_log_count
@@ -231,12 +232,7 @@ def test_a_session_lock_left_on_a_pooled_connection_is_refused(
             old_client.execute("SELECT pg_advisory_lock(%s)", (run_lock_key("leaky", D),))
             called: list[int] = []
             with pytest.raises(SharedSessionError, match="already held run lock") as refused:
-                run_idempotently(
-                    connect=connect_through(dsn),
-                    job_name="leaky",
-                    run_key=D,
-                    work=lambda run: called.append(1),
-                )
+                run_once(dsn, lambda run: called.append(1), job="leaky", run_key=D)
             assert called == []
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_run_attempts") == [(0,)]
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_runs") == [(0,)]
@@ -254,12 +250,7 @@ def test_statement_pooling_is_refused_before_anything(
         with pytest.raises(
             ConfigurationError, match=r"statement mode.*pool_mode = transaction or session"
         ) as refused:
-            run_idempotently(
-                connect=connect_through(dsn),
-                job_name="j",
-                run_key=D,
-                work=lambda r: called.append(1),
-            )
+            run_once(dsn, lambda r: called.append(1), job="j", run_key=D)
         assert rows(pg_dsn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'") == [
             (0,)
         ]
@@ -268,12 +259,7 @@ def test_statement_pooling_is_refused_before_anything(
 
             ensure_schema(direct)
         with pytest.raises(ConfigurationError, match="statement mode"):
-            run_idempotently(
-                connect=connect_through(dsn),
-                job_name="j",
-                run_key=D,
-                work=lambda r: called.append(1),
-            )
+            run_once(dsn, lambda r: called.append(1), job="j", run_key=D)
     assert called == []
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_run_attempts") == [(0,)]
     figures(f"{refusal(refused.value)}; work not run, no schema made, 0 attempts once migrated")

@@ -21,6 +21,7 @@ from airflow.dag_processing.dagbag import BundleDagBag
 from devtools.airflow_env import DAGS_FOLDER
 from support.dag_runs import SUCCESS, task_states
 from support.db import rows
+from support.effects import run_once
 from support.faults import (
     FIRE,
     NO_PROBLEMS,
@@ -160,10 +161,7 @@ def _export_until(dsn: str, url: str, items: Any, **options: Any) -> tuple[Any, 
     """One forced run exporting ``items``: (its exception or summary, seconds it took)."""
     import time
 
-    import psycopg
-
-    from airflow_idempotency import OutboundLedger, RunContext, post_json, run_idempotently
-    from airflow_idempotency.runner import RunOptions
+    from airflow_idempotency import OutboundLedger, RunContext, post_json
 
     out: dict[str, Any] = {}
 
@@ -175,13 +173,7 @@ def _export_until(dsn: str, url: str, items: Any, **options: Any) -> tuple[Any, 
 
     started = time.monotonic()
     try:
-        run_idempotently(
-            connect=lambda: psycopg.connect(dsn),
-            job_name="export",
-            run_key=D,
-            work=work,
-            options=RunOptions(force=True),
-        )
+        run_once(dsn, work, job="export", run_key=D, force=True)
     except Exception as exc:
         return exc, time.monotonic() - started
     return out["summary"], time.monotonic() - started

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from airflow_idempotency.exceptions import MigrationBlockedError
 from airflow_idempotency.runner import RunOutcome, run_idempotently
 from support.db import rows
 from support.faults import figures
+from support.locks import Background
 from support.upgrades import Releases
 
 
@@ -36,21 +36,6 @@ def fleet_run(dsn: str, run_key: str) -> float:
     )
     assert result.outcome is RunOutcome.COMPLETED
     return time.monotonic() - started
-
-
-def in_thread(call: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:
-            outcome["error"] = exc
-        outcome["at"] = time.monotonic()
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 def server_major(dsn: str) -> int:
@@ -93,18 +78,19 @@ def test_a_nightly_pg_dump_stalls_neither_the_upgrade_nor_the_fleet(
         releases.new()
         bounds = dataclasses.replace(schema_mod.MIGRATION_BOUNDS, give_up_after=15.0)
         started = time.monotonic()
-        thread, outcome = in_thread(lambda: migrate(pg_dsn, bounds))
+        migration = Background(lambda: migrate(pg_dsn, bounds))
         time.sleep(0.5)
         releases.old()  # the fleet: workers of the current release, runs starting now
         fleet = [fleet_run(pg_dsn, f"2026-10-{day:02d}") for day in range(2, 7)]
-        thread.join(timeout=60)
-        assert not thread.is_alive()
-        gave_up = outcome["at"] - started
+        migration.thread.join(timeout=60)
+        assert not migration.thread.is_alive()
+        assert migration.finished_at is not None
+        gave_up = migration.finished_at - started
     finally:
         dump.stdout.read() if dump.stdout else None  # let the dump finish
         dump.wait(timeout=120)
-    error = outcome.get("error")
-    assert isinstance(error, MigrationBlockedError), outcome
+    error = migration.error
+    assert isinstance(error, MigrationBlockedError), migration.result
     assert "'pg_dump'" in str(error) and "pid " in str(error)
     assert gave_up < bounds.give_up_after + bounds.lock_timeout + 5, gave_up
     assert max(fleet) < 2 * bounds.lock_timeout + 3, fleet
@@ -139,7 +125,7 @@ def test_a_worker_stopped_mid_migration_loses_its_locks_within_the_bound(
     monkeypatch.setenv(crashpoints.WAIT_ENV, f"schema.after_migration={gate}")
     monkeypatch.setattr(crashpoints, "_slept", {})
     started = time.monotonic()
-    thread, outcome = in_thread(lambda: migrate(pg_dsn, schema_mod.MIGRATION_BOUNDS))
+    migration = Background(lambda: migrate(pg_dsn, schema_mod.MIGRATION_BOUNDS))
     try:
         time.sleep(1.0)  # the migration reached its fault point holding ACCESS EXCLUSIVE
         releases.old()
@@ -147,11 +133,13 @@ def test_a_worker_stopped_mid_migration_loses_its_locks_within_the_bound(
         freed = time.monotonic() - started
     finally:
         gate.touch()
-        thread.join(timeout=30)
+        migration.thread.join(timeout=30)
     bound = schema_mod.MIGRATION_BOUNDS.idle_in_transaction
     assert freed < bound + 6, freed
-    error = outcome.get("error")  # the server ended the session: IdleInTransactionSessionTimeout
-    assert isinstance(error, psycopg.Error) and "idle-in-transaction" in str(error), outcome
+    error = migration.error  # the server ended the session: IdleInTransactionSessionTimeout
+    assert isinstance(error, psycopg.Error) and "idle-in-transaction" in str(error), (
+        migration.result
+    )
     assert rows(
         pg_dsn,
         "SELECT count(*) FROM idempotency.schema_version WHERE name = %s",
@@ -160,5 +148,5 @@ def test_a_worker_stopped_mid_migration_loses_its_locks_within_the_bound(
     figures(
         f"job_runs freed {freed:.1f} s after the migration began (bound {bound:g} s idle in "
         f"transaction); a fleet run waited {took:.1f} s then completed; the stopped worker "
-        f"got {type(outcome['error']).__name__}, nothing of the migration applied"
+        f"got {type(migration.error).__name__}, nothing of the migration applied"
     )

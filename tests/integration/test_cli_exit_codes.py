@@ -11,15 +11,13 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-import psycopg
 import pytest
 
 from airflow_idempotency.cli import main
-from airflow_idempotency.locks import hold_run_lock, run_lock_key
-from airflow_idempotency.schema import ensure_schema
 from support import ROOT
 from support.cli import abandon, record
-from support.locks import key_held
+from support.effects import seed_ledger
+from support.locks import key_held, run_lock_taken
 from support.workers import TEST_DAGS
 
 pytestmark = pytest.mark.both_airflow_lines
@@ -62,13 +60,7 @@ def running(dsn: str) -> Iterator[None]:
 
 def seed_unknown(dsn: str) -> None:
     """An email of job j 10-01 whose call began and has no outcome: unknown."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        ensure_schema(conn, "idempotency")
-        conn.execute(
-            "INSERT INTO idempotency.outbound_ledger (remote_system, idempotency_key, job_name,"
-            " run_key, request_fingerprint, status, effect_kind, deduplicating) VALUES"
-            " ('finance_mail', 'mail:1', 'j', '2026-10-01', 'f', 'unknown', 'email', false)"
-        )
+    seed_ledger(dsn, "j", [("finance_mail", "mail:1", "unknown", "email", False, None)])
 
 
 @contextlib.contextmanager
@@ -82,13 +74,7 @@ def unknown_effect(dsn: str) -> Iterator[None]:
 def unknown_effect_locked(dsn: str) -> Iterator[None]:
     """The unknown email, while an attempt of its key (j 10-01) holds the run lock."""
     seed_unknown(dsn)
-    with (
-        psycopg.connect(dsn, autocommit=True) as holder,
-        hold_run_lock(
-            holder, run_lock_key("j", "2026-10-01"), schema="idempotency", application_name="t"
-        ) as lock,
-    ):
-        assert lock is not None
+    with run_lock_taken(dsn, "j", "2026-10-01"):
         yield
 
 

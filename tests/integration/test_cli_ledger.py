@@ -13,29 +13,26 @@ import pytest
 from airflow_idempotency.cli import main
 from airflow_idempotency.exceptions import OutcomeUnknownError
 from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
-from airflow_idempotency.locks import hold_run_lock, run_lock_key
-from airflow_idempotency.schema import ensure_schema
 from devtools.postgres import PostgresServer, temporary_database
-from support.effects import statuses
+from support.effects import seed_ledger, statuses
+from support.locks import run_lock_taken
 
 pytestmark = pytest.mark.both_airflow_lines
 
 
 def seed(dsn: str) -> None:
     """One effect of each state and three kinds, as the ledger writes them."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        ensure_schema(conn, "idempotency")
-        conn.execute(
-            "INSERT INTO idempotency.outbound_ledger (remote_system, idempotency_key, job_name,"
-            " run_key, request_fingerprint, status, effect_kind, deduplicating, last_error)"
-            " VALUES"
-            " ('accounting', 'inv:1', 'job', '2026-10-01', 'f', 'pending', 'http', true, 'timeout'),"
-            " ('finance_mail', 'mail:1', 'job', '2026-10-01', 'f', 'unknown', 'email', false,"
-            "  'the call began (attempt 7) and no outcome was recorded: it may have happened'),"
-            " ('files:/out', 'a.csv', 'job', '2026-10-01', 'f', 'succeeded', 'file', true, NULL),"
-            " ('notify:chat', 'job:2026-10-01:failure', 'job', '2026-10-01', 'f', 'failed',"
-            "  'notification', false, 'HTTP 400')"
-        )
+    unknown = "the call began (attempt 7) and no outcome was recorded: it may have happened"
+    seed_ledger(
+        dsn,
+        "job",
+        [
+            ("accounting", "inv:1", "pending", "http", True, "timeout"),
+            ("finance_mail", "mail:1", "unknown", "email", False, unknown),
+            ("files:/out", "a.csv", "succeeded", "file", True, None),
+            ("notify:chat", "job:2026-10-01:failure", "failed", "notification", False, "HTTP 400"),
+        ],
+    )
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
@@ -97,13 +94,7 @@ def test_resend_makes_it_pending_and_a_running_key_is_refused(
     """resend makes an unknown effect pending (by $USER when --by is absent); while an attempt of its key holds the run lock, the CLI refuses with exit 75 and writes nothing."""
     seed(pg_dsn)
     monkeypatch.setenv("USER", "oncall-bob")
-    with (
-        psycopg.connect(pg_dsn, autocommit=True) as holder,
-        hold_run_lock(
-            holder, run_lock_key("job", "2026-10-01"), schema="idempotency", application_name="t"
-        ) as lock,
-    ):
-        assert lock is not None
+    with run_lock_taken(pg_dsn, "job", "2026-10-01"):
         code, _, err = run(capsys, "ledger", "resend", "finance_mail", "mail:1", "--reason", "x",
                            "--dsn", pg_dsn)  # fmt: skip
     assert code == 75 and "is locked" in err

@@ -16,11 +16,12 @@ import pytest
 from airflow_idempotency.exceptions import LockLostError, LockWaitError, TransactionMisuseError
 from airflow_idempotency.fence import Fence
 from airflow_idempotency.ledger import OutboundLedger
-from airflow_idempotency.ledger.senders import BlockingEffectSender, Confirmation, Effect
+from airflow_idempotency.ledger.senders import Effect
 from airflow_idempotency.locks import LOCK_WAIT_ENV, RunLock, run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
 from devtools.postgres import PostgresServer, private_embedded, temporary_database
 from support.db import rows
+from support.fenced_work import Recorder, insert, outcomes, writer, written
 from support.locks import (
     Background,
     run_lock_holder,
@@ -29,57 +30,12 @@ from support.locks import (
 )
 
 JOB, KEY = "nested_job", "2026-10-01"
-FENCE_KEYS = 2  # pg_locks.objsubid of the fence keys (the (int4, int4) advisory space)
-
-
-@pytest.fixture
-def facts(pg_dsn: str) -> str:
-    """A table the work writes to."""
-    rows(pg_dsn, "CREATE TABLE public.facts (writer text NOT NULL)")
-    return pg_dsn
 
 
 def run(dsn: str, work: Callable[[RunContext], Any], **connect: Any) -> RunResult:
     return run_idempotently(
         connect=lambda: psycopg.connect(dsn, **connect), job_name=JOB, run_key=KEY, work=work
     )
-
-
-def written(dsn: str) -> list[str]:
-    return [w for (w,) in rows(dsn, "SELECT writer FROM public.facts ORDER BY writer")]
-
-
-def outcomes(dsn: str) -> list[str]:
-    found = rows(dsn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id")
-    return [outcome for (outcome,) in found]
-
-
-def insert(cur: psycopg.Cursor[Any], name: str) -> None:
-    cur.execute("INSERT INTO public.facts VALUES (%s)", (name,))
-
-
-def writer(name: str) -> Callable[[RunContext], None]:
-    def work(ctx: RunContext) -> None:
-        with ctx.transaction() as cur:
-            insert(cur, name)
-
-    return work
-
-
-class Recorder(BlockingEffectSender[None]):
-    """A remote that keeps every call it receives."""
-
-    kind = "webhook"
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def connect(self) -> None:
-        return None
-
-    def send(self, connection: None, effect: Effect) -> Confirmation:
-        self.calls.append(effect.idempotency_key)
-        return Confirmation(reference=effect.idempotency_key)
 
 
 def test_a_fenced_transaction_inside_the_works_own_transaction_is_checked_at_its_commit(

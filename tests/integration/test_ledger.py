@@ -21,14 +21,13 @@ from airflow_idempotency import (
     Retries,
     RunContext,
     post_json,
-    run_idempotently,
 )
 from airflow_idempotency.exceptions import IdempotencyKeyConflictError
 from airflow_idempotency.ledger import check_idempotency_key
 from airflow_idempotency.run_key import MAX_KEY_LENGTH, check_text
-from airflow_idempotency.runner import RunOptions
 from devtools.accounting import AccountingService
 from support.db import rows
+from support.effects import run_once
 from support.locks import terminate_lock_session
 
 
@@ -48,13 +47,7 @@ def send(
         summary = out["summary"] = ledger.send_all(items, post_json(path), base_url=url)
         return summary.as_counts("exports")
 
-    run_idempotently(
-        connect=lambda: psycopg.connect(dsn),
-        job_name=job,
-        run_key="2026-10-01",
-        work=work,
-        options=RunOptions(force=True),
-    )
+    run_once(dsn, work, job=job, force=True)
     return out["summary"]
 
 
@@ -129,13 +122,7 @@ def test_dry_run_sends_nothing_and_writes_nothing(
             effects(6), post_json("/api/invoices"), base_url=accounting.url
         )
 
-    run_idempotently(
-        connect=lambda: psycopg.connect(pg_dsn),
-        job_name="job",
-        run_key="2026-10-01",
-        work=work,
-        options=RunOptions(dry_run=True),
-    )
+    run_once(pg_dsn, work, dry_run=True)
     assert out["s"].sent == 6
     assert accounting.stats()["requests"] == 0
     assert ledger_rows(pg_dsn) == []
@@ -207,13 +194,7 @@ def test_rerun_over_confirmed_keys_writes_nothing_and_still_detects_a_changed_re
         except IdempotencyKeyConflictError as exc:
             out["error"] = str(exc)
 
-    run_idempotently(
-        connect=lambda: psycopg.connect(pg_dsn),
-        job_name="job",
-        run_key="2026-10-01",
-        work=work,
-        options=RunOptions(force=True),
-    )
+    run_once(pg_dsn, work, force=True)
     assert "1 idempotency key(s)" in out["error"] and "order_13" in out["error"]
     assert sorted(calls) == [f"job:2026-10-01:new_{i}" for i in range(3)]
     rows = {key: status for key, status, *_ in ledger_rows(pg_dsn)}
@@ -239,13 +220,8 @@ def test_dry_run_classifies_confirmed_changed_and_new_keys_without_writing(
 
     def dry(items: list[Effect]) -> None:
         out.clear()
-        run_idempotently(
-            connect=lambda: psycopg.connect(pg_dsn),
-            job_name="job",
-            run_key="2026-10-01",
-            work=lambda run: work(run, items),
-            options=RunOptions(force=True, dry_run=True),  # the key's run is completed
-        )
+        # force: the key's run is completed
+        run_once(pg_dsn, lambda run: work(run, items), force=True, dry_run=True)
 
     dry(effects(9))
     summary = out["summary"]

@@ -10,11 +10,9 @@ test_faults_upgrade.py.)
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import psycopg
 import pytest
@@ -23,6 +21,7 @@ from airflow_idempotency import schema as schema_mod
 from airflow_idempotency._sql import migrations
 from airflow_idempotency.migrator import MigrationBounds
 from support.db import rows
+from support.locks import Background
 from support.upgrades import Releases
 
 FAST = MigrationBounds(lock_timeout=0.3, give_up_after=2.0, idle_in_transaction=1.0)
@@ -74,21 +73,6 @@ def reader(dsn: str, table: str, name: str = "nightly-report") -> Iterator[int]:
         conn.close()
 
 
-def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    """Run ``call`` in a thread; its result or error lands in the dict returned."""
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, outcome
-
-
 def ensure(dsn: str, bounds: MigrationBounds = FAST, schema: str = "idempotency") -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return schema_mod.ensure_schema(conn, schema, bounds=bounds)
@@ -106,12 +90,12 @@ def test_a_long_reader_makes_a_migration_give_up_and_name_it(
     name = upgrade_pending(pg_dsn, releases)
     with reader(pg_dsn, "outbound_ledger") as pid:
         started = time.monotonic()
-        thread, outcome = in_thread(lambda: ensure(pg_dsn))
-        thread.join(timeout=20)
+        migration = Background(lambda: ensure(pg_dsn))
+        migration.thread.join(timeout=20)
         waited = time.monotonic() - started
-        assert not thread.is_alive(), f"the migration still waits after {waited:.0f} s"
-    error = outcome.get("error")
-    assert isinstance(error, MigrationBlockedError), outcome
+        assert not migration.thread.is_alive(), f"the migration still waits after {waited:.0f} s"
+    error = migration.error
+    assert isinstance(error, MigrationBlockedError), migration.result
     assert waited < FAST.give_up_after + 5
     message = str(error)
     assert f"pid {pid}" in message and "'nightly-report'" in message
@@ -136,7 +120,7 @@ def test_other_workers_statements_do_not_queue_behind_a_blocked_migration(
     upgrade_pending(pg_dsn, releases)
     slow = MigrationBounds(lock_timeout=0.3, give_up_after=8.0, idle_in_transaction=1.0)
     with reader(pg_dsn, "outbound_ledger"):
-        thread, outcome = in_thread(lambda: ensure(pg_dsn, slow))
+        migration = Background(lambda: ensure(pg_dsn, slow))
         time.sleep(0.5)  # the migration is queued or between tries
         waits = []
         with psycopg.connect(pg_dsn, autocommit=True) as worker:
@@ -146,10 +130,12 @@ def test_other_workers_statements_do_not_queue_behind_a_blocked_migration(
                 worker.execute("UPDATE idempotency.outbound_ledger SET call_count = 0 WHERE false")
                 waits.append(time.monotonic() - started)
                 time.sleep(0.2)
-        assert thread.is_alive(), outcome  # still retrying: the reader still holds its lock
-    thread.join(timeout=20)
+        assert migration.thread.is_alive(), (
+            migration.result
+        )  # still retrying: the reader still holds its lock
+    migration.thread.join(timeout=20)
     assert max(waits) < 3.0, waits
-    assert "result" in outcome or "error" in outcome
+    assert migration.finished_at is not None
 
 
 def test_waiting_behind_a_migrating_worker_is_bounded_and_names_it(

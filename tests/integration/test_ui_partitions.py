@@ -8,12 +8,11 @@ import re
 from typing import Any
 from urllib.parse import quote
 
-import psycopg
 import pytest
 from test_ui_app import Client, auth_manager
 
 from airflow_idempotency.records import Trigger
-from airflow_idempotency.runner import run_idempotently
+from support.effects import run_once
 
 pytestmark = pytest.mark.usefixtures("airflow_home")
 __all__ = ["auth_manager"]  # the module's fixture, shared
@@ -29,13 +28,7 @@ def run(dsn: str, key: str, partition_key: str, *, fail: bool = False) -> None:
 
     trigger = Trigger("backfill", None, "demo_dag", f"backfill__{key}", "t", 1, None, partition_key)
     try:
-        run_idempotently(
-            connect=lambda: psycopg.connect(dsn),
-            job_name="regional",
-            run_key=key,
-            work=work,
-            trigger=trigger,
-        )
+        run_once(dsn, work, job="regional", run_key=key, trigger=trigger)
     except RuntimeError:
         assert fail
 

@@ -5,6 +5,8 @@
   ``held_run_locks()``; a key held by a run in a thread (``key_held``); ending a lock's
   session as a lost connection would; who waits for which advisory key space
   (``waiting_backends``); a call in a thread (``Background``), ``wait_for`` a condition;
+- :mod:`support.fenced_work`: the fence tests' table (``public.facts``, the ``facts``
+  fixture), work that writes it, and a remote that records its calls;
 - :mod:`support.workers`: ``airflow dags test`` workers in private Airflow homes, and
   ``race()``, two workers on one run key;
 - :mod:`support.dag_runs`: DAGs defined in tests run through Airflow's ``dag.test()``;

@@ -21,8 +21,10 @@ from typing import Any
 import psycopg
 
 from airflow_idempotency import RunContext, run_idempotently
+from airflow_idempotency.records import Trigger
 from airflow_idempotency.run_context import RunEnvironment
 from airflow_idempotency.runner import RunOptions, RunResult
+from airflow_idempotency.schema import ensure_schema
 
 
 def run_once(
@@ -34,8 +36,10 @@ def run_once(
     force: bool = False,
     dry_run: bool = False,
     metrics: Any = None,
+    trigger: Trigger | None = None,
 ) -> RunResult:
-    """One execution of (job, run_key) through the real runner and Postgres."""
+    """One execution of (job, run_key) through the real runner and Postgres (a script's run
+    unless ``trigger`` names the Airflow run that started it)."""
     environment = RunEnvironment() if metrics is None else RunEnvironment(metrics=metrics)
     return run_idempotently(
         connect=lambda: psycopg.connect(dsn),
@@ -44,6 +48,7 @@ def run_once(
         work=work,
         options=RunOptions(force=force, dry_run=dry_run),
         environment=environment,
+        **({"trigger": trigger} if trigger is not None else {}),
     )
 
 
@@ -91,6 +96,21 @@ def ledger(dsn: str, remote_system: str | None = None) -> dict[str, tuple[Any, .
 def statuses(dsn: str, remote_system: str | None = None) -> dict[str, str]:
     """idempotency key -> status."""
     return {key: row[0] for key, row in ledger(dsn, remote_system).items()}
+
+
+def seed_ledger(
+    dsn: str, job: str, entries: list[tuple[str, str, str, str, bool, str | None]]
+) -> None:
+    """Ledger rows of (job, 2026-10-01) as the ledger writes them, in a migrated schema: each
+    entry (remote_system, idempotency_key, status, effect_kind, deduplicating, last_error)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ensure_schema(conn, "idempotency")
+        conn.cursor().executemany(
+            "INSERT INTO idempotency.outbound_ledger (remote_system, idempotency_key, job_name,"
+            " run_key, request_fingerprint, status, effect_kind, deduplicating, last_error)"
+            " VALUES (%s, %s, %s, '2026-10-01', 'f', %s, %s, %s, %s)",
+            [(remote, key, job, *rest) for remote, key, *rest in entries],
+        )
 
 
 class LocalEndpoint:

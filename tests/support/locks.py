@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 
 from airflow_idempotency import RunContext, run_idempotently
-from airflow_idempotency.locks import run_lock_key
+from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.records import Trigger
 from devtools import invariants
 from support.db import rows
@@ -85,6 +85,19 @@ def key_held(dsn: str, job: str, run_key: str, trigger: Trigger | None = None) -
         worker.join(30)
 
 
+@contextlib.contextmanager
+def run_lock_taken(dsn: str, job: str, run_key: str) -> Iterator[None]:
+    """(job, run_key)'s run lock held by a session of the test's own (application_name
+    ``t``, no run and no attempt) while the block runs."""
+    key = run_lock_key(job, run_key)
+    with (
+        psycopg.connect(dsn, autocommit=True) as holder,
+        hold_run_lock(holder, key, schema="idempotency", application_name="t") as lock,
+    ):
+        assert lock is not None, f"the run lock of {job!r} {run_key!r} was already held"
+        yield
+
+
 def terminate_lock_session(dsn: str, job: str, run_key: str) -> int:
     """Terminate the session holding (job, run_key)'s lock and wait until it is gone; return
     its pid. Without the wait, a fencing check racing the dying backend still sees the lock."""
@@ -106,17 +119,20 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 15.0) -> Non
 
 
 class Background:
-    """A call in a thread whose result or exception is kept for the test."""
+    """A call in a thread whose result or exception is kept for the test, with the
+    ``time.monotonic()`` at which it ended (``finished_at``, None while it runs)."""
 
     def __init__(self, call: Callable[[], Any]) -> None:
         self.result: Any = None
         self.error: BaseException | None = None
+        self.finished_at: float | None = None
 
         def body() -> None:
             try:
                 self.result = call()
             except BaseException as exc:
                 self.error = exc
+            self.finished_at = time.monotonic()
 
         self.thread = threading.Thread(target=body, daemon=True)
         self.thread.start()

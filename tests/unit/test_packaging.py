@@ -113,14 +113,7 @@ def test_wheel_and_sdist_pass_twine_check(tmp_path: Path) -> None:
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert checked.stdout.count("PASSED") == 2, checked.stdout
-    rebuilt = tmp_path / "from-sdist"
-    subprocess.run(
-        [uv, "build", "--wheel", "--out-dir", str(rebuilt), str(sdist)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    (again,) = rebuilt.glob("*.whl")
+    again = _build_wheel(sdist, tmp_path / "from-sdist")
     assert sorted(zipfile.ZipFile(again).namelist()) == sorted(zipfile.ZipFile(wheel).namelist())
 
 

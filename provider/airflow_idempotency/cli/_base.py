@@ -48,26 +48,30 @@ def common_options(*, defaults: bool) -> argparse.ArgumentParser:
 
     common = argparse.ArgumentParser(add_help=False)
     group = common.add_argument_group("the job database and the output (anywhere on the line)")
-    group.add_argument(
-        "--dsn",
-        type=_arguments.dsn,
-        default=default(None),
-        help=f"libpq connection string or URI of the job database, e.g. 'host=db dbname=jobs "
-        f"user=airflow' (default: ${DSN_ENV}, else the Airflow connection --conn-id)",
+    database: tuple[tuple[str, Callable[[str], object], object, str], ...] = (
+        (
+            "--dsn",
+            _arguments.dsn,
+            None,
+            f"libpq connection string or URI of the job database, e.g. 'host=db dbname=jobs "
+            f"user=airflow' (default: ${DSN_ENV}, else the Airflow connection --conn-id)",
+        ),
+        (
+            "--conn-id",
+            _arguments.text,
+            DEFAULT_CONN_ID,
+            f"Airflow connection of the job database when there is no DSN "
+            f"(default: {DEFAULT_CONN_ID})",
+        ),
+        (
+            "--schema",
+            _arguments.schema_name,
+            DEFAULT_SCHEMA,
+            f"the bookkeeping schema (default: {DEFAULT_SCHEMA})",
+        ),
     )
-    group.add_argument(
-        "--conn-id",
-        type=_arguments.text,
-        default=default(DEFAULT_CONN_ID),
-        help=f"Airflow connection of the job database when there is no DSN "
-        f"(default: {DEFAULT_CONN_ID})",
-    )
-    group.add_argument(
-        "--schema",
-        type=_arguments.schema_name,
-        default=default(DEFAULT_SCHEMA),
-        help=f"the bookkeeping schema (default: {DEFAULT_SCHEMA})",
-    )
+    for flag, kind, value, text in database:
+        group.add_argument(flag, type=kind, default=default(value), help=text)
     group.add_argument(
         "--json",
         action="store_true",
@@ -98,6 +102,27 @@ def add_command(
     )
     parser.set_defaults(func=handler)
     return parser
+
+
+def add_range(
+    parser: argparse.ArgumentParser,
+    kind: str,
+    convert: Callable[[str], object],
+    metavar: str,
+    first: str,
+    last: str,
+) -> None:
+    """A command's required ``--from`` and ``--to`` (into ``from_KIND`` and ``to_KIND``),
+    each value read by ``convert``; ``first`` and ``last`` are their help."""
+    for flag, text in (("--from", first), ("--to", last)):
+        parser.add_argument(
+            flag,
+            dest=f"{flag[2:]}_{kind}",
+            type=convert,
+            required=True,
+            metavar=metavar,
+            help=text,
+        )
 
 
 def epilog(examples: str) -> str | None:

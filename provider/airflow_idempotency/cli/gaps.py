@@ -13,6 +13,7 @@ from airflow_idempotency.cli._base import (
     EXIT_USAGE,
     CommandError,
     add_command,
+    add_range,
 )
 from airflow_idempotency.cli._database import connect_read
 from airflow_idempotency.cli._output import emit
@@ -38,21 +39,13 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
         EXAMPLES,
     )
     parser.add_argument("job", type=text, help="the job name")
-    parser.add_argument(
-        "--from",
-        dest="from_key",
-        type=text,
-        required=True,
-        metavar="RUN_KEY",
-        help="the first period, e.g. 2026-10-01, 2026-W40 or 2026-10",
-    )
-    parser.add_argument(
-        "--to",
-        dest="to_key",
-        type=text,
-        required=True,
-        metavar="RUN_KEY",
-        help="the last period, of the same kind as --from",
+    add_range(
+        parser,
+        "key",
+        text,
+        "RUN_KEY",
+        "the first period, e.g. 2026-10-01, 2026-W40 or 2026-10",
+        "the last period, of the same kind as --from",
     )
     parser.add_argument(
         "--segment",

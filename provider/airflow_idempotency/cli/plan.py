@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from airflow_idempotency.cli import _dags
 from airflow_idempotency.cli._arguments import instant, text
-from airflow_idempotency.cli._base import EXIT_OK, EXIT_USAGE, CommandError, add_command
+from airflow_idempotency.cli._base import EXIT_OK, EXIT_USAGE, CommandError, add_command, add_range
 from airflow_idempotency.cli._database import connect
 from airflow_idempotency.cli._output import emit
 from airflow_idempotency.exceptions import InvalidInputError
@@ -33,22 +33,14 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
         EXAMPLES,
     )
     parser.add_argument("dag_id", type=text, help="the DAG's id")
-    parser.add_argument(
-        "--from",
-        dest="from_date",
-        type=instant,
-        required=True,
-        metavar="DATE",
-        help="the backfill's start, ISO date or date-time (naive: UTC), as the backfill "
+    add_range(
+        parser,
+        "date",
+        instant,
+        "DATE",
+        "the backfill's start, ISO date or date-time (naive: UTC), as the backfill "
         "command takes it",
-    )
-    parser.add_argument(
-        "--to",
-        dest="to_date",
-        type=instant,
-        required=True,
-        metavar="DATE",
-        help="the backfill's end, ISO date or date-time, not before --from",
+        "the backfill's end, ISO date or date-time, not before --from",
     )
     parser.add_argument(
         "--command",

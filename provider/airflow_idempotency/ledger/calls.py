@@ -1,12 +1,16 @@
 """One effect's call to its remote: its first try, then its retries.
 
 Each try notes whether the remote answered at all (:mod:`.reachability`); the retries are
-:mod:`.retries`.
+:mod:`.retries`. What both ways of making a claimed batch's calls share (the deduplicating
+batches, the pipeline) is :class:`DeliveryPath`.
 """
 
 from __future__ import annotations
 
+import abc
 from typing import Any
+
+import psycopg
 
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
@@ -14,11 +18,23 @@ from airflow_idempotency.exceptions import (
     PermanentRemoteError,
     TransientRemoteError,
 )
-from airflow_idempotency.ledger.outcomes import NOT_SENT, UNREACHABLE, Outcome, pending
+from airflow_idempotency.ledger.outcomes import (
+    NOT_SENT,
+    UNREACHABLE,
+    LedgerSummary,
+    Outcome,
+    pending,
+)
 from airflow_idempotency.ledger.reachability import Reachability
 from airflow_idempotency.ledger.retries import Retries, retry
-from airflow_idempotency.ledger.scope import LockWatch
-from airflow_idempotency.ledger.senders import Confirmation, ConnectionPool, Effect, EffectSender
+from airflow_idempotency.ledger.scope import LedgerScope, LockWatch
+from airflow_idempotency.ledger.senders import (
+    BlockingEffectSender,
+    Confirmation,
+    ConnectionPool,
+    Effect,
+    EffectSender,
+)
 
 
 class Calls:
@@ -119,3 +135,37 @@ class Calls:
             raise
         self.reach.answered()
         return confirmation
+
+
+class DeliveryPath(abc.ABC):
+    """How the calls of each claimed batch of one export are made: the deduplicating batches
+    (:mod:`.deduplicating`) or the pipeline (:mod:`.pipeline`); ``send_all`` picks one.
+
+    ``size`` is the number of calls in flight at once (connections, or workers)."""
+
+    def __init__(
+        self,
+        run: LedgerScope,
+        remote_system: str,
+        calls: Calls,
+        sender: EffectSender[Any] | BlockingEffectSender[Any],
+        size: int,
+    ) -> None:
+        self.run = run
+        self.remote_system = remote_system
+        self.calls = calls
+        self._open(sender, size)
+
+    @abc.abstractmethod
+    def _open(self, sender: EffectSender[Any] | BlockingEffectSender[Any], size: int) -> None:
+        """Get ready to make ``size`` calls at once through ``sender``."""
+
+    @abc.abstractmethod
+    async def send(
+        self, conn: psycopg.Connection, to_send: list[Effect], summary: LedgerSummary
+    ) -> None:
+        """Make the calls of a claimed batch and write their outcomes (into ``summary`` too)."""
+
+    @abc.abstractmethod
+    async def close(self, *, abandon: bool) -> None:
+        """Release what :meth:`_open` took, once the calls in progress end."""

@@ -14,9 +14,8 @@ from typing import Any
 import psycopg
 
 from airflow_idempotency.crashpoints import crash_point
-from airflow_idempotency.ledger.calls import Calls
+from airflow_idempotency.ledger.calls import DeliveryPath
 from airflow_idempotency.ledger.outcomes import LedgerSummary, tally, write_outcomes
-from airflow_idempotency.ledger.scope import LedgerScope
 from airflow_idempotency.ledger.senders import (
     BlockingEffectSender,
     ConnectionPool,
@@ -26,26 +25,16 @@ from airflow_idempotency.ledger.senders import (
 )
 
 
-class DeduplicatingBatches:
+class DeduplicatingBatches(DeliveryPath):
     """The calls to a deduplicating remote, made on the ledger's event loop over a pool of
     ``size`` connections (a blocking sender's calls in as many executor threads).
 
     Made on the running event loop (it sets the loop's executor)."""
 
-    def __init__(
-        self,
-        run: LedgerScope,
-        remote_system: str,
-        calls: Calls,
-        sender: EffectSender[Any] | BlockingEffectSender[Any],
-        size: int,
-    ) -> None:
-        self.run = run
-        self.remote_system = remote_system
-        self.calls = calls
+    def _open(self, sender: EffectSender[Any] | BlockingEffectSender[Any], size: int) -> None:
         if isinstance(sender, BlockingEffectSender):
             executor = concurrent.futures.ThreadPoolExecutor(
-                size, thread_name_prefix=f"ledger-{remote_system}"
+                size, thread_name_prefix=f"ledger-{self.remote_system}"
             )
             asyncio.get_running_loop().set_default_executor(executor)
         self.pool = ConnectionPool(awaited(sender, in_threads=True), size)

@@ -31,7 +31,7 @@ from airflow_idempotency._sql import query
 from airflow_idempotency._transactions import bounded_transaction, rollback_quietly
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
-from airflow_idempotency.ledger.calls import Calls
+from airflow_idempotency.ledger.calls import Calls, DeliveryPath
 from airflow_idempotency.ledger.claim import pipelined
 from airflow_idempotency.ledger.outcomes import (
     NOT_SENT,
@@ -42,7 +42,6 @@ from airflow_idempotency.ledger.outcomes import (
     tally,
     write_outcomes,
 )
-from airflow_idempotency.ledger.scope import LedgerScope
 from airflow_idempotency.ledger.senders import (
     BlockingEffectSender,
     ConnectionPool,
@@ -58,22 +57,12 @@ from airflow_idempotency.ledger.senders import (
 INTENTS_AHEAD = 8
 
 
-class Pipeline:
+class Pipeline(DeliveryPath):
     """The calls to a remote that does not deduplicate: each claimed batch through the
     workers, each call only after its intent committed."""
 
-    def __init__(
-        self,
-        run: LedgerScope,
-        remote_system: str,
-        calls: Calls,
-        sender: EffectSender[Any] | BlockingEffectSender[Any],
-        size: int,
-    ) -> None:
-        self.run = run
-        self.remote_system = remote_system
-        self.calls = calls
-        self.workers = _Workers(remote_system, calls, sender, size)
+    def _open(self, sender: EffectSender[Any] | BlockingEffectSender[Any], size: int) -> None:
+        self.workers = _Workers(self.remote_system, self.calls, sender, size)
 
     async def send(
         self, conn: psycopg.Connection, to_send: list[Effect], summary: LedgerSummary

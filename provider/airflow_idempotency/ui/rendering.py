@@ -1,4 +1,4 @@
-"""How the view's pages are rendered: templates, filters, links, and their JSON twins.
+"""How the view's pages are rendered: templates (`ui/templates/`), filters, links, and JSON twins.
 
 The Jinja templates, their filters, the links between pages, and the JSON encoding of the same
 data (line-neutral).
