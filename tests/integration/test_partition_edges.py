@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import json
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +23,7 @@ from airflow_idempotency.compat import AIRFLOW_V_3_2_PLUS
 from airflow_idempotency.exceptions import InvalidRunKeyError
 from airflow_idempotency.gaps import gaps as find_gaps
 from support import TESTS
-from support.cli import record
+from support.cli import airflow_cli, record
 
 pytestmark = pytest.mark.skipif(not AIRFLOW_V_3_2_PLUS, reason="partitioned runs: Airflow 3.2+")
 
@@ -190,3 +193,57 @@ def test_the_watch_follows_when_a_partitions_run_fires(
         as_of=pendulum.datetime(2026, 10, 8, 0, 30, tz="UTC"),
     )
     assert problems == ["part_daily.work 2026-10-03: missing"]
+
+
+AUTUMN_DAG = """
+import pendulum
+from airflow.sdk import DAG, CronPartitionTimetable
+from airflow_idempotency import IdempotentRunOperator, RunKeyRule
+
+with DAG(
+    "meter_hourly",
+    schedule=CronPartitionTimetable("0 * * * *", timezone="Europe/Amsterdam", run_offset=-1),
+    start_date=pendulum.datetime(2025, 1, 1, tz="Europe/Amsterdam"),
+):
+    IdempotentRunOperator(
+        task_id="work", python_callable=lambda run: None, run_key_rule=RunKeyRule(period="hour")
+    )
+"""
+
+
+def test_explain_and_plan_name_the_autumn_hours_by_their_instant(
+    airflow_home: Path, pg_dsn: str, tmp_path: Path
+) -> None:
+    """From the command line: `plan` shows each partition's instant beside its key (the two
+    02:00 hours share the key), and `explain --partition-date` takes that instant: one key
+    per hour; the key alone is refused naming both, the instant alone is refused too."""
+    folder = tmp_path / "dags"
+    folder.mkdir()
+    (folder / "meter_hourly.py").write_text(AUTUMN_DAG)
+    planned = airflow_cli(
+        airflow_home, pg_dsn, folder, "plan", "meter_hourly", "--from", "2026-10-25T01:00Z",
+        "--to", "2026-10-25T02:00Z",
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    header = planned.stdout.splitlines()[1]
+    assert header.split()[:3] == ["partition_key", "partition_date", "task_id"], planned.stdout
+    assert "2026-10-25 00:00:00+00:00" in planned.stdout, planned.stdout
+    assert "2026-10-25 01:00:00+00:00" in planned.stdout, planned.stdout
+
+    def explain(*extra: str) -> subprocess.CompletedProcess[str]:
+        return airflow_cli(
+            airflow_home, pg_dsn, folder, "explain", "meter_hourly", "--run-type", "backfill",
+            *extra, "--json",
+        )  # fmt: skip
+
+    for instant, key in (
+        ("2026-10-25T00:00:00Z", "2026-10-25T00Z"),
+        ("2026-10-25T01:00Z", "2026-10-25T01Z"),
+    ):
+        found = explain("--partition-key", "2026-10-25T02:00:00", "--partition-date", instant)
+        assert found.returncode == 0, found.stderr[-3000:]
+        assert [row["run_key"] for row in json.loads(found.stdout)] == [key]
+    alone = explain("--partition-key", "2026-10-25T02:00:00")
+    assert alone.returncode == 2 and "'2026-10-25T00Z'" in alone.stdout, alone.stdout
+    instant_only = explain("--partition-date", "2026-10-25T00:00:00Z")
+    assert instant_only.returncode == 2 and "give --partition-key too" in instant_only.stderr

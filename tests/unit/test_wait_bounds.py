@@ -51,7 +51,7 @@ SITES: dict[tuple[str, str, str], str] = {
     ("hook.py", "new_connection", "connect"): "connect_timeout (connection.connect_kwargs)",
     ("cli/_database.py", "connect", "connect"): "connect_timeout (CONNECT_TIMEOUT unless the DSN "
     "sets one)",
-    ("ledger/deduplicating.py", "__init__", "ConnectionPool"): "a pool of the remote's "
+    ("ledger/deduplicating.py", "_open", "ConnectionPool"): "a pool of the remote's "
     "connections: no database wait; each call is bounded by its sender's timeout",
     ("ledger/pipeline.py", "_serve", "ConnectionPool"): "as above",
     ("ledger/calls.py", "_try", "connection"): "as above",

@@ -66,4 +66,5 @@ def explain(
             logical_date=logical_date,
             conf=conf,
             partition_key=getattr(args, "partition_key", None),
+            partition_date=getattr(args, "partition_date", None),
         )

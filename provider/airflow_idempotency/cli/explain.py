@@ -20,6 +20,7 @@ explain finalize_invoices --logical-date 2026-10-02T01:00:00+00:00
 explain finalize_invoices --conf '{"run_key": "2026-10-01"}'
 explain finalize_invoices --run-type backfill --logical-date 2026-10-02
 explain partitioned_invoices --partition-key 2026-10-01
+explain hourly_meter --partition-key 2026-10-25T02:00:00 --partition-date 2026-10-25T01:00:00Z
 """
 
 
@@ -49,6 +50,12 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
         type=text,
         help="the run's partition key (a partitioned DAG, Airflow 3.2+), e.g. 2026-10-01",
     )
+    parser.add_argument(
+        "--partition-date",
+        type=instant,
+        help="the partition's exact instant, as `plan` lists it (naive: UTC); it tells apart "
+        "the two 02:00 hours of an autumn night, which share one partition key",
+    )
     _dags.add_dags_folder(parser)
 
 
@@ -62,10 +69,17 @@ def handle(args: argparse.Namespace) -> int:
         raise CommandError(
             '--conf must be a JSON object, e.g. \'{"run_key": "2026-10-01"}\'', EXIT_USAGE
         )
+    if args.partition_date is not None and args.partition_key is None:
+        raise CommandError(
+            "--partition-date names the instant of a partition: give --partition-key too",
+            EXIT_USAGE,
+        )
     # A conf naming its run key is what a triggered run carries; a scheduled run has none.
     run_type = args.run_type or ("manual" if "run_key" in conf else "scheduled")
     explained = _dags.explain(args, run_type, args.logical_date, conf)
     at = f"partition {args.partition_key}" if args.partition_key else None
+    if at and args.partition_date is not None:
+        at += f" ({args.partition_date.isoformat()})"
     emit(
         args,
         f"{args.dag_id}: {run_type} run at {at or args.logical_date or 'no logical date'}",

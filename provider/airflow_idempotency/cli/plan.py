@@ -70,13 +70,19 @@ def handle(args: argparse.Namespace) -> int:
                 )
             except InvalidInputError as exc:
                 raise CommandError(str(exc), EXIT_USAGE) from exc
-    when = "partition_key" if partitions.dag_partitioning(dag)[0] else "logical_date"
+    # A partition is named by its key and, where Airflow gives it, its exact instant: the
+    # two 02:00 hours of an autumn night share a key but are two runs with two run keys.
+    when = (
+        ["partition_key", "partition_date"]
+        if partitions.dag_partitioning(dag)[0]
+        else ["logical_date"]
+    )
     emit(
         args,
         f"{args.dag_id}: {command} {args.from_date.isoformat()} .. {args.to_date.isoformat()}",
         rows,
-        [when, "task_id", "run_key", "status", "would", "explanation"]
+        [*when, "task_id", "run_key", "status", "would", "explanation"]
         if args.json
-        else [when, "task_id", "run_key", "status", "would"],
+        else [*when, "task_id", "run_key", "status", "would"],
     )
     return EXIT_OK
