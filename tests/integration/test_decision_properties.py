@@ -91,6 +91,11 @@ def _killed_after_start(dsn: str, run_key: str) -> None:
     """A worker killed after its start: its attempt left running, the key started by it."""
     lock_key = run_lock_key(JOB, run_key)
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(  # its start closed any attempt left running before it, as every start does
+            "UPDATE idempotency.job_run_attempts SET outcome = 'lock_lost', finished_at = now() "
+            "WHERE job_name = %s AND run_key = %s AND outcome = 'running'",
+            (JOB, run_key),
+        )
         found = conn.execute(
             "INSERT INTO idempotency.job_run_attempts (job_name, run_key, lock_key, outcome, "
             "triggered_by, hostname, pid) VALUES (%s, %s, %s, 'running', 'test', 'gone', 1) "
