@@ -71,7 +71,9 @@ def lock_held_elsewhere(dsn: str, run_key: str) -> Iterator[None]:
 
 STEP = st.one_of(
     st.tuples(
-        st.sampled_from(["succeed", "fail", "crash", "held", "killed"]), st.booleans(), st.just(False)
+        st.sampled_from(["succeed", "fail", "crash", "held", "killed"]),
+        st.booleans(),
+        st.just(False),
     ),
     st.tuples(st.sampled_from(["succeed", "fail", "held"]), st.booleans(), st.just(True)),
 )
@@ -129,7 +131,7 @@ def _one_run(dsn: str, run_key: str, kind: str, force: bool, dry_run: bool) -> t
     try:
         with lock_held_elsewhere(dsn, run_key) if kind == "held" else contextlib.nullcontext():
             result: Any = run_idempotently(**run, run_key=run_key, work=work, options=options)
-    except Exception as exc:  # noqa: BLE001 - the decision is what is checked
+    except Exception as exc:  # the decision is what is checked
         result = exc
     return result, len(calls)
 
