@@ -1,0 +1,285 @@
+/* The fence of airflow-provider-idempotency (docs/fence.md), as a model for spin.
+ *
+ * Two attempts of one run key, each with up to three fenced transactions, every interleaving:
+ * the run lock (held by a lock transaction, named by its session's pid and its virtual
+ * transaction id), the key's fence lock (shared by each fenced transaction, exclusive for a
+ * start's takeover, with PostgreSQL's queue: a request waits behind a queued conflicting one),
+ * the commit-time check, the loss of a lock session at any moment, and a successor whose lock
+ * session reuses the lost one's pid. tests/unit/test_fence_model.py runs it with spin.
+ *
+ * Each step that is a statement of the provider names it: "sql: <name>" is a query of
+ * provider/airflow_idempotency/sql/queries.sql (the test checks that each exists and that every
+ * fence statement is modelled). The checksum below is that of the fence's SQL (the fence_*
+ * queries, acquire_run_lock, start_attempt, complete_attempt and migrations 0006 and 0008): when
+ * the SQL changes, the test fails until the model is reviewed and the checksum updated.
+ *
+ * fence-sql-sha256: 15630fae5782b9fa41983271762e459898c108236a95ffcdb9cd834adce5fd38
+ *
+ * Properties (each a spin assertion, or spin's own check of end states):
+ *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
+ *  - no commit of an attempt after a successor's start committed;
+ *  - no wait cycle through the worker's Python: a fenced enter queued behind a successor's
+ *    takeover that waits for a transaction of the enter's own attempt (PostgreSQL cannot see
+ *    that cycle);
+ *  - no hang: every wait is bounded, so no state where the attempts wait forever.
+ *
+ * Variants that reintroduce a known defect (each must make spin report a violation):
+ *  -DDEFECT1  the enter queues its shared fence lock behind a takeover, without a bound (main
+ *             at b2bdd8d: issue 30, defect 1): the wait-cycle assertion fails;
+ *  -DUNBOUNDED_TAKEOVER the takeover waits without a bound (main at b2bdd8d too): with
+ *             DEFECT1 and NO_CYCLE_MONITOR, spin reports the hang (an invalid end state);
+ *  -DDEFECT2  run.transaction() nested in the connection's own transaction arms no check at
+ *             COMMIT (main at b2bdd8d: issue 30, defect 2);
+ *  -DPID_ONLY the checks compare the lock session's pid only (pid reuse);
+ *  -DNO_CYCLE_MONITOR leaves the wait-cycle assertion out (so that a hang shows as one).
+ *
+ * -DSTART_HELD adds a property the fence does not have today (spin reports it): a start
+ * queues and commits only while its attempt holds the run lock. start_attempt checks nothing: an attempt
+ * whose lock session ended between acquire_run_lock and its start can commit that start after
+ * its successor's, and take job_runs over from it; its takeover, queued while the successor has a
+ * transaction open, makes the successor's next enter wait (bounded) behind it (docs/fence.md,
+ * "An exhaustive check").
+ */
+
+#define NTX 3
+
+/* the run lock: pg_try_advisory_xact_lock, held by one lock transaction at a time */
+bool run_locked;
+byte lock_owner;                 /* the attempt whose lock transaction holds it (ghost) */
+byte lock_pid;                   /* pg_locks.pid of the holder */
+byte lock_vxid;                  /* pg_locks.virtualtransaction of the holder */
+byte next_vxid = 1;
+bool session_alive[3];           /* [attempt] its lock session is still open */
+byte session_pid[3];             /* [attempt] its lock session's pid */
+byte rec_pid[3];                 /* [attempt] the holder it recorded (RunLock.params) */
+byte rec_vxid[3];
+
+/* the key's fence lock (an advisory lock in the (int4, int4) space) */
+byte fence_shared;               /* granted shared locks */
+bool fence_exclusive;            /* granted exclusive (a start's takeover) */
+byte excl_waiting;               /* takeovers queued for it */
+
+/* ghosts, for the properties */
+byte acquisitions;
+byte acquired[3];                /* [attempt] the order in which it took the run lock, 0: never */
+bool started[3];                 /* [attempt] its start committed */
+bool enter_waits[3];             /* [attempt] an enter of it is queued for the fence lock */
+bool takeover_waits[3];          /* [attempt] its takeover is queued */
+byte open_shared[3];             /* [attempt] fence locks held by its open transactions */
+
+#ifdef PID_ONLY
+#define held_by(a) (run_locked && lock_pid == rec_pid[a])
+#else
+#define held_by(a) (run_locked && lock_pid == rec_pid[a] && lock_vxid == rec_vxid[a])
+#endif
+#define pid_in_use(p) ((session_alive[1] && session_pid[1] == p) \
+                        || (session_alive[2] && session_pid[2] == p))
+/* an attempt that took the run lock after attempt a has started */
+#define successor_started(a) ((started[1] && acquired[1] > acquired[a]) \
+                              || (started[2] && acquired[2] > acquired[a]))
+#define shared_free (!fence_exclusive && excl_waiting == 0)
+
+/* end a lock session (a terminated backend, a killed worker, a network cut): its lock goes */
+#define end_session(a) \
+    session_alive[a] = false; \
+    if \
+    :: run_locked && lock_owner == a -> run_locked = false; lock_owner = 0 \
+    :: else -> skip \
+    fi
+
+active proctype LockLoss() {
+    byte lost = 0;
+    do
+    :: atomic {
+           (lost < 2 && run_locked && session_alive[lock_owner]) ->
+           end_session(lock_owner);
+           lost++
+       }
+    :: break
+    od
+}
+
+proctype Attempt(byte me) {
+    byte n = 0;                  /* fenced transactions begun */
+    byte depth = 0;              /* open ones: a Python stack, the innermost ends first */
+    bool own[NTX + 1];           /* [depth] a savepoint in a transaction of the work's own */
+    bool armed[NTX + 1];         /* [depth] the commit-time check is armed */
+    bool held_at_commit;
+    bool ok;
+
+    /* sql: acquire_run_lock (the lock transaction) */
+    atomic {
+        if
+        :: !run_locked ->
+            run_locked = true;
+            lock_owner = me;
+            if                       /* a pid no live session has: the OS reuses them */
+            :: !pid_in_use(1) -> lock_pid = 1
+            :: !pid_in_use(2) -> lock_pid = 2
+            fi;
+            session_pid[me] = lock_pid;
+            acquisitions++;
+            acquired[me] = acquisitions;
+            lock_vxid = next_vxid;
+            next_vxid++;
+            session_alive[me] = true;
+            rec_pid[me] = lock_pid;
+            rec_vxid[me] = lock_vxid
+        :: else -> goto refused                                 /* RunLockedError */
+        fi
+    }
+
+    /* sql: start_attempt, whose first statement is sql: fence_take_over */
+    atomic {
+        if
+        :: fence_shared == 0 && shared_free -> fence_exclusive = true; ok = true
+        :: else -> excl_waiting++; takeover_waits[me] = true; ok = false
+        fi
+    }
+#ifdef START_HELD
+    assert(ok || held_by(me));           /* a takeover queues only while it holds the lock */
+#endif
+    if
+    :: !ok ->
+        do
+        :: atomic {
+               (fence_shared == 0 && !fence_exclusive) ->
+               excl_waiting--; takeover_waits[me] = false; fence_exclusive = true; break
+           }
+#ifndef UNBOUNDED_TAKEOVER
+        :: atomic {                                              /* IF002: LockWaitError */
+               excl_waiting--; takeover_waits[me] = false; goto failed
+           }
+#endif
+        od
+    :: else -> skip
+    fi;
+    atomic {                                                     /* the start commits */
+#ifdef START_HELD
+        assert(held_by(me));
+#endif
+        started[me] = true;
+        fence_exclusive = false
+    }
+
+    /* the work: fenced transactions, each may begin inside the open ones */
+    do
+    :: n < NTX ->
+        n++;
+        depth++;
+        if
+        :: own[depth] = false     /* run.transaction(), or the ledger's claim on its own connection */
+        :: own[depth] = true      /* run.transaction() inside run.connection.transaction() */
+        fi;
+        /* sql: fence_enter */
+#ifdef DEFECT1
+        enter_waits[me] = true;
+        atomic { shared_free -> enter_waits[me] = false; fence_shared++; open_shared[me]++ }
+#else
+        atomic {
+            if
+            :: shared_free -> fence_shared++; open_shared[me]++; ok = true
+            :: else -> ok = false
+            fi
+        }
+        if
+        :: !ok ->
+            atomic {
+                if
+                :: held_by(me) -> enter_waits[me] = true       /* wait, bounded */
+                :: else -> depth--; goto failed                 /* IF001 at once */
+                fi
+            }
+            do
+            :: atomic {
+                   shared_free ->
+                   enter_waits[me] = false; fence_shared++; open_shared[me]++; break
+               }
+            :: atomic { enter_waits[me] = false; depth--; goto failed }   /* IF002 */
+            od
+        :: else -> skip
+        fi;
+#endif
+        atomic {
+            if
+            :: held_by(me) -> skip
+            :: else -> goto failed                              /* IF001 */
+            fi
+        }
+#ifdef DEFECT2
+        armed[depth] = !own[depth];
+#else
+        armed[depth] = true;                                    /* fence_enter arms it */
+#endif
+        ok = false;
+    :: depth > 0 ->
+        /* sql: fence_arm, sent with the COMMIT (with that of the work's own transaction) */
+#ifdef DEFECT2
+        armed[depth] = armed[depth] || !own[depth];
+#else
+        armed[depth] = true;
+#endif
+        atomic {              /* COMMIT: the deferred trigger fence_check_at_commit runs */
+            held_at_commit = held_by(me);
+            if
+            :: armed[depth] && !held_at_commit -> goto failed    /* IF001: LockLostError */
+            :: else -> skip
+            fi
+        }
+        atomic {              /* the commit lands, and its fence lock goes */
+            assert(held_at_commit);
+            assert(!successor_started(me));
+            fence_shared--;
+            open_shared[me]--;
+            held_at_commit = false;      /* dead values reset: fewer states */
+            armed[depth] = false;
+            own[depth] = false;
+            depth--
+        }
+    :: depth > 0 ->           /* the work raises: the innermost transaction rolls back */
+        atomic {
+            fence_shared--; open_shared[me]--; armed[depth] = false; own[depth] = false; depth--
+        }
+    :: depth == 0 -> break
+    od;
+
+    /* sql: complete_attempt, in the lock transaction; its COMMIT releases the lock */
+    atomic {
+        if
+        :: held_by(me) && session_alive[me] -> end_session(me)
+        :: else -> goto failed
+        fi
+    }
+    goto done;
+
+failed:                       /* every open transaction rolls back; the failure is recorded */
+    atomic {
+        fence_shared = fence_shared - open_shared[me];
+        open_shared[me] = 0;
+        depth = 0;
+        armed[1] = false; armed[2] = false; armed[3] = false;
+        own[1] = false; own[2] = false; own[3] = false;
+        ok = false;
+        if
+        :: session_alive[me] -> end_session(me)
+        :: else -> skip
+        fi
+    }
+refused:
+done:
+    skip
+}
+
+#ifndef NO_CYCLE_MONITOR
+/* A fenced enter queued behind the takeover of the attempt that holds the run lock now (a
+   successor), which waits for a transaction of the enter's own attempt: that transaction ends
+   only when the enter returns (an edge in the worker's Python, unseen by PostgreSQL). */
+active proctype WaitCycle() {
+    assert(!((enter_waits[1] && takeover_waits[2] && held_by(2) && open_shared[1] > 0)
+             || (enter_waits[2] && takeover_waits[1] && held_by(1) && open_shared[2] > 0)))
+}
+#endif
+
+init {
+    atomic { run Attempt(1); run Attempt(2) }
+}
