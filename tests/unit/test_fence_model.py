@@ -31,6 +31,9 @@ NOT_MODELLED = {
     # statements that take part in the fence and decide nothing the model checks
     "lock_is_held_by": "the ledger's re-check before an external call: calls are not commits, "
     "and the model checks commits (tests/integration/test_ledger.py checks the calls)",
+    "adopt_lock": "`adopt --apply` only tries the run lock and only writes a key without any "
+    "record (adopt_run): no attempt, so nothing of an attempt to fence; a run that holds the "
+    "key keeps it (tests/integration/test_adopt.py)",
 }
 _DECIDES = re.compile(r"\{schema\}\.(fence_\w+|run_lock_held_by)\(|pg_try_advisory_xact_lock")
 _READS_HOLDER = re.compile(r"\{schema\}\.held_run_locks\(")
