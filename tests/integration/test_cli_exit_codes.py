@@ -190,6 +190,24 @@ def test_every_row_of_the_table_has_a_case_and_every_case_a_row() -> None:
         assert f"def {name}(" in (ROOT / path).read_text(encoding="utf-8"), node
 
 
+def test_every_exit_code_a_command_names_has_its_row() -> None:
+    """A command whose module returns 1 or 75 has that row: `migrate` exits 75 when other
+    sessions held the tables' locks longer than --wait, and the table had no such row (a cron
+    wrapper read 75 as "the run key is locked"; adversary, issue 31)."""
+    import importlib
+    import inspect
+
+    from airflow_idempotency.cli import COMMANDS
+
+    rows = documented_rows()
+    for module in COMMANDS:
+        command = module.__name__.rsplit(".")[-1]
+        source = inspect.getsource(importlib.import_module(module.__name__))
+        for name, code in (("EXIT_FAILED", 1), ("EXIT_LOCKED", 75)):
+            if name in source:
+                assert (command, code) in rows, f"docs/cli.md has no row `{command}` {code}"
+
+
 @pytest.mark.parametrize(("command", "code"), list(CASES), ids=[f"{c}-{n}" for c, n in CASES])
 def test_exit_code_of_each_documented_row(
     command: str, code: int, pg_dsn: str, capsys: pytest.CaptureFixture[str]
