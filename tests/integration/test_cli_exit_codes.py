@@ -167,6 +167,12 @@ STACK_CASES = {
     ("run", 75): "tests/stack/test_cli.py::test_run_exit_codes_through_airflow",
 }  # fmt: skip
 
+# Rows whose case needs a set-up of another module's (an upgrade pending behind a reader).
+OTHER_CASES = {
+    ("migrate", 75): "tests/integration/test_migrations.py::"
+    "test_migrate_exits_75_naming_the_blocker_when_it_waited_too_long",
+}
+
 
 def documented_rows() -> dict[tuple[str, int], str]:
     """(command, exit code) -> when, from docs/cli.md's per-command table."""
@@ -183,9 +189,9 @@ def test_every_row_of_the_table_has_a_case_and_every_case_a_row() -> None:
     from airflow_idempotency.cli import COMMANDS
 
     rows = documented_rows()
-    assert set(rows) == set(CASES) | set(STACK_CASES)
+    assert set(rows) == set(CASES) | set(STACK_CASES) | set(OTHER_CASES)
     assert {command for command, _ in rows} == {m.__name__.rsplit(".")[-1] for m in COMMANDS}
-    for node in STACK_CASES.values():
+    for node in [*STACK_CASES.values(), *OTHER_CASES.values()]:
         path, name = node.split("::")
         assert f"def {name}(" in (ROOT / path).read_text(encoding="utf-8"), node
 
