@@ -242,7 +242,9 @@ def test_a_day_typed_with_a_time_is_no_label_and_no_second_key(typed: str) -> No
     of the day the scheduled partition 2026-10-01T00:00:00 keys '2026-10-01': the day done
     twice (adversary, issue 31). Refused, naming the day, as a key and as a label."""
     spec = PartitionSpec(time_formats=("%Y-%m-%dT%H:%M:%S",), timezone="UTC")
-    scheduled = facts(run_type="scheduled", partition_key="2026-10-01T00:00:00", partition_spec=spec)
+    scheduled = facts(
+        run_type="scheduled", partition_key="2026-10-01T00:00:00", partition_spec=spec
+    )
     assert resolve_run_key(RunKeyRule(), scheduled).run_key == "2026-10-01"
     for key in (typed, f"eu|{typed}"):
         by_hand = facts(partition_key=key, partitioned=True, partition_spec=spec)
