@@ -248,9 +248,9 @@ def test_a_day_typed_with_a_time_is_no_label_and_no_second_key(typed: str) -> No
     assert resolve_run_key(RunKeyRule(), scheduled).run_key == "2026-10-01"
     for key in (typed, f"eu|{typed}"):
         by_hand = facts(partition_key=key, partitioned=True, partition_spec=spec)
-        with pytest.raises(InvalidRunKeyError, match="'2026-10-01(T00Z)?'"):
+        with pytest.raises(InvalidRunKeyError, match=r"'2026-10-01(T00Z)?'"):
             resolve_run_key(RunKeyRule(), by_hand)
-    with pytest.raises(InvalidRunKeyError, match="'2026-10-01(T00Z)?'"):
+    with pytest.raises(InvalidRunKeyError, match=r"'2026-10-01(T00Z)?'"):
         explicit(RunKeyRule(), f"{typed}|2026-10-01")
 
 
