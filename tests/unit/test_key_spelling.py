@@ -254,6 +254,23 @@ def test_a_day_typed_with_a_time_is_no_label_and_no_second_key(typed: str) -> No
         explicit(RunKeyRule(), f"{typed}|2026-10-01")
 
 
+@pytest.mark.parametrize(
+    ("typed", "canonical"),
+    [
+        ("\uff12\uff10\uff12\uff16-\uff11\uff10-\uff10\uff11", "2026-10-01"),
+        ("2026-10-1", "2026-10-01"),
+        ("2026-w40", "2026-W40"),
+    ],
+)
+def test_a_range_bound_of_gaps_written_another_way_names_its_spelling(
+    typed: str, canonical: str
+) -> None:
+    """`gaps --from` in fullwidth digits said only 'is not a run key of any period'
+    (adversary, issue 31): the refusal names the one spelling, as every other does."""
+    with pytest.raises(InvalidRunKeyError, match=f"one spelling is '{canonical}'"):
+        RunKeyRule.for_key(typed)
+
+
 # -- properties --------------------------------------------------------------------------------
 
 
