@@ -147,12 +147,22 @@ _LENIENT: dict[str, re.Pattern[str]] = {
         r"([0-9]{4})[-/.]?([0-9]{1,2})[-/.]?([0-9]{1,2})[T ]([0-9]{1,2})(?::00){0,2}(?:Z|\+00:?00)",
         re.I,
     ),
+    # A day with a time of day after it (2026-10-01 00:00:00, 2026-10-01T00:00, ...Z): a
+    # date picker's or str(datetime)'s text names the day as much as the date alone does.
     "day": re.compile(
-        r"([0-9]{4})[-/.]([0-9]{1,2})[-/.]([0-9]{1,2})|([0-9]{4})([0-9]{2})([0-9]{2})"
+        r"([0-9]{4})[-/.]([0-9]{1,2})[-/.]([0-9]{1,2})"
+        r"(?:[T ][0-9]{1,2}(?::[0-9]{2}){0,2}(?:\.[0-9]+)?)?(?:Z|[+-][0-9]{2}:?[0-9]{2})?"
+        r"|([0-9]{4})([0-9]{2})([0-9]{2})",
+        re.I,
     ),
     "week": re.compile(r"([0-9]{4})-?W([0-9]{1,2})", re.I),
     "month": re.compile(r"([0-9]{4})[-/.]([0-9]{1,2})|([0-9]{4})([0-9]{2})"),
 }
+
+
+# Dashes a word processor or a keyboard layout writes for '-' (NFKC keeps them): en dash,
+# em dash, hyphen, non-breaking hyphen, figure dash, minus sign.
+_DASHES = str.maketrans(dict.fromkeys("\u2010\u2011\u2012\u2013\u2014\u2212", "-"))
 
 
 def spelling_of(text: object, period: str) -> str | None:
@@ -161,7 +171,7 @@ def spelling_of(text: object, period: str) -> str | None:
     it names a real one; else ``None``. For messages only: such text is refused."""
     if not isinstance(text, str):
         return None
-    match = _LENIENT[period].fullmatch(folded(text).strip())
+    match = _LENIENT[period].fullmatch(folded(text).translate(_DASHES).strip())
     if match is None:
         return None
     y, *rest = (int(g) for g in match.groups() if g is not None)
@@ -213,6 +223,12 @@ def check_label(segment: object, what: str, key: str) -> str:
         )
     refuse_foreign_spelling(segment, f"{what} of {key!r}")
     _key_text(segment, what)
+    if reads_as_time(segment):
+        raise InvalidRunKeyError(
+            f"{what} {segment!r} of {key!r} reads as a period or a time, so it cannot be a "
+            f"label: a run key has exactly one period segment, the others are names (e.g. "
+            f"eu|2026-10-01). Give the period once, in the job's period format"
+        )
     meant = [
         m for m in (spelling_of(segment, p) for p in PERIOD_FORMATS) if m not in (None, segment)
     ]
@@ -220,12 +236,6 @@ def check_label(segment: object, what: str, key: str) -> str:
         raise InvalidRunKeyError(
             f"{what} {segment!r} of {key!r} reads as the period {meant[0]!r} written another "
             f"way, so it cannot be a label: give the period once, in its one spelling"
-        )
-    if reads_as_time(segment):
-        raise InvalidRunKeyError(
-            f"{what} {segment!r} of {key!r} reads as a period or a time, so it cannot be a "
-            f"label: a run key has exactly one period segment, the others are names (e.g. "
-            f"eu|2026-10-01). Give the period once, in the job's period format"
         )
     return segment
 

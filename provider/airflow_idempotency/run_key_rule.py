@@ -183,6 +183,13 @@ class RunKeyRule:
         for period, (pattern, _) in _FORMATS.items():
             if isinstance(key, str) and pattern.fullmatch(key):
                 return cls(period=period)  # type: ignore[arg-type]
+        if isinstance(key, str):
+            refuse_foreign_spelling(key, "run key")
+        meant = [m for m in (spelling_of(key, p) for p in _FORMATS) if m is not None]
+        if meant:
+            raise InvalidRunKeyError(
+                f"{key!r} is a period written another way: its one spelling is {meant[0]!r}"
+            )
         hints = "; ".join(hint for _, hint in _FORMATS.values())
         raise InvalidRunKeyError(f"{key!r} is not a run key of any period: expected {hints}")
 

@@ -138,3 +138,23 @@ def test_explain_takes_a_conf_with_a_run_key_as_a_manual_run(
     argv = ["explain", "core_slow_job", "--conf", '{"run_key": "2026-10-01"}']
     assert main([*argv, "--dags-folder", str(TEST_DAGS)]) == 0
     assert "core_slow_job: manual run" in capsys.readouterr().out
+
+
+FULLWIDTH_DAY = "\uff12\uff10\uff12\uff16-\uff11\uff10-\uff10\uff11"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["show", "j", FULLWIDTH_DAY], ["reset", "j", FULLWIDTH_DAY, "--reason", "x"]],
+    ids=["show", "reset"],
+)
+def test_a_key_typed_in_other_digits_is_pointed_at_its_one_spelling(
+    argv: list[str], pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2026-10-01 completed; `show j` of it in fullwidth digits (an input method's) said only "no
+    run recorded", as if the day never ran (adversary, issue 31). The message names the
+    key's one spelling, '2026-10-01', so the operator looks there; nothing is written."""
+    record(pg_dsn, "j", "2026-10-01")
+    code, _, err = cli(capsys, *argv, "--dsn", pg_dsn)
+    assert code == 1, err
+    assert "one spelling is '2026-10-01'" in err, err

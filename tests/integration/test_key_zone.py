@@ -57,6 +57,30 @@ def test_a_key_made_in_another_zone_is_refused_and_nothing_is_written(pg_dsn: st
     run(pg_dsn, "2026-10-03", "UTC", job="another job")
 
 
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("UTC", "Etc/UTC"),  # tz="Etc/UTC" in the DAG file instead of "UTC"
+        ("UTC", "+00:00"),  # a start_date with pendulum.FixedTimezone(0)
+        ("Etc/GMT", "UTC"),
+        ("Europe/Kiev", "Europe/Kyiv"),  # tzdata's rename: one zone, two names
+        ("US/Pacific", "America/Los_Angeles"),
+    ],
+)
+def test_one_zone_spelled_another_way_is_no_zone_change(
+    pg_dsn: str, before: str, after: str
+) -> None:
+    """The zone rule refuses a key whose period would move. A DAG whose zone is written
+    another way (a link of tzdata, a fixed offset of zero for UTC) names the same periods:
+    refusing it stalled the job for nothing (adversary, issue 31). Another zone is still
+    refused."""
+    run(pg_dsn, "2026-10-01", before)
+    run(pg_dsn, "2026-10-02", after)
+    run(pg_dsn, "2026-10-03", before)
+    with pytest.raises(ConfigurationError, match="Europe/Amsterdam"):
+        run(pg_dsn, "2026-10-04", "Europe/Amsterdam")
+
+
 @pytest.mark.usefixtures("airflow_home")
 @pytest.mark.both_airflow_lines
 def test_a_dag_whose_timezone_changed_is_refused_until_its_zone_is_pinned(

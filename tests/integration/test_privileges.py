@@ -22,6 +22,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from airflow_idempotency.exceptions import MissingPrivilegeError
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
+from airflow_idempotency.schema import ensure_schema
 from support import ROOT
 
 PAGE = (ROOT / "docs" / "connection.md").read_text(encoding="utf-8")
@@ -123,6 +124,24 @@ def test_migrate_of_a_role_without_create_says_what_to_do_without_a_traceback(
     assert err.startswith(f"error: role {role.name!r} may not create or migrate the bookkeeping")
     assert "airflow-idempotency migrate --dsn DBA_DSN" in err and "Traceback" not in err
     assert PASSWORD not in err and not _schema_exists(role)
+
+
+def test_migrate_of_a_role_without_usage_on_an_existing_schema_says_so_without_a_traceback(
+    role: Role, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A DBA migrated the schema and granted nothing yet: `migrate` as the role read the
+    version it starts from unguarded and ended in a traceback, exit 1 (adversary, issue 31).
+    Exit 69, the refusal's message naming the role and the grants, no password."""
+    from airflow_idempotency.cli import main
+
+    with psycopg.connect(role.admin_dsn, autocommit=True) as conn:
+        ensure_schema(conn, "idempotency")
+    capsys.readouterr()
+    assert main(["migrate", "--dsn", role.dsn]) == 69
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: role {role.name!r} may not use the bookkeeping tables"), err
+    assert 'GRANT USAGE ON SCHEMA "idempotency"' in err and "Traceback" not in err
+    assert PASSWORD not in err
 
 
 def test_a_schema_the_dba_created_for_the_role_is_enough(role: Role) -> None:

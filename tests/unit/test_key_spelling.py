@@ -224,6 +224,53 @@ def test_segment_patterns_refuse_labels_that_read_as_periods() -> None:
     assert segment_template("eu").with_period("2026-10-01") == "eu|2026-10-01"
 
 
+@pytest.mark.parametrize(
+    "typed",
+    [
+        "2026-10-01 00:00:00",  # str(datetime), a date picker's text
+        "2026-10-01T00:00",  # the seconds left out
+        "2026-10-01T00:00:00.000",
+        "2026-10-01 00:00:00+00:00",
+        "2026-10-01Z",
+        "2026\u201310\u201301",  # en dashes, what a word processor makes of hyphens
+        "2026\u221210\u221201",  # minus signs
+    ],
+)
+def test_a_day_typed_with_a_time_is_no_label_and_no_second_key(typed: str) -> None:
+    """A partition key typed by hand as 2026-10-01 00:00:00 (or without seconds, with an en
+    dash) on a daily partitioned DAG became the run key '2026-10-01 00:00:00', a second key
+    of the day the scheduled partition 2026-10-01T00:00:00 keys '2026-10-01': the day done
+    twice (adversary, issue 31). Refused, naming the day, as a key and as a label."""
+    spec = PartitionSpec(time_formats=("%Y-%m-%dT%H:%M:%S",), timezone="UTC")
+    scheduled = facts(
+        run_type="scheduled", partition_key="2026-10-01T00:00:00", partition_spec=spec
+    )
+    assert resolve_run_key(RunKeyRule(), scheduled).run_key == "2026-10-01"
+    for key in (typed, f"eu|{typed}"):
+        by_hand = facts(partition_key=key, partitioned=True, partition_spec=spec)
+        with pytest.raises(InvalidRunKeyError, match=r"'2026-10-01(T00Z)?'"):
+            resolve_run_key(RunKeyRule(), by_hand)
+    with pytest.raises(InvalidRunKeyError, match=r"'2026-10-01(T00Z)?'"):
+        explicit(RunKeyRule(), f"{typed}|2026-10-01")
+
+
+@pytest.mark.parametrize(
+    ("typed", "canonical"),
+    [
+        ("\uff12\uff10\uff12\uff16-\uff11\uff10-\uff10\uff11", "2026-10-01"),
+        ("2026-10-1", "2026-10-01"),
+        ("2026-w40", "2026-W40"),
+    ],
+)
+def test_a_range_bound_of_gaps_written_another_way_names_its_spelling(
+    typed: str, canonical: str
+) -> None:
+    """`gaps --from` in fullwidth digits said only 'is not a run key of any period'
+    (adversary, issue 31): the refusal names the one spelling, as every other does."""
+    with pytest.raises(InvalidRunKeyError, match=f"one spelling is '{canonical}'"):
+        RunKeyRule.for_key(typed)
+
+
 # -- properties --------------------------------------------------------------------------------
 
 

@@ -6,7 +6,7 @@ effect, ``gaps`` periods without a completed run, ``runs --stale`` abandoned wor
 input (an option's value, an unknown job or DAG, a range that ends before it starts, a run
 key that would be refused), nothing written; 69 the job database cannot serve the command
 (unreachable, no bookkeeping tables, missing privileges); 75 the run key is locked
-elsewhere.
+elsewhere (``migrate``: other sessions hold the tables' locks), try again later.
 
 The commands but ``migrate`` and ``reset`` never create or migrate the bookkeeping schema:
 they refuse a database whose schema is missing or older than this version; ``migrate``

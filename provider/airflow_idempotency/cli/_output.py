@@ -91,3 +91,20 @@ def logs_to_stderr() -> None:
                 handler._use_stderr = True
             elif isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
                 handler.setStream(sys.stderr)
+
+
+def spelling_note(run_key: str) -> str:
+    """For a message that found nothing under ``run_key``: a note naming its one spelling
+    when a period in it is written in other digits (2026-10-01 in fullwidth ones), else
+    ``""``. Keys are stored in their one spelling, so the operator looks there."""
+    from airflow_idempotency.key_spelling import foreign_spelling
+    from airflow_idempotency.partitions import SEGMENT_DELIMITER
+
+    segments = run_key.split(SEGMENT_DELIMITER)
+    canonical = SEGMENT_DELIMITER.join(foreign_spelling(s) or s for s in segments)
+    if canonical == run_key:
+        return ""
+    return (
+        f" ({run_key!r} is written with non-ASCII digits or characters; its one spelling is "
+        f"{canonical!r}: look under that)"
+    )

@@ -6,10 +6,24 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from airflow_idempotency.cli._base import EXIT_LOCKED, EXIT_OK, CommandError, add_command
+import psycopg
+
+from airflow_idempotency.cli._base import (
+    EXIT_LOCKED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    CommandError,
+    add_command,
+)
 from airflow_idempotency.cli._database import connect
 from airflow_idempotency.exceptions import MigrationBlockedError
-from airflow_idempotency.schema import MIGRATION_BOUNDS, current_version, ensure_schema
+from airflow_idempotency.schema import (
+    MIGRATION_BOUNDS,
+    current_version,
+    ensure_schema,
+    missing_privileges,
+    privilege_refusal,
+)
 
 if TYPE_CHECKING:
     from airflow_idempotency.cli._base import Subcommands
@@ -56,7 +70,12 @@ def handle(args: argparse.Namespace) -> int:
     """
     bounds = dataclasses.replace(MIGRATION_BOUNDS, give_up_after=args.wait)
     with connect(args) as conn:
-        before = current_version(conn, args.schema)
+        try:
+            before = current_version(conn, args.schema)
+        except psycopg.errors.InsufficientPrivilege as exc:  # a DBA's schema, nothing granted
+            missing = missing_privileges(conn, args.schema)
+            refusal = privilege_refusal(exc, conn, args.schema, migrating=False, missing=missing)
+            raise CommandError(str(refusal), EXIT_UNAVAILABLE) from exc
         try:
             after = ensure_schema(conn, args.schema, bounds=bounds)
         except MigrationBlockedError as exc:

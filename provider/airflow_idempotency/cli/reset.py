@@ -11,6 +11,7 @@ from airflow_idempotency._sql import query_rows
 from airflow_idempotency.cli._arguments import text
 from airflow_idempotency.cli._base import EXIT_LOCKED, EXIT_OK, CommandError, add_command
 from airflow_idempotency.cli._database import connect_write
+from airflow_idempotency.cli._output import spelling_note
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.records import Trigger
 
@@ -58,6 +59,7 @@ def handle(args: argparse.Namespace) -> int:
             raise CommandError(
                 f"nothing reset: job {args.job!r} run_key {args.run_key!r} is {status}, not "
                 "failed or started (a completed run is recomputed with force=true instead)."
+                + spelling_note(args.run_key)
             )
         # In the lock transaction: the reset attempt and the reset itself commit together.
         trigger = Trigger(triggered_by="cli", triggering_user=os.environ.get("USER"))

@@ -11,7 +11,7 @@ from airflow_idempotency._sql import query_rows
 from airflow_idempotency.cli._arguments import text
 from airflow_idempotency.cli._base import EXIT_FAILED, EXIT_OK, add_command
 from airflow_idempotency.cli._database import connect_read
-from airflow_idempotency.cli._output import emit, print_json
+from airflow_idempotency.cli._output import emit, print_json, spelling_note
 
 if TYPE_CHECKING:
     from airflow_idempotency.cli._base import Subcommands
@@ -62,7 +62,9 @@ def handle(args: argparse.Namespace) -> int:
             conn, "cli_attempts", args.schema, {"job": args.job, "run_key": args.run_key}
         )
     if run is None and not attempts:
-        print(f"no run recorded for job {args.job!r} run_key {args.run_key!r}", file=sys.stderr)
+        note = spelling_note(args.run_key)
+        said = f"no run recorded for job {args.job!r} run_key {args.run_key!r}{note}"
+        print(said, file=sys.stderr)
         return EXIT_FAILED
     if args.json:
         print_json({"run": run.__dict__ if run else None, "attempts": attempts})

@@ -139,14 +139,14 @@ FROM {schema}.job_runs AS r
 WHERE job_name = %(job_name)s AND run_key = %(run_key)s;
 
 -- name: key_zone_conflict
--- The other zone the job's run keys were made in, if any (the DAG's timezone changed since):
--- that zone, its latest key and how many keys it holds. job_runs_key_zone_idx serves it.
+-- The other zones the job's run keys were made in, if any (the DAG's timezone changed since,
+-- or is written another way: key_zone.py tells which): each zone, its latest key and how
+-- many keys it holds, most keys first. job_runs_key_zone_idx serves it.
 SELECT key_zone, max(run_key) AS run_key, count(*) AS keys
 FROM {schema}.job_runs
 WHERE job_name = %(job_name)s AND key_zone IS NOT NULL AND key_zone <> %(key_zone)s
 GROUP BY key_zone
-ORDER BY keys DESC
-LIMIT 1;
+ORDER BY keys DESC, key_zone;
 
 -- name: insert_attempt
 INSERT INTO {schema}.job_run_attempts (
