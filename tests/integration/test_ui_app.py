@@ -562,23 +562,23 @@ def test_calendar_is_reachable_and_filtered(auth_manager: Any, seeded: str) -> N
     ("params", "status", "says"),
     [
         ({"job": "no.such.job"}, 404, "Job 'no.such.job' is not recorded"),
-        ({}, 422, "job"),
-        ({"job": "demo_dag.load", "from": "2026-13-01", "to": "2026-12-01"}, 422, "not a real day"),
-        ({"job": "demo_dag.load", "from": "2026-10", "to": "2026-11"}, 422, "YYYY-MM-DD"),
-        ({"job": "demo_dag.load", "from": "2026-10-05", "to": "2026-10-01"}, 422, "comes after"),
+        ({}, 400, "job: required"),
+        ({"job": "demo_dag.load", "from": "2026-13-01", "to": "2026-12-01"}, 400, "not a real day"),
+        ({"job": "demo_dag.load", "from": "2026-10", "to": "2026-11"}, 400, "YYYY-MM-DD"),
+        ({"job": "demo_dag.load", "from": "2026-10-05", "to": "2026-10-01"}, 400, "comes after"),
         (
             {"job": "demo_dag.load", "from": "2020-01-01", "to": "2026-10-01"},
-            422,
+            400,
             "narrow the range",
         ),
-        ({"job": "demo_dag.load", "from": "2026-10-01"}, 422, "both from and to"),
+        ({"job": "demo_dag.load", "from": "2026-10-01"}, 400, "both from and to"),
     ],
     ids=["unknown-job", "no-job", "not-a-day", "other-period", "reversed", "too-long", "one-end"],
 )
 def test_calendar_refuses_bad_input_clearly(
     auth_manager: Any, seeded: str, params: dict[str, str], status: int, says: str
 ) -> None:
-    """An unknown job is a 404; a malformed, reversed, too long or half range a 422 saying
+    """An unknown job is a 404; a malformed, reversed, too long or half range a 400 saying
     what was wrong: as JSON, and as a page (never a stack trace)."""
     client = Client(auth_manager, "viewer")
     response = client.get("/api/calendar", **params)
@@ -814,3 +814,79 @@ def test_unknown_effects_of_every_kind_come_first(auth_manager: Any, seeded: str
     assert (effect["status"], effect["last_resolution"], effect["resolved_by"]) == (
         "pending", "resend", "ann",
     )  # fmt: skip
+
+
+LONG = "k" * 401
+# (path, parameters, what the 400's message says): each malformed parameter of every page.
+REFUSED = [
+    ("/keys", {"job": "demo_dag.load", "run_key": "2026-10-01\x00"}, "run_key: holds U+0000"),
+    ("/keys", {"job": "demo\x1bload", "run_key": "2026-10-01"}, "job: holds U+001B"),
+    ("/keys", {"job": "demo_dag.load", "run_key": LONG}, "run_key: longer than 400"),
+    ("/keys", {"job": "", "run_key": "2026-10-01"}, "job: empty"),
+    ("/keys", {"job": "demo_dag.load"}, "run_key: required"),
+    ("/keys", {"job": "demo_dag.load", "run_key": "2026-10-01", "runkey": "x"}, "runkey: not a"),
+    ("/", {"status": "done"}, "status: must be one of completed, failed, started"),
+    ("/", {"from": "2026-10-05", "to": "2026-10-01"}, "swap them"),
+    ("/", {"before_key": "2026-10-01"}, "before_key and before_job go together"),
+    ("/", {"job": "\x00"}, "job: holds U+0000"),
+    ("/", {"limit": "-1"}, "limit: not a parameter of this page; it takes before_job"),
+    ("/calendar", {"job": "demo_dag.load", "from": "2026-10-01\x00", "to": "x"}, "from: holds"),
+    ("/calendar", {"job": "demo_dag.load", "segment": LONG}, "segment: longer than 400"),
+    ("/dags/demo_dag", {"before_key": "\x7f"}, "before_key: holds U+007F"),
+    ("/dags/demo_dag", {"page": "2"}, "page: not a parameter"),
+    ("/dags/demo%00dag", {}, "dag_id: holds U+0000"),
+    ("/dags/demo_dag/runs/r1%00", {}, "run_id: holds U+0000"),
+    ("/dags/demo_dag/runs/r1", {"task_id": "t\x00"}, "task_id: holds U+0000"),
+    ("/dags/" + LONG, {}, "dag_id: longer than 400"),
+]
+
+
+def table_counts(dsn: str) -> dict[str, int]:
+    tables = ("job_runs", "job_run_attempts", "outbound_ledger")
+    return {t: rows(dsn, f"SELECT count(*) FROM idempotency.{t}")[0][0] for t in tables}
+
+
+@pytest.mark.parametrize(("path", "params", "says"), REFUSED, ids=[r[2][:24] for r in REFUSED])
+def test_every_malformed_parameter_is_a_400_that_says_what_to_do(
+    auth_manager: Any, seeded: str, path: str, params: dict[str, str], says: str
+) -> None:
+    """A NUL byte or another control character, an over-long or empty value, a missing or
+    unknown parameter, a status that is none, a reversed range, half a page marker, in the
+    query or the path, of every page: a 400 naming the parameter and what to send, as JSON
+    and as the page, never a 500 (PostgreSQL refuses a NUL), and the records are unchanged."""
+    client = Client(auth_manager, "admin", "admin")
+    before = table_counts(seeded)
+    api = "/api" + (path if path != "/" else "/overview")
+    answer = client.get(api, **params)
+    assert answer.status_code == 400, answer.text
+    body = answer.json()
+    assert says in body["detail"], body
+    assert body["errors"] and all(e["loc"][0] in ("query", "path") for e in body["errors"])
+    page = client.get(path, **params)
+    assert page.status_code == 400 and "Traceback" not in page.text
+    assert says.replace("'", "&#39;") in page.text
+    assert table_counts(seeded) == before
+
+
+def test_the_api_describes_itself_honestly(auth_manager: Any) -> None:
+    """``/api/openapi.json`` lists every JSON twin (and no HTML page) with each parameter's
+    limits, and the answers a refusal gets (400, not FastAPI's unused 422)."""
+    schema = Client(auth_manager, None).json("/api/openapi.json")
+    assert sorted(schema["paths"]) == [
+        "/api/calendar",
+        "/api/dags/{dag_id}",
+        "/api/dags/{dag_id}/runs/{run_id}",
+        "/api/keys",
+        "/api/locks",
+        "/api/overview",
+    ]
+    keys = schema["paths"]["/api/keys"]["get"]
+    params = {p["name"]: p for p in keys["parameters"]}
+    assert params["job"]["required"] and params["job"]["schema"]["maxLength"] == 400
+    assert params["run_key"]["schema"]["pattern"].startswith("^[^\\x00")
+    assert sorted(keys["responses"]) == ["200", "400", "401", "403", "404", "503"]
+    (dag_id,) = schema["paths"]["/api/dags/{dag_id}"]["get"]["parameters"][:1]
+    assert dag_id["in"] == "path" and dag_id["schema"]["maxLength"] == 400
+    overview = schema["paths"]["/api/overview"]["get"]["parameters"]
+    status = next(p for p in overview if p["name"] == "status")
+    assert status["schema"]["enum"] == ["completed", "failed", "started"]
