@@ -890,3 +890,64 @@ def test_the_api_describes_itself_honestly(auth_manager: Any) -> None:
     overview = schema["paths"]["/api/overview"]["get"]["parameters"]
     status = next(p for p in overview if p["name"] == "status")
     assert status["schema"]["enum"] == ["completed", "failed", "started"]
+
+
+def test_each_rerun_button_sends_exactly_the_key_and_options_it_shows(
+    auth_manager: Any, seeded: str
+) -> None:
+    """In Chromium, the DAG tab's page as the app serves it (its own script, its CSP): each
+    key's "Rerun…" button, with each combination of Force and Dry run, first asks a question
+    naming that key and those options, and "Yes, trigger" POSTs to that DAG's dagRuns exactly
+    ``{"run_key": <the key shown>}`` plus ``force`` / ``dry_run`` when ticked (the hostile key
+    too, byte for byte); Cancel sends nothing."""
+    from urllib.parse import urlsplit
+
+    from support.browser import chromium, new_page
+
+    client = Client(auth_manager, "user", "user")
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def serve(route: Any) -> None:
+        url = urlsplit(route.request.url)
+        if route.request.method == "POST":
+            sent.append((url.path, json.loads(route.request.post_data)))
+            answer = {"dag_run_id": f"manual__{len(sent)}", "state": "queued"}
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(answer))
+            return
+        got = client.http.get(url.path + (f"?{url.query}" if url.query else ""))
+        route.fulfill(status=got.status_code, headers=dict(got.headers), body=got.content)
+
+    combos = [(False, False), (True, False), (False, True), (True, True)]
+    with chromium() as browser:
+        page = new_page(browser)
+        page.route("http://view.test/**", serve)
+        page.goto("http://view.test/dags/demo_dag")
+        buttons = page.locator("button.show-rerun")
+        keys = [buttons.nth(i).get_attribute("data-key") for i in range(buttons.count())]
+        assert {"2026-10-01", "2026-10-02", HOSTILE_KEY} <= set(keys), keys
+        for n, key in enumerate(keys):
+            force, dry_run = combos[n % len(combos)]
+            buttons.nth(n).click()
+            form = page.locator("form.rerun").nth(n)
+            assert form.get_attribute("data-run-key") == key and form.is_visible()
+            form.locator("input[name=force]").set_checked(force)
+            form.locator("input[name=dry_run]").set_checked(dry_run)
+            form.locator("button[type=submit]").click()
+            question = form.locator(".question").inner_text()
+            assert f"for run key {key}," in question
+            assert ("Force ticked" in question) is force
+            assert ("Dry run ticked" in question) is dry_run
+            before = len(sent)
+            form.locator("button.no").click()
+            assert len(sent) == before  # Cancel sends nothing
+            form.locator("button[type=submit]").click()
+            form.locator("button.yes").click()
+            form.locator(".result a").wait_for()
+            path, body = sent[-1]
+            assert len(sent) == before + 1
+            assert path == "/api/v2/dags/demo_dag/dagRuns"
+            expected = {"run_key": key} | ({"force": True} if force else {})
+            expected |= {"dry_run": True} if dry_run else {}
+            assert body["conf"] == expected, (key, force, dry_run, body)
+            assert key in body["note"]
+        page.context.close()

@@ -13,7 +13,6 @@ import random
 from typing import Any
 
 import pytest
-
 from test_ui_app import auth_manager, seeded, token  # noqa: F401 (the fixtures)
 
 pytestmark = pytest.mark.usefixtures("airflow_home")
