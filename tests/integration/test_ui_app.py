@@ -562,23 +562,23 @@ def test_calendar_is_reachable_and_filtered(auth_manager: Any, seeded: str) -> N
     ("params", "status", "says"),
     [
         ({"job": "no.such.job"}, 404, "Job 'no.such.job' is not recorded"),
-        ({}, 422, "job"),
-        ({"job": "demo_dag.load", "from": "2026-13-01", "to": "2026-12-01"}, 422, "not a real day"),
-        ({"job": "demo_dag.load", "from": "2026-10", "to": "2026-11"}, 422, "YYYY-MM-DD"),
-        ({"job": "demo_dag.load", "from": "2026-10-05", "to": "2026-10-01"}, 422, "comes after"),
+        ({}, 400, "job: required"),
+        ({"job": "demo_dag.load", "from": "2026-13-01", "to": "2026-12-01"}, 400, "not a real day"),
+        ({"job": "demo_dag.load", "from": "2026-10", "to": "2026-11"}, 400, "YYYY-MM-DD"),
+        ({"job": "demo_dag.load", "from": "2026-10-05", "to": "2026-10-01"}, 400, "comes after"),
         (
             {"job": "demo_dag.load", "from": "2020-01-01", "to": "2026-10-01"},
-            422,
+            400,
             "narrow the range",
         ),
-        ({"job": "demo_dag.load", "from": "2026-10-01"}, 422, "both from and to"),
+        ({"job": "demo_dag.load", "from": "2026-10-01"}, 400, "both from and to"),
     ],
     ids=["unknown-job", "no-job", "not-a-day", "other-period", "reversed", "too-long", "one-end"],
 )
 def test_calendar_refuses_bad_input_clearly(
     auth_manager: Any, seeded: str, params: dict[str, str], status: int, says: str
 ) -> None:
-    """An unknown job is a 404; a malformed, reversed, too long or half range a 422 saying
+    """An unknown job is a 404; a malformed, reversed, too long or half range a 400 saying
     what was wrong: as JSON, and as a page (never a stack trace)."""
     client = Client(auth_manager, "viewer")
     response = client.get("/api/calendar", **params)
@@ -814,3 +814,140 @@ def test_unknown_effects_of_every_kind_come_first(auth_manager: Any, seeded: str
     assert (effect["status"], effect["last_resolution"], effect["resolved_by"]) == (
         "pending", "resend", "ann",
     )  # fmt: skip
+
+
+LONG = "k" * 401
+# (path, parameters, what the 400's message says): each malformed parameter of every page.
+REFUSED = [
+    ("/keys", {"job": "demo_dag.load", "run_key": "2026-10-01\x00"}, "run_key: holds U+0000"),
+    ("/keys", {"job": "demo\x1bload", "run_key": "2026-10-01"}, "job: holds U+001B"),
+    ("/keys", {"job": "demo_dag.load", "run_key": LONG}, "run_key: longer than 400"),
+    ("/keys", {"job": "", "run_key": "2026-10-01"}, "job: empty"),
+    ("/keys", {"job": "demo_dag.load"}, "run_key: required"),
+    ("/keys", {"job": "demo_dag.load", "run_key": "2026-10-01", "runkey": "x"}, "runkey: not a"),
+    ("/", {"status": "done"}, "status: must be one of completed, failed, started"),
+    ("/", {"from": "2026-10-05", "to": "2026-10-01"}, "swap them"),
+    ("/", {"before_key": "2026-10-01"}, "before_key and before_job go together"),
+    ("/", {"job": "\x00"}, "job: holds U+0000"),
+    ("/", {"limit": "-1"}, "limit: not a parameter of this page; it takes before_job"),
+    ("/calendar", {"job": "demo_dag.load", "from": "2026-10-01\x00", "to": "x"}, "from: holds"),
+    ("/calendar", {"job": "demo_dag.load", "segment": LONG}, "segment: longer than 400"),
+    ("/dags/demo_dag", {"before_key": "\x7f"}, "before_key: holds U+007F"),
+    ("/dags/demo_dag", {"page": "2"}, "page: not a parameter"),
+    ("/dags/demo%00dag", {}, "dag_id: holds U+0000"),
+    ("/dags/demo_dag/runs/r1%00", {}, "run_id: holds U+0000"),
+    ("/dags/demo_dag/runs/r1", {"task_id": "t\x00"}, "task_id: holds U+0000"),
+    ("/dags/" + LONG, {}, "dag_id: longer than 400"),
+]
+
+
+def table_counts(dsn: str) -> dict[str, int]:
+    tables = ("job_runs", "job_run_attempts", "outbound_ledger")
+    return {t: rows(dsn, f"SELECT count(*) FROM idempotency.{t}")[0][0] for t in tables}
+
+
+@pytest.mark.parametrize(("path", "params", "says"), REFUSED, ids=[r[2][:24] for r in REFUSED])
+def test_every_malformed_parameter_is_a_400_that_says_what_to_do(
+    auth_manager: Any, seeded: str, path: str, params: dict[str, str], says: str
+) -> None:
+    """A NUL byte or another control character, an over-long or empty value, a missing or
+    unknown parameter, a status that is none, a reversed range, half a page marker, in the
+    query or the path, of every page: a 400 naming the parameter and what to send, as JSON
+    and as the page, never a 500 (PostgreSQL refuses a NUL), and the records are unchanged."""
+    client = Client(auth_manager, "admin", "admin")
+    before = table_counts(seeded)
+    api = "/api" + (path if path != "/" else "/overview")
+    answer = client.get(api, **params)
+    assert answer.status_code == 400, answer.text
+    body = answer.json()
+    assert says in body["detail"], body
+    assert body["errors"] and all(e["loc"][0] in ("query", "path") for e in body["errors"])
+    page = client.get(path, **params)
+    assert page.status_code == 400 and "Traceback" not in page.text
+    assert says.replace("'", "&#39;") in page.text
+    assert table_counts(seeded) == before
+
+
+def test_the_api_describes_itself_honestly(auth_manager: Any) -> None:
+    """``/api/openapi.json`` lists every JSON twin (and no HTML page) with each parameter's
+    limits, and the answers a refusal gets (400, not FastAPI's unused 422)."""
+    schema = Client(auth_manager, None).json("/api/openapi.json")
+    assert sorted(schema["paths"]) == [
+        "/api/calendar",
+        "/api/dags/{dag_id}",
+        "/api/dags/{dag_id}/runs/{run_id}",
+        "/api/keys",
+        "/api/locks",
+        "/api/overview",
+    ]
+    keys = schema["paths"]["/api/keys"]["get"]
+    params = {p["name"]: p for p in keys["parameters"]}
+    assert params["job"]["required"] and params["job"]["schema"]["maxLength"] == 400
+    assert params["run_key"]["schema"]["pattern"].startswith("^[^\\x00")
+    assert sorted(keys["responses"]) == ["200", "400", "401", "403", "404", "503"]
+    (dag_id,) = schema["paths"]["/api/dags/{dag_id}"]["get"]["parameters"][:1]
+    assert dag_id["in"] == "path" and dag_id["schema"]["maxLength"] == 400
+    overview = schema["paths"]["/api/overview"]["get"]["parameters"]
+    status = next(p for p in overview if p["name"] == "status")
+    assert status["schema"]["enum"] == ["completed", "failed", "started"]
+
+
+def test_each_rerun_button_sends_exactly_the_key_and_options_it_shows(
+    auth_manager: Any, seeded: str
+) -> None:
+    """In Chromium, the DAG tab's page as the app serves it (its own script, its CSP): each
+    key's "Rerun…" button, with each combination of Force and Dry run, first asks a question
+    naming that key and those options, and "Yes, trigger" POSTs to that DAG's dagRuns exactly
+    ``{"run_key": <the key shown>}`` plus ``force`` / ``dry_run`` when ticked (the hostile key
+    too, byte for byte); Cancel sends nothing."""
+    from urllib.parse import urlsplit
+
+    from support.browser import chromium, new_page
+
+    client = Client(auth_manager, "user", "user")
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def serve(route: Any) -> None:
+        url = urlsplit(route.request.url)
+        if route.request.method == "POST":
+            sent.append((url.path, json.loads(route.request.post_data)))
+            answer = {"dag_run_id": f"manual__{len(sent)}", "state": "queued"}
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(answer))
+            return
+        got = client.http.get(url.path + (f"?{url.query}" if url.query else ""))
+        route.fulfill(status=got.status_code, headers=dict(got.headers), body=got.content)
+
+    combos = [(False, False), (True, False), (False, True), (True, True)]
+    with chromium() as browser:
+        page = new_page(browser)
+        page.route("http://view.test/**", serve)
+        page.goto("http://view.test/dags/demo_dag")
+        buttons = page.locator("button.show-rerun")
+        keys = [buttons.nth(i).get_attribute("data-key") for i in range(buttons.count())]
+        assert {"2026-10-01", "2026-10-02", HOSTILE_KEY} <= set(keys), keys
+        for n, key in enumerate(keys):
+            force, dry_run = combos[n % len(combos)]
+            buttons.nth(n).click()
+            form = page.locator("form.rerun").nth(n)
+            assert form.get_attribute("data-run-key") == key and form.is_visible()
+            form.locator("input[name=force]").set_checked(force)
+            form.locator("input[name=dry_run]").set_checked(dry_run)
+            form.locator("button[type=submit]").click()
+            question = form.locator(".question").inner_text()
+            assert f"for run key {key}," in question
+            assert ("Force ticked" in question) is force
+            assert ("Dry run ticked" in question) is dry_run
+            before = len(sent)
+            form.locator("button.no").click()
+            assert len(sent) == before  # Cancel sends nothing
+            form.locator("button[type=submit]").click()
+            form.locator("button.yes").click()
+            form.locator(".result a").wait_for()
+            path, body = sent[-1]
+            assert len(sent) == before + 1
+            assert path == "/api/v2/dags/demo_dag/dagRuns"
+            expected = {"run_key": key} | ({"force": True} if force else {})
+            expected |= {"dry_run": True} if dry_run else {}
+            assert body["conf"] == expected, (key, force, dry_run, body)
+            assert key in body["note"]
+        page.context.close()

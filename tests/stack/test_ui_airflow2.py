@@ -329,8 +329,8 @@ def test_fab_permissions_decide_what_each_user_sees(
     assert "data-no-logical-date" not in form.group(1)
 
 
-def test_fab_webserver_answers_404_and_422(webserver: Webserver2, runs: dict[str, str]) -> None:
-    """An unknown key is a 404 and a malformed calendar range or a missing job a 422 saying
+def test_fab_webserver_answers_404_and_400(webserver: Webserver2, runs: dict[str, str]) -> None:
+    """An unknown key is a 404 and a malformed calendar range or a missing job a 400 saying
     what was wrong, as JSON and as the page."""
     viewer = webserver.session("viewer")
     status, body, _ = viewer.get("/runkeys/api/keys", job="ui_demo.load", run_key="1999-01-01")
@@ -340,11 +340,12 @@ def test_fab_webserver_answers_404_and_422(webserver: Webserver2, runs: dict[str
     status, body, _ = viewer.get(
         "/runkeys/api/calendar", job="ui_demo.load", **{"from": "2026-10-05", "to": "2026-10-01"}
     )
-    assert status == 422 and "comes after" in body["detail"]
+    assert status == 400 and "comes after" in body["detail"]
     status, body, _ = viewer.get("/runkeys/api/calendar")
-    assert status == 422 and body["detail"][0]["loc"] == ["query", "job"]
+    assert status == 400 and body["errors"][0]["loc"] == ["query", "job"]
+    assert "job: required" in body["detail"]
     status, page, _ = viewer.get("/runkeys/page/calendar")
-    assert status == 422 and "job: Field required" in page
+    assert status == 400 and "job: required" in page
 
 
 def test_fab_extra_link_opens_the_key_of_the_task(

@@ -444,9 +444,9 @@ JSON_PATHS = (
 )
 
 
-def test_the_api_server_answers_401_404_and_422(stack: SignedInStack, runs: dict[str, str]) -> None:
+def test_the_api_server_answers_401_404_and_400(stack: SignedInStack, runs: dict[str, str]) -> None:
     """Through the real api-server: each JSON endpoint answers 401 without a session, an
-    unknown key 404 (JSON and page), a malformed calendar range or a missing job 422 saying
+    unknown key 404 (JSON and page), a malformed calendar range or a missing job 400 saying
     what was wrong, and the pages and answers carry the security headers."""
     for path in JSON_PATHS:
         status, body, headers = stack.http("GET", path)
@@ -466,9 +466,10 @@ def test_the_api_server_answers_401_404_and_422(stack: SignedInStack, runs: dict
         "GET", "/idempotency/api/calendar?job=ui_demo.load&from=2026-10-05&to=2026-10-01",
         token=viewer,
     )  # fmt: skip
-    assert status == 422 and "comes after" in body["detail"]
+    assert status == 400 and "comes after" in body["detail"]
     status, body, _ = stack.http("GET", "/idempotency/api/calendar", token=viewer)
-    assert status == 422 and body["detail"][0]["loc"] == ["query", "job"]
+    assert status == 400 and body["errors"][0]["loc"] == ["query", "job"]
+    assert "job: required" in body["detail"]
     status, page, headers = stack.http("GET", "/idempotency/", token=viewer, cookie=True)
     assert status == 200
     (nonce,) = re.findall(r"script-src 'nonce-([^']+)'", headers["content-security-policy"])

@@ -10,7 +10,9 @@ Pages (HTML, shown in Airflow's iframes) and the same data as JSON under ``/api`
 - ``/calendar?job=...[&from=...&to=...]`` — a job's calendar, a window at a time;
 - ``/keys?job=...&run_key=...`` — one run key of one job: its record, the lock's holder,
   every attempt, the outbound ledger;
-- ``/locks`` — the run locks held now: holder (host, pid, attempt, DAG run) and age.
+- ``/locks`` — the run locks held now: holder (host, pid, attempt, DAG run) and age;
+- ``/api/openapi.json`` — the OpenAPI schema of the JSON twins: each parameter, its type and
+  limits, and what each answers (a refused parameter is a 400 that names it).
 
 Authentication and authorization are Airflow's (:mod:`.dependencies`). Reruns are triggered
 by the page itself through Airflow's REST API with the user's own session, so Airflow
@@ -19,9 +21,11 @@ decides who may. The app only reads: one read-only transaction per page.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from starlette.datastructures import MutableHeaders
 
 from airflow_idempotency.ui.errors import register_error_handlers
@@ -55,9 +59,34 @@ class SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
+def openapi_of(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The schema of the JSON twins (``/api/openapi.json``), as they answer: a refused
+    parameter is a 400 (.errors), so FastAPI's 422 is left out."""
+
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            built = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in built.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                built.get("components", {}).get("schemas", {}).pop(unused, None)
+            app.openapi_schema = built
+        return app.openapi_schema
+
+    return schema
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The app (``settings``: from Airflow's configuration unless given)."""
-    app = FastAPI(title="Run keys", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Run keys",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/api/openapi.json",
+    )
+    app.openapi = openapi_of(app)  # type: ignore[method-assign]
     app.state.settings = settings or Settings.from_airflow_config()
     app.include_router(router)
     register_error_handlers(app)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import psycopg
 from airflow.api_fastapi.app import get_auth_manager
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.ui.database import ViewUnavailable, database_failure
 from airflow_idempotency.ui.pages import PageError
+from airflow_idempotency.ui.parameters import explain
 from airflow_idempotency.ui.routes import render_page
 
 TITLES = {
@@ -54,7 +56,34 @@ def database_error(request: Request, exc: Exception) -> Response:
 
 
 def invalid_input(request: Request, exc: Exception) -> Response:
-    return error_response(request, 422, TITLES[422], str(exc))
+    return error_response(request, 400, TITLES[400], str(exc))
+
+
+def query_names(request: Request) -> list[str]:
+    """The query parameters the request's route takes (what an unknown one is told)."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    names: list[str] = []
+    for param in getattr(dependant, "query_params", []):
+        model = getattr(param, "type_", None) or getattr(param.field_info, "annotation", None)
+        fields = getattr(model, "model_fields", None)
+        if fields:
+            names += [field.alias or name for name, field in fields.items()]
+        else:
+            names.append(param.alias)
+    return names
+
+
+def invalid_request(request: Request, exc: Exception) -> Response:
+    """A parameter FastAPI refused (a 400, not FastAPI's 422): a sentence per parameter
+    saying what was wrong and what to send, and pydantic's errors under ``errors``."""
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    detail = explain(errors, query_names(request))
+    if wants_json(request):
+        listed = [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in errors]
+        return JSONResponse({"detail": detail, "errors": listed}, status_code=400)
+    return error_response(request, 400, TITLES[400], detail)
 
 
 def page_error(request: Request, exc: Exception) -> Response:
@@ -81,6 +110,7 @@ def register_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ViewUnavailable, unavailable)
     app.add_exception_handler(psycopg.Error, database_error)
     app.add_exception_handler(InvalidInputError, invalid_input)
+    app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(PageError, page_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
 

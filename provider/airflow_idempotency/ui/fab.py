@@ -40,6 +40,7 @@ from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.ui import AIRFLOW2_ROUTE, pages
 from airflow_idempotency.ui.database import ViewUnavailable, open_reader
 from airflow_idempotency.ui.headers import new_nonce, security_headers
+from airflow_idempotency.ui.parameters import TEXT_LIMIT, explain, printable
 from airflow_idempotency.ui.reads import RecordsReader, Visibility
 from airflow_idempotency.ui.rendering import Airflow2Links, render, to_json
 from airflow_idempotency.ui.settings import Settings
@@ -250,6 +251,16 @@ class RunKeysView(BaseView):  # type: ignore[misc]
             return self._json({"detail": detail}, status)
         return self._html("error.html", status, title=title, detail=str(detail))
 
+    def _refused_input(
+        self, as_json: bool, errors: list[dict[str, Any]], model: type[BaseModel] | None
+    ) -> Response:
+        """A 400 saying which parameter was wrong and what to send (as on Airflow 3)."""
+        allowed = [f.alias or n for n, f in model.model_fields.items()] if model else []
+        detail = explain(errors, allowed)
+        if as_json:
+            return self._json({"detail": detail, "errors": errors}, 400)
+        return self._html("error.html", 400, title=TITLES[400], detail=detail)
+
     def _refusal(self, as_json: bool) -> Response | None:
         """401 / the login page for a user not signed in, 403 for one who may not read the
         website; None when the user may go on."""
@@ -301,23 +312,29 @@ class RunKeysView(BaseView):  # type: ignore[misc]
         refused = self._refusal(as_json)
         if refused is not None:
             return refused
-        if page.dag and not may_read_dag(path["dag_id"]):
+        errors = [e for name, value in path.items() for e in _path_errors(name, value)]
+        if not errors and page.dag and not may_read_dag(path["dag_id"]):
             return self._error(as_json, 403, TITLES[403], "You may not read this DAG.")
-        try:
-            query = page.query.model_validate(request.args.to_dict()) if page.query else None
-        except ValidationError as exc:
-            errors = [
-                {**error, "loc": ["query", *error["loc"]]}
-                for error in exc.errors(include_url=False, include_context=False)
-            ]
-            return self._error(as_json, 422, TITLES[422], errors if as_json else _said(errors))
+        query = None
+        if page.query is not None:
+            try:
+                query = page.query.model_validate(request.args.to_dict())
+            except ValidationError as exc:
+                errors += _query_errors(exc)
+        if errors:
+            return self._refused_input(as_json, errors, page.query)
+        if page.query is None and request.args:
+            return self._error(
+                as_json, 400, TITLES[400],
+                f"{', '.join(request.args)}: not a parameter of this page; it takes none",
+            )  # fmt: skip
         try:
             with open_reader(self.settings(), visibility()) as reader:
                 data = page.data(reader, Airflow2Access(), query, **path)
         except pages.PageError as exc:
             return self._error(as_json, exc.status, TITLES.get(exc.status, "Error"), exc.detail)
         except InvalidInputError as exc:
-            return self._error(as_json, 422, TITLES[422], str(exc))
+            return self._error(as_json, 400, TITLES[400], str(exc))
         except ViewUnavailable as exc:
             if as_json:
                 return self._json({"detail": str(exc)}, 503)
@@ -334,18 +351,17 @@ class RunKeysView(BaseView):  # type: ignore[misc]
         refused = self._refusal(as_json=False)
         if refused is not None:
             return refused
-        args = request.args
-        dag_id, run_id, task_id = (
-            args.get("dag_id", ""),
-            args.get("run_id", ""),
-            args.get("task_id", ""),
-        )
-        if not (dag_id and run_id and task_id) or not may_read_dag(dag_id):
+        try:
+            query = pages.TaskQuery.model_validate(request.args.to_dict())
+        except ValidationError as exc:
+            return self._refused_input(False, _query_errors(exc), pages.TaskQuery)
+        dag_id, run_id, task_id = query.dag_id, query.run_id, query.task_id
+        if not may_read_dag(dag_id):
             return self._error(False, 404, TITLES[404], "No such task instance that you may read.")
         top = f"{request.script_root}{ROUTE_BASE}"
         try:
             with open_reader(self.settings(), visibility()) as reader:
-                found = _task_key(reader, dag_id, run_id, task_id, args.get("map_index"))
+                found = _task_key(reader, dag_id, run_id, task_id, query.wanted_map_index)
         except ViewUnavailable as exc:
             return self._html("error.html", 503, title=exc.title, detail=exc.detail)
         if found is not None:
@@ -359,20 +375,34 @@ class RunKeysView(BaseView):  # type: ignore[misc]
 
 
 def _task_key(
-    reader: RecordsReader, dag_id: str, run_id: str, task_id: str, map_index: str | None
+    reader: RecordsReader, dag_id: str, run_id: str, task_id: str, wanted: int | None
 ) -> tuple[str, str] | None:
-    """(job, run key) of the newest attempt of the task instance, if it recorded one."""
+    """(job, run key) of the newest attempt of the task instance (of map index ``wanted``,
+    None: any), if it recorded one."""
     attempts = reader.run_attempts(dag_id, run_id, task_id).attempts
-    wanted = None if map_index in (None, "", "-1") else int(map_index)
     for attempt in attempts:
         if wanted is None or attempt.get("map_index") == wanted:
             return str(attempt["job_name"]), str(attempt["run_key"])
     return None
 
 
-def _said(errors: list[dict[str, Any]]) -> str:
-    """Pydantic's errors, as a sentence per parameter."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors)
+def _path_errors(name: str, value: str) -> list[dict[str, Any]]:
+    """A path parameter as Airflow 3's view checks it (.routes.checked_path)."""
+    try:
+        printable(value)
+        if len(value) > TEXT_LIMIT:
+            raise ValueError(f"longer than {TEXT_LIMIT} characters; send a shorter value")
+    except ValueError as exc:
+        return [{"type": "value_error", "loc": ["path", name], "msg": str(exc)}]
+    return []
+
+
+def _query_errors(exc: ValidationError) -> list[dict[str, Any]]:
+    """Pydantic's errors of a query, JSON-ready, located as FastAPI locates them."""
+    return [
+        {"type": e["type"], "loc": ["query", *e["loc"]], "msg": e["msg"]}
+        for e in exc.errors(include_url=False, include_context=False)
+    ]
 
 
 FRAME_TEMPLATE = """{% extends base_template %}

@@ -13,15 +13,13 @@ template's context. What a user may not see raises :class:`PageError` (404).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from airflow_idempotency.ui.parameters import RequiredText, Text, parse_map_index
 from airflow_idempotency.ui.reads import RecordsReader, RunFilters
 from airflow_idempotency.ui.rendering import STATES
-
-TEXT_LIMIT = 400
-"""The longest value a query parameter may have (job names and run keys are shorter)."""
 
 
 class PageError(Exception):
@@ -51,63 +49,106 @@ class Access(Protocol):
 class _Query(BaseModel):
     # populate_by_name: FastAPI 0.117 (Airflow 3.1's lock) hands a query model its values by
     # field name, not by alias (``from``, ``to``: they were lost); 0.136 (3.2, 3.3) by alias.
-    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+    # extra="forbid": a misspelt parameter (?jobs=) is refused, not silently ignored.
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _blank_is_absent(cls, data: Any) -> Any:
+        # A form's empty field (the overview's Status "any", an empty Job) means "any".
+        if isinstance(data, dict):
+            optional = {n for n, f in cls.model_fields.items() if not f.is_required()}
+            optional |= {f.alias for n, f in cls.model_fields.items() if n in optional and f.alias}
+            return {k: v for k, v in data.items() if not (k in optional and v == "")}
+        return data
 
 
-def _text(default: Any = None, **kwargs: Any) -> Any:
-    return Field(default, max_length=TEXT_LIMIT, **kwargs)
-
-
-def _key_part(**kwargs: Any) -> Any:
-    return Field(min_length=1, max_length=TEXT_LIMIT, **kwargs)
+def _status(value: str | None) -> str | None:
+    if value is not None and value not in STATES:
+        raise ValueError(f"must be one of {', '.join(STATES)} (or left out for any), not {value!r}")
+    return value
 
 
 class OverviewQuery(_Query):
     """The overview's filters of the run-key list, and where its page starts."""
 
-    job: str | None = _text()
-    status: str | None = _text()
-    dag_id: str | None = _text()
-    from_key: str | None = _text(alias="from")
-    to_key: str | None = _text(alias="to")
-    before_key: str | None = _text()
-    before_job: str | None = _text()
+    job: Text | None = None
+    status: Annotated[
+        Text | None, AfterValidator(_status), Field(json_schema_extra={"enum": [*STATES]})
+    ] = None
+    dag_id: Text | None = None
+    from_key: Text | None = Field(None, alias="from")
+    to_key: Text | None = Field(None, alias="to")
+    before_key: Text | None = None
+    before_job: Text | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> OverviewQuery:
+        if self.from_key is not None and self.to_key is not None and self.from_key > self.to_key:
+            raise ValueError(f"from={self.from_key!r} comes after to={self.to_key!r}: swap them")
+        if (self.before_key is None) != (self.before_job is None):
+            raise ValueError(
+                "before_key and before_job go together (the next page's link sends both): "
+                "send both or neither"
+            )
+        return self
 
 
 class DagQuery(_Query):
     """A DAG's run keys: where the page starts."""
 
-    before_key: str | None = _text()
+    before_key: Text | None = None
 
 
 class RunQuery(_Query):
     """A DAG run's attempts, of one task or all."""
 
-    task_id: str | None = _text()
+    task_id: Text | None = None
 
 
 class CalendarQuery(_Query):
     """A job's calendar, by default its newest periods, or ``from`` .. ``to`` (run keys)."""
 
-    job: str = _key_part()
-    from_key: str | None = _text(alias="from")
-    to_key: str | None = _text(alias="to")
-    segment: str | None = _text()  # the labels of a segmented job's keys: eu (eu|2026-10-01)
+    job: RequiredText
+    from_key: Text | None = Field(None, alias="from")
+    to_key: Text | None = Field(None, alias="to")
+    segment: Text | None = None  # the labels of a segmented job's keys: eu (eu|2026-10-01)
 
 
 class KeyQuery(_Query):
     """One run key of one job."""
 
-    job: str = _key_part()
-    run_key: str = _key_part()
+    job: RequiredText
+    run_key: RequiredText
+
+
+def _map_index(value: str | None) -> str | None:
+    parse_map_index(value)  # a ValueError that says what to send
+    return value
+
+
+class TaskQuery(_Query):
+    """A task instance, as the operator's "Run key" link names it (Airflow 2.11)."""
+
+    dag_id: RequiredText
+    run_id: RequiredText
+    task_id: RequiredText
+    map_index: Annotated[
+        str | None,
+        Field(json_schema_extra={"pattern": r"^(-1|0|[1-9][0-9]{0,9})?$"}),
+        AfterValidator(_map_index),
+    ] = None
+
+    @property
+    def wanted_map_index(self) -> int | None:
+        """The map index to look for: None for any (a task that is not mapped)."""
+        return parse_map_index(self.map_index)
 
 
 # -- the data of each page (the template's context; the JSON twin answers it whole) --------
 
 
 def overview(reader: RecordsReader, query: OverviewQuery) -> dict[str, Any]:
-    if query.status is not None and query.status not in STATES:
-        raise PageError(400, f"status must be one of {', '.join(STATES)}")
     filters = RunFilters(query.job, query.status, query.dag_id, query.from_key, query.to_key)
     before = (query.before_key, query.before_job) if query.before_key and query.before_job else None
     return {"filters": filters, "overview": reader.overview(filters, before)}
@@ -158,6 +199,7 @@ __all__ = [
     "OverviewQuery",
     "PageError",
     "RunQuery",
+    "TaskQuery",
     "calendar",
     "dag",
     "key",

@@ -14,11 +14,14 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from airflow.api_fastapi.core_api.security import requires_access_dag
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
+from pydantic import AfterValidator, BaseModel
 
 from airflow_idempotency.ui import pages
 from airflow_idempotency.ui.dependencies import AccessDep, ReaderDep
+from airflow_idempotency.ui.parameters import TEXT_LIMIT, TEXT_PATTERN, printable
 from airflow_idempotency.ui.rendering import Links, render, to_json
 
 
@@ -35,6 +38,25 @@ def render_page(request: Request, template: str, **context: Any) -> str:
 
 
 router = APIRouter()
+
+
+class Refusal(BaseModel):
+    """Why a JSON twin answers no data: ``detail`` says what was wrong and what to do;
+    ``errors`` (a 400) lists each parameter refused, as pydantic locates it."""
+
+    detail: str | list[Any]
+    errors: list[dict[str, Any]] | None = None
+
+
+JSON_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/json": {"schema": {"type": "object"}}}},
+    400: {"model": Refusal, "description": "A parameter is not valid (which, and why)"},
+    401: {"model": Refusal, "description": "Not signed in to Airflow"},
+    403: {"model": Refusal, "description": "Airflow does not let this user read it"},
+    404: {"model": Refusal, "description": "Not recorded, or a DAG the user may not read"},
+    503: {"model": Refusal, "description": "The job database cannot be read now"},
+}
+"""What the OpenAPI schema of ``/api`` says each JSON twin may answer (:mod:`.app`)."""
 
 DataFunction = Callable[..., dict[str, Any]]
 
@@ -62,14 +84,45 @@ def page(path: str, template: str, **route: Any) -> Callable[[DataFunction], Dat
         json.__signature__ = signature.replace(return_annotation=Response)  # type: ignore[attr-defined]
         name = data.__name__
         json_path = "/api" + (path if path != "/" else "/overview")
-        router.add_api_route(path, html, response_class=HTMLResponse, name=f"{name}_page", **route)
-        router.add_api_route(json_path, json, name=f"{name}_json", **route)
+        router.add_api_route(
+            path,
+            html,
+            response_class=HTMLResponse,
+            name=f"{name}_page",
+            include_in_schema=False,
+            **route,
+        )
+        router.add_api_route(
+            json_path, json, name=f"{name}_json", responses=JSON_RESPONSES, **route
+        )
         return data
 
     return register
 
 
-DAG_ACCESS = [Depends(requires_access_dag("GET"))]
+def checked_path(request: Request) -> None:
+    """Refuse a path parameter that no DAG or run id can be (a control character, too long)
+    before the DAG access check reads it: as FastAPI refuses a query's (a 400)."""
+    errors = []
+    for name, value in request.path_params.items():
+        try:
+            printable(value)
+            if len(value) > TEXT_LIMIT:
+                raise ValueError(f"longer than {TEXT_LIMIT} characters; send a shorter value")
+        except ValueError as exc:
+            errors.append({"type": "value_error", "loc": ("path", name), "msg": str(exc)})
+    if errors:
+        raise RequestValidationError(errors)
+
+
+DAG_ACCESS = [Depends(checked_path), Depends(requires_access_dag("GET"))]
+
+PathText = Annotated[
+    str,
+    Path(min_length=1, max_length=TEXT_LIMIT, json_schema_extra={"pattern": TEXT_PATTERN}),
+    AfterValidator(printable),
+]
+"""A path parameter (a DAG id, a run id): as a query's text (.parameters.Text)."""
 
 
 @page("/", "overview.html")
@@ -81,7 +134,7 @@ def overview(reader: ReaderDep, query: Annotated[pages.OverviewQuery, Query()]) 
 
 @page("/dags/{dag_id}", "dag.html", dependencies=DAG_ACCESS)
 def dag(
-    dag_id: str,
+    dag_id: PathText,
     reader: ReaderDep,
     access: AccessDep,
     query: Annotated[pages.DagQuery, Query()],
@@ -92,7 +145,7 @@ def dag(
 
 @page("/dags/{dag_id}/runs/{run_id:path}", "run.html", dependencies=DAG_ACCESS)
 def run(
-    dag_id: str, run_id: str, reader: ReaderDep, query: Annotated[pages.RunQuery, Query()]
+    dag_id: PathText, run_id: PathText, reader: ReaderDep, query: Annotated[pages.RunQuery, Query()]
 ) -> dict[str, Any]:
     """What a DAG run's idempotent tasks did (``?task_id=``)."""
     return pages.run(reader, dag_id, run_id, query)
@@ -118,4 +171,4 @@ def locks(reader: ReaderDep) -> dict[str, Any]:
     return pages.locks(reader)
 
 
-__all__ = ["page", "render_page", "router"]
+__all__ = ["JSON_RESPONSES", "Refusal", "page", "render_page", "router"]
