@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from airflow_idempotency.effects.mail import message_id
+from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema
 from devtools.smtp_server import SmtpServer, smtp_connection_env
 from support import TESTS
 from support.dag_runs import FAILED, SUCCESS, run_dag, task_states
@@ -175,6 +176,8 @@ def test_a_dry_run_refused_before_its_work_notifies_nothing(
     """A dry run refused before its work starts (its run key names a day that has not ended)
     notifies nothing either, and writes no ledger row (adversary, issue 30)."""
     smtp, hook = servers
+    with psycopg.connect(airflow_pg_conn, autocommit=True) as conn:
+        ensure_schema(conn, DEFAULT_SCHEMA)  # the ledger's table, read below
     dry = run_dag(dag, conf={"run_key": "2099-01-01", "dry_run": True})
     assert dry.state == FAILED
     assert hook.events(dry.run_id) == Counter()
