@@ -406,11 +406,14 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     def _execute(self, context: Context) -> dict[str, Any] | None:
         self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
+        options = self.run_options(context)
+        # A dry run notifies nothing, even when it fails, also before its work starts (a key
+        # refused, the database down): notify_once reads this.
+        self.last_run_outcome = RunOutcome.DRY_RUN.value if options.dry_run else None
         job_name = check_text(self.effective_job_name, "job name")
         self._check_mapped_segment(context)
         run = airflow_run(context)
         resolved = self.resolve_run_key(context, run)
-        options = self.run_options(context)
         # The "Run key" extra link (computed by the worker when the task ends) names this key.
         setattr(self, LINK_TARGET_ATTRIBUTE, (job_name, resolved.run_key))
         self.log.info(
@@ -422,8 +425,6 @@ class IdempotentRunOperator(ReschedulingOperator):
             options.dry_run,
         )
         self._check_connection()
-        # A dry run notifies nothing, even when it fails (notify_once reads this).
-        self.last_run_outcome = RunOutcome.DRY_RUN.value if options.dry_run else None
         result = run_idempotently(
             connect=self.job_database.new_connection,
             job_name=job_name,
