@@ -45,7 +45,7 @@ def limited_role(pg_dsn: str) -> Iterator[str]:
 def test_a_roles_connection_limit_names_the_sizing_rule(limited_role: str, pg_dsn: str) -> None:
     """The work's connection refused by the role's CONNECTION LIMIT: PoolExhaustedError naming
     the sizing rule, the attempt recorded failed with it."""
-    with pytest.raises(PoolExhaustedError, match="docs/deploying.md"):
+    with pytest.raises(PoolExhaustedError, match=r"docs/deploying\.md"):
         run_idempotently(
             connect=lambda: psycopg.connect(limited_role), job_name="job", run_key="2026-10-01",
             work=lambda run: {"done": 1},
@@ -72,5 +72,7 @@ def test_a_roles_connection_limit_names_the_sizing_rule(limited_role: str, pg_ds
 def test_every_slot_refusal_is_the_sizing_rule(said: str) -> None:
     """Each text PostgreSQL refuses a connection with for want of a slot (psycopg gives them as
     a plain OperationalError, without SQLSTATE) is a PoolExhaustedError."""
-    exc = psycopg.OperationalError(f'connection failed: connection to server at "db" failed: {said}')
+    exc = psycopg.OperationalError(
+        f'connection failed: connection to server at "db" failed: {said}'
+    )
     assert isinstance(pooler_refusal(exc), PoolExhaustedError)
