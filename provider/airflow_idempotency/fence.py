@@ -1,7 +1,7 @@
-"""The fence's Python (fenced transactions, errors); its SQL: migrations 0006, 0008, queries.sql.
+"""The fence's Python (fenced transactions, errors); its SQL: migrations 0006, 0008, 0010.
 
 A fenced transaction on a connection of one attempt, and what its errors mean (:class:`Fence`).
-The fence itself is SQL (migrations 0006 and 0008, the ``fence_enter``/``fence_arm``/
+The fence itself is SQL (migrations 0006, 0008 and 0010, the ``fence_enter``/``fence_arm``/
 ``fence_take_over`` queries of ``sql/queries.sql``); docs/fence.md says what it guarantees.
 """
 
@@ -37,6 +37,8 @@ FENCE_WAIT_SQLSTATE = "IF002"
 """The fence's bounded wait ended (migration 0008): the message names the sessions."""
 FENCE_PREPARE_SQLSTATE = "IF003"
 """A fenced transaction was to be prepared for a two-phase commit (migration 0008)."""
+FENCE_EARLY_SQLSTATE = "IF004"
+"""The commit-time check fired before COMMIT (SET CONSTRAINTS ALL IMMEDIATE; migration 0010)."""
 
 
 def fence_refused(exc: BaseException) -> bool:
@@ -60,8 +62,13 @@ def _sqlstate(exc: BaseException) -> str | None:
 
 
 def fence_sqlstate(exc: BaseException) -> bool:
-    """Whether ``exc`` is one of the fence's own errors (IF001, IF002, IF003)."""
-    return _sqlstate(exc) in (FENCE_SQLSTATE, FENCE_WAIT_SQLSTATE, FENCE_PREPARE_SQLSTATE)
+    """Whether ``exc`` is one of the fence's own errors (IF001 to IF004)."""
+    return _sqlstate(exc) in (
+        FENCE_SQLSTATE,
+        FENCE_WAIT_SQLSTATE,
+        FENCE_PREPARE_SQLSTATE,
+        FENCE_EARLY_SQLSTATE,
+    )
 
 
 def lock_wait_refusal(
@@ -200,6 +207,14 @@ class Fence:
                 f"be prepared for a two-phase commit ({_first_line(exc)}): COMMIT PREPARED runs "
                 "no check, so it could land after the run lock is lost. Nothing was prepared "
                 "or committed; commit the work's transactions directly (leave the block)."
+            )
+        if _sqlstate(exc) == FENCE_EARLY_SQLSTATE:
+            return TransactionMisuseError(
+                f"job {self.job_name!r} run_key {self.run_key!r}: the fence's commit-time check "
+                f"was made to run before COMMIT ({_first_line(exc)}), so the COMMIT itself would "
+                "run none and could land after the run lock is lost. Nothing was committed; name "
+                "the work's own constraints in SET CONSTRAINTS (not ALL) around its fenced "
+                "transactions."
             )
         if fence_refused(exc):
             return LockLostError(

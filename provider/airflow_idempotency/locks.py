@@ -147,9 +147,17 @@ class RunLock:
 # client waited query_wait_timeout for a server connection (it then closes the connection).
 _STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
 _POOL_WAIT = "query_wait_timeout"
-# What PostgreSQL answers a connection past max_connections (SQLSTATE 53300 when psycopg
-# knows it; the text when the refusal arrives as a plain connection failure).
-_TOO_MANY = "too many clients already"
+# What PostgreSQL answers a connection for want of a slot (SQLSTATE 53300 when psycopg knows
+# it; the text when the refusal arrives as a plain connection failure, as at connect): past
+# max_connections; past a role's or a database's CONNECTION LIMIT; and, for a role that is not
+# a superuser, the slots kept for superusers (superuser_reserved_connections: what such a role
+# meets at max_connections; the wording changed in PostgreSQL 16).
+_TOO_MANY = (
+    "too many clients already",
+    "too many connections for role",
+    "too many connections for database",
+    "remaining connection slots are reserved",
+)
 
 
 @contextlib.contextmanager
@@ -256,7 +264,7 @@ def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
             "least N + 1; see docs/deploying.md, pool sizing). Nothing was committed by the "
             "waiting statement; a retry converges once the pool has room."
         )
-    if isinstance(exc, psycopg.errors.TooManyConnections) or _TOO_MANY in text:
+    if isinstance(exc, psycopg.errors.TooManyConnections) or any(t in text for t in _TOO_MANY):
         return PoolExhaustedError(
             f"the job database refused a new connection (PostgreSQL said: {text}): it has no "
             "connection slot left (max_connections, or a role's or database's CONNECTION "

@@ -295,11 +295,14 @@ class IdempotentRunOperator(ReschedulingOperator):
 
     def _execute(self, context: Context) -> dict[str, Any] | None:
         self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
+        options = self.run_options(context)
+        # A dry run notifies nothing, even when it fails, also before its work starts (a key
+        # refused, the database down): notify_once reads this.
+        self.last_run_outcome = RunOutcome.DRY_RUN.value if options.dry_run else None
         job_name = check_text(self.effective_job_name, "job name")
         airflow_task.check_mapped_segment(self._key_mapping, self, context)
         run = airflow_run(context)
         resolved = self.resolve_run_key(context, run)
-        options = self.run_options(context)
         # The "Run key" extra link (computed by the worker when the task ends) names this key.
         setattr(self, LINK_TARGET_ATTRIBUTE, (job_name, resolved.run_key))
         self._check_connection()

@@ -194,6 +194,9 @@ def run_under_policy(task: Any, context: Any, original: Any) -> Any:
     wait = airflow_task.LockWait("reschedule" if AIRFLOW_V_3_0_PLUS else "fail")
     task.last_run_outcome = None  # read by notify_once callbacks (this process)
     try:
+        options = airflow_task.run_options(context)
+        # A dry run notifies nothing, even when it fails before its work (as the operator).
+        task.last_run_outcome = RunOutcome.DRY_RUN.value if options.dry_run else None
         _check_not_mapped(task, context)
         run = airflow_run(context)
         mapping = airflow_task.KeyMapping(RunKeyRule())
@@ -201,7 +204,7 @@ def run_under_policy(task: Any, context: Any, original: Any) -> Any:
         task_run = airflow_task.TaskRun(
             job_name=f"{task.dag_id}.{task.task_id}",
             resolved=resolved,
-            options=airflow_task.run_options(context),
+            options=options,
             trigger=airflow_task.trigger(context, run, resolved.zone),
             schema=_setting("policy_schema", DEFAULT_SCHEMA),
             logger=task.log,

@@ -59,6 +59,30 @@ def test_a_fenced_transaction_inside_the_works_own_transaction_is_checked_at_its
     assert written(facts) == ["rerun"]
 
 
+@pytest.mark.parametrize("where", ["before", "inside"])
+def test_set_constraints_immediate_cannot_run_the_commit_check_early(
+    facts: str, where: str
+) -> None:
+    """SET CONSTRAINTS ALL IMMEDIATE in the work's own transaction (before run.transaction(),
+    or inside it) would fire the fence's deferred check at once, leaving the real COMMIT
+    unchecked: the lock lost after the block, nothing of the work may commit (adversary,
+    issue 30: the row landed)."""
+
+    def work(ctx: RunContext) -> None:
+        with ctx.connection.transaction():
+            if where == "before":
+                ctx.connection.execute("SET CONSTRAINTS ALL IMMEDIATE")
+            with ctx.transaction() as cur:
+                insert(cur, "old")
+                if where == "inside":
+                    cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
+            terminate_lock_session(facts, JOB, KEY)
+
+    with pytest.raises((LockLostError, TransactionMisuseError)):
+        run(facts, work)
+    assert written(facts) == []
+
+
 def test_savepoints_inside_a_fenced_transaction_commit_only_under_the_lock(facts: str) -> None:
     """Savepoints of the work's own inside run.transaction() (and one around a second
     run.transaction()): what they keep commits with the fenced transaction, and nothing of it

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from airflow_idempotency.effects.mail import message_id
+from airflow_idempotency.schema import DEFAULT_SCHEMA, ensure_schema
 from devtools.smtp_server import SmtpServer, smtp_connection_env
 from support import TESTS
 from support.dag_runs import FAILED, SUCCESS, run_dag, task_states
@@ -167,3 +168,18 @@ def test_a_failing_dry_run_notifies_nothing(
     assert mails(smtp, "2026-10-06") == Counter()
     assert hook.events(dry.run_id) == Counter()
     assert not [k for k in ledger(airflow_pg_conn) if ":2026-10-06:" in k]
+
+
+def test_a_dry_run_refused_before_its_work_notifies_nothing(
+    dag: Any, airflow_pg_conn: str, servers: tuple[SmtpServer, Webhook]
+) -> None:
+    """A dry run refused before its work starts (its run key names a day that has not ended)
+    notifies nothing either, and writes no ledger row (adversary, issue 30)."""
+    smtp, hook = servers
+    with psycopg.connect(airflow_pg_conn, autocommit=True) as conn:
+        ensure_schema(conn, DEFAULT_SCHEMA)  # the ledger's table, read below
+    dry = run_dag(dag, conf={"run_key": "2099-01-01", "dry_run": True})
+    assert dry.state == FAILED
+    assert hook.events(dry.run_id) == Counter()
+    assert not [k for k in smtp.deliveries_by_key().elements() if dry.run_id in k]
+    assert not [k for k in ledger(airflow_pg_conn) if dry.run_id in k or "2099-01-01" in k]
