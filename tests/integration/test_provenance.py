@@ -35,7 +35,7 @@ def provenance_dag(dag_id: str) -> Any:
         def load(run: RunContext) -> dict[str, int]:
             return {"n": 2}
 
-        load()  # type: ignore[call-arg]  # the operator passes the RunContext
+        load()  # type: ignore[call-arg, misc]  # the operator passes the RunContext
     return dag
 
 
