@@ -42,6 +42,7 @@ from airflow_idempotency.exceptions import (
 from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.metrics import AIRFLOW_METRICS
 from airflow_idempotency.partitions import dag_partitioning
+from airflow_idempotency.provenance import read_provenance
 from airflow_idempotency.records import RunOptions, Trigger
 from airflow_idempotency.run_context import RunEnvironment
 from airflow_idempotency.run_key import (
@@ -206,8 +207,9 @@ def check_mapped_segment(mapping: KeyMapping, task: Any, context: Context) -> No
 
 
 def trigger(context: Context, run: AirflowRun, key_zone: str | None) -> Trigger:
-    """Who started this execution, the Airflow ids it runs under, and the zone its key was
-    made in (``ResolvedRunKey.zone``: the key zone rule)."""
+    """Who started this execution, the Airflow ids it runs under (with its provenance:
+    :mod:`.provenance`), and the zone its key was made in (``ResolvedRunKey.zone``: the key
+    zone rule)."""
     ti = context["ti"]
     return Trigger(
         triggered_by=run.triggered_by,
@@ -219,6 +221,7 @@ def trigger(context: Context, run: AirflowRun, key_zone: str | None) -> Trigger:
         map_index=ti.map_index if ti.map_index is not None and ti.map_index >= 0 else None,
         partition_key=run.partition_key,
         key_zone=key_zone,
+        provenance=read_provenance(context, run.run_type),
     )
 
 

@@ -27,6 +27,7 @@ from airflow_idempotency.locks import (
     run_lock_key,
     server_keepalive_settings,
 )
+from airflow_idempotency.provenance import Provenance
 
 _HOSTNAME = socket.gethostname()
 
@@ -52,6 +53,8 @@ class Trigger:
     # hour keys, which are UTC, and keys of no period): job_runs.key_zone. A job whose
     # earlier keys were made in another zone is refused (the runner's zone check).
     key_zone: str | None = None
+    # The task instance id, run type, clear number and DAG version (migration 0011).
+    provenance: Provenance = field(default_factory=Provenance)
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class RunRecords:
             "task_id": trigger.task_id,
             "try_number": trigger.try_number,
             "map_index": trigger.map_index,
+            **trigger.provenance.params,
             # Facts of the trigger that have no column: the attempt's details from its start.
             "trigger_details": Jsonb(
                 {"partition_key": trigger.partition_key} if trigger.partition_key else {}

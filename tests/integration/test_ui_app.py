@@ -307,6 +307,32 @@ def test_key_page_shows_the_record_attempts_lock_holder_and_ledger(
     )
 
 
+def test_attempts_show_where_they_came_from_in_airflow(
+    auth_manager: Any, airflow_pg_conn: str
+) -> None:
+    """A task run through dag.test (Airflow's real task context): the key's page and the DAG
+    run's tab show each attempt's run type, task instance id and DAG version as Airflow
+    recorded them, and the JSON carries them with the clear number."""
+    from airflow_idempotency import IdempotentRunOperator
+    from support.dag_runs import SUCCESS, daily_dag, run_dag, utc
+
+    with daily_dag("demo_dag") as dag:
+        IdempotentRunOperator(task_id="prov", python_callable=lambda run: None)
+    dag_run = run_dag(dag, logical_date=utc(2026, 10, 2, 1))
+    assert dag_run.state == SUCCESS
+    (ti,) = [ti for ti in dag_run.get_task_instances() if ti.task_id == "prov"]
+    client = Client(auth_manager, "viewer")
+    (attempt,) = client.json("/api/keys", job="demo_dag.prov", run_key="2026-10-01")["key"][
+        "attempts"
+    ]
+    assert (attempt["ti_id"], attempt["dag_version_id"]) == (str(ti.id), str(ti.dag_version_id))
+    assert (attempt["run_type"], attempt["clear_number"]) == ("manual", dag_run.clear_number)
+    key_page = client.get("/keys", job="demo_dag.prov", run_key="2026-10-01").text
+    for page in (key_page, client.get(f"/dags/demo_dag/runs/{dag_run.run_id}").text):
+        assert f"ti {ti.id}" in page and f"version {ti.dag_version_id}" in page
+        assert "<span data-run-type>manual</span>" in page
+
+
 def test_pages_escape_what_the_records_hold(auth_manager: Any, seeded: str) -> None:
     """Job names, run keys and errors are shown as text: markup in them never reaches the
     page as markup, and links to them are URL-encoded."""

@@ -362,6 +362,32 @@ def test_fab_extra_link_opens_the_key_of_the_task(
     assert headers["location"].endswith("/runkeys/keys?job=ui_demo.extract&run_key=2026-10-01")
 
 
+def test_fab_key_page_shows_each_attempts_provenance(
+    webserver: Webserver2, runs: dict[str, str]
+) -> None:
+    """A triggered run, then cleared through Airflow's REST API and run again by the
+    scheduler: the key's attempts show the run type and, for the rerun, the clear number
+    Airflow recorded (1); Airflow 2 task instances have no id and DAGs no versions, so
+    neither is shown, and no triggering user is recorded."""
+    run_id = runs["ui_demo"]
+    quoted = urllib.parse.quote(run_id, safe="")
+    webserver.api("POST", f"/dags/ui_demo/dagRuns/{quoted}/clear", {"dry_run": False})
+    assert webserver.wait_for_run("ui_demo", run_id) == "success"
+    viewer = webserver.session("viewer")
+    status, data, _ = viewer.get("/runkeys/api/keys", job="ui_demo.load", run_key="2026-10-01")
+    assert status == 200
+    seen = [
+        (a["outcome"], a["run_id"], a["run_type"], a["clear_number"], a["ti_id"])
+        for a in data["key"]["attempts"]
+        if a["run_id"] == run_id
+    ]
+    assert seen == [("noop", run_id, "manual", 1, None), ("completed", run_id, "manual", 0, None)]
+    assert {a["triggering_user"] for a in data["key"]["attempts"]} == {None}
+    status, page, _ = viewer.get("/runkeys/page/keys", job="ui_demo.load", run_key="2026-10-01")
+    assert status == 200 and "<span data-run-type>manual</span>" in page
+    assert ">cleared 1" in page and "data-ti-id" not in page and "data-dag-version" not in page
+
+
 # ---------------------------------------------------------------- the browser
 
 

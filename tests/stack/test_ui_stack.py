@@ -444,6 +444,43 @@ JSON_PATHS = (
 )
 
 
+def test_a_triggered_and_cleared_run_records_its_airflow_provenance(
+    stack: SignedInStack, runs: dict[str, str], job_dsn: str
+) -> None:
+    """A run triggered through the REST API, then cleared and run again by the scheduler:
+    each attempt of its ``extract`` task holds the task instance id and DAG version that
+    Airflow's REST API reports for that try, the run type, the triggering user and the clear
+    number (0, then 1); the key's page shows them."""
+    run_id = stack.trigger_key("ui_demo", "2026-10-07")
+    quoted = urllib.parse.quote(run_id, safe="")
+    ti_path = f"/api/v2/dags/ui_demo/dagRuns/{quoted}/taskInstances/extract"
+    first = stack.api("GET", ti_path)
+    user = stack.api("GET", f"/api/v2/dags/ui_demo/dagRuns/{quoted}")["triggering_user_name"]
+    stack.api("POST", f"/api/v2/dags/ui_demo/dagRuns/{quoted}/clear", {"dry_run": False})
+    rerun = stack.wait_for_runs("ui_demo", [run_id], timeout=180)[0]
+    assert rerun.state == "success", stack.describe_runs("ui_demo", [run_id])
+    second = stack.api("GET", ti_path)
+    recorded = rows(
+        job_dsn,
+        "SELECT outcome, try_number, run_type, triggering_user, clear_number, ti_id::text,"
+        " dag_version_id::text FROM idempotency.job_run_attempts"
+        " WHERE job_name = 'ui_demo.extract' AND run_id = %s ORDER BY attempt_id",
+        (run_id,),
+    )
+    assert user is not None and first["id"] != second["id"]
+    assert recorded == [
+        ("completed", 1, "manual", user, 0, first["id"], first["dag_version"]["id"]),
+        ("noop", 2, "manual", user, 1, second["id"], second["dag_version"]["id"]),
+    ]
+    status, page, _ = stack.http(
+        "GET",
+        "/idempotency/keys?job=ui_demo.extract&run_key=2026-10-07",
+        token=stack.token,
+        cookie=True,
+    )
+    assert status == 200 and f"ti {second['id']}" in page and ">cleared 1" in page
+
+
 def test_the_api_server_answers_401_404_and_400(stack: SignedInStack, runs: dict[str, str]) -> None:
     """Through the real api-server: each JSON endpoint answers 401 without a session, an
     unknown key 404 (JSON and page), a malformed calendar range or a missing job 400 saying

@@ -348,6 +348,7 @@ _TASK_MODULES = {
     "airflow_idempotency.key_spelling",
     "airflow_idempotency.key_zone",
     "airflow_idempotency.partitions",
+    "airflow_idempotency.provenance",
     "airflow_idempotency.provider_info",
     "airflow_idempotency.records",
     "airflow_idempotency.run_context",

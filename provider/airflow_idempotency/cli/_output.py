@@ -34,8 +34,18 @@ def _plain(value: Any) -> Any:
 
 
 # Columns that identify a row, shown whole on one line: three job names cut to their common
-# beginning would look alike.
-WHOLE_COLUMNS = frozenset({"job_name", "run_key", "remote_system", "idempotency_key", "task_id"})
+# beginning would look alike; an id (Airflow's task instance id, its DAG version) is copied whole.
+WHOLE_COLUMNS = frozenset(
+    {
+        "job_name",
+        "run_key",
+        "remote_system",
+        "idempotency_key",
+        "task_id",
+        "ti_id",
+        "dag_version_id",
+    }
+)
 
 
 def emit(

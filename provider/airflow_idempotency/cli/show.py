@@ -1,4 +1,4 @@
-"""``show``: one run and every attempt at it."""
+"""``show``: one run and every attempt at it, with where in Airflow each came from."""
 
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ ATTEMPT_COLUMNS = [
     "finished_at",
     "error",
 ]
+# Where each attempt came from in Airflow (migration 0011; NULL where the line has no such
+# value, and for attempts recorded outside Airflow or before it): a table of its own, so
+# the attempts table stays readable.
+PROVENANCE_COLUMNS = [
+    "attempt_id",
+    "run_id",
+    "map_index",
+    "run_type",
+    "triggering_user",
+    "clear_number",
+    "ti_id",
+    "dag_version_id",
+]
 
 
 EXAMPLES = """
@@ -72,4 +85,7 @@ def handle(args: argparse.Namespace) -> int:
     if run:
         emit(args, f"{args.job} {args.run_key}", [run.__dict__], RUN_COLUMNS)
     emit(args, "attempts", attempts, ATTEMPT_COLUMNS)
+    airflow = [a for a in attempts if a["dag_id"] is not None]
+    if airflow:
+        emit(args, "Airflow provenance of the attempts", airflow, PROVENANCE_COLUMNS)
     return EXIT_OK

@@ -152,13 +152,15 @@ ORDER BY keys DESC, key_zone;
 INSERT INTO {schema}.job_run_attempts (
     job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
     dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
-    force, dry_run, started_at, finished_at, error, details
+    force, dry_run, started_at, finished_at, error, details,
+    ti_id, run_type, clear_number, dag_version_id
 ) VALUES (
     %(job_name)s, %(run_key)s, %(lock_key)s, %(outcome)s, %(triggered_by)s, %(triggering_user)s,
     %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s, %(map_index)s, %(hostname)s, %(pid)s,
     %(lock_backend_pid)s, %(force)s, %(dry_run)s, statement_timestamp(),
     CASE WHEN %(outcome)s = 'running' THEN NULL ELSE statement_timestamp() END,
-    %(error)s, %(trigger_details)s || %(details)s
+    %(error)s, %(trigger_details)s || %(details)s,
+    %(ti_id)s, %(run_type)s, %(clear_number)s, %(dag_version_id)s
 )
 RETURNING attempt_id;
 
@@ -186,12 +188,13 @@ WITH attempt AS (
     INSERT INTO {schema}.job_run_attempts (
         job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
         dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
-        force, dry_run, started_at, details
+        force, dry_run, started_at, details, ti_id, run_type, clear_number, dag_version_id
     ) VALUES (
         %(job_name)s, %(run_key)s, %(lock_key)s, 'running', %(triggered_by)s,
         %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s,
         %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false,
-        statement_timestamp(), %(trigger_details)s
+        statement_timestamp(), %(trigger_details)s,
+        %(ti_id)s, %(run_type)s, %(clear_number)s, %(dag_version_id)s
     )
     RETURNING attempt_id
 ),
@@ -463,6 +466,7 @@ LIMIT %(limit)s;
 
 -- name: cli_attempts
 SELECT attempt_id, outcome, triggered_by, triggering_user, dag_id, run_id, task_id, try_number,
+       map_index, ti_id, run_type, clear_number, dag_version_id,
        hostname, pid, force, dry_run, started_at, finished_at, error, details
 FROM {schema}.job_run_attempts
 WHERE job_name = %(job)s AND run_key = %(run_key)s
@@ -838,6 +842,7 @@ WITH held AS MATERIALIZED (
     SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
 )
 SELECT a.attempt_id, a.job_name, a.run_key, a.outcome, a.task_id, a.map_index, a.try_number,
+       a.triggered_by, a.triggering_user, a.ti_id, a.run_type, a.clear_number, a.dag_version_id,
        a.hostname, a.pid, a.force, a.dry_run, a.started_at, a.finished_at, a.error, a.details,
        a.details->>'partition_key' AS partition_key, r.status AS key_status, r.dag_id AS key_dag_id, r.run_id AS key_run_id,
        r.updated_at AS key_updated_at, r.lock_key IN (SELECT held.lock_key FROM held) AS key_locked
@@ -859,8 +864,9 @@ WITH attempts AS (
     WHERE a.job_name = %(job)s AND a.run_key = %(run_key)s
 )
 SELECT a.attempt_id, a.outcome, a.triggered_by, a.triggering_user, a.dag_id, a.run_id,
-       a.task_id, a.map_index, a.try_number, a.hostname, a.pid, a.lock_backend_pid, a.force,
-       a.dry_run, a.started_at, a.finished_at, a.error, a.details,
+       a.task_id, a.map_index, a.try_number, a.ti_id, a.run_type, a.clear_number,
+       a.dag_version_id, a.hostname, a.pid, a.lock_backend_pid, a.force, a.dry_run,
+       a.started_at, a.finished_at, a.error, a.details,
        a.details->>'partition_key' AS partition_key, count(*) OVER () AS visible_total,
        (SELECT count(*) FROM attempts AS h WHERE NOT h.visible) AS hidden_total
 FROM attempts AS a
