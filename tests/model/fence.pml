@@ -10,10 +10,13 @@
  * Each step that is a statement of the provider names it: "sql: <name>" is a query of
  * provider/airflow_idempotency/sql/queries.sql (the test checks that each exists and that every
  * fence statement is modelled). The checksum below is that of the fence's SQL (the fence_*
- * queries, acquire_run_lock, start_attempt, complete_attempt and migrations 0006 and 0008): when
- * the SQL changes, the test fails until the model is reviewed and the checksum updated.
+ * queries, acquire_run_lock, start_attempt, complete_attempt and every migration that defines
+ * a fence function: 0006, 0008, 0010): when the SQL changes, the test fails until the model is
+ * reviewed and the checksum updated. Reviewed for 0010 (the commit-time check runs at COMMIT
+ * or refuses: the model's check and commit are one step) and 0011 (start_attempt records the
+ * attempt's provenance: no fence change).
  *
- * fence-sql-sha256: 15630fae5782b9fa41983271762e459898c108236a95ffcdb9cd834adce5fd38
+ * fence-sql-sha256: d2389ecc78bb85278114d4781e4983d5f94c92e7c9548cbe300335961d8d1c0b
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
