@@ -37,7 +37,33 @@ def render_page(request: Request, template: str, **context: Any) -> str:
     )
 
 
-router = APIRouter()
+def checked_query(request: Request) -> None:
+    """Refuse a query parameter sent more than once (``?job=a&job=b``): which one was meant
+    is a guess (FastAPI keeps the last, Flask's ``to_dict`` the first), so neither is."""
+    counts: dict[str, int] = {}
+    for name, _ in request.query_params.multi_items():
+        counts[name] = counts.get(name, 0) + 1
+    errors = [
+        {"type": "value_error", "loc": ("query", name), "msg": f"sent {n} times; send it once"}
+        for name, n in counts.items()
+        if n > 1
+    ]
+    if errors:
+        raise RequestValidationError(errors)
+
+
+def no_query(request: Request) -> None:
+    """Refuse every query parameter of a page that takes none (as a misspelt one elsewhere)."""
+    if request.query_params:
+        raise RequestValidationError(
+            [
+                {"type": "extra_forbidden", "loc": ("query", name), "msg": "not a parameter"}
+                for name in dict.fromkeys(request.query_params.keys())
+            ]
+        )
+
+
+router = APIRouter(dependencies=[Depends(checked_query)])
 
 
 class Refusal(BaseModel):
@@ -165,7 +191,7 @@ def key(
     return pages.key(reader, access, query)
 
 
-@page("/locks", "locks.html")
+@page("/locks", "locks.html", dependencies=[Depends(no_query)])
 def locks(reader: ReaderDep) -> dict[str, Any]:
     """The run locks held now: holder (host, pid, attempt, DAG run) and age."""
     return pages.locks(reader)
