@@ -70,6 +70,10 @@ REFUSED = [
     ("/runkeys/api/locks", {"limit": "-1"}, "limit: not a parameter of this page"),
     ("/runkeys/api/dags/d%00x", {}, "dag_id: holds U+0000"),
     ("/runkeys/page/dags/d/runs/r", {"task_id": "\x1b"}, "task_id: holds U+001B"),
+    # Sent twice: Flask's to_dict kept the first, FastAPI the last; both now refuse.
+    ("/runkeys/api/overview", {"job": ["a", "b"]}, "job: sent 2 times; send it once"),
+    ("/runkeys/api/keys", {"job": "j", "run_key": ["k", "l"]}, "run_key: sent 2 times"),
+    ("/runkeys/task", {**TASK, "map_index": ["0", "1"]}, "map_index: sent 2 times"),
 ]
 
 
