@@ -983,3 +983,15 @@ def test_each_rerun_button_sends_exactly_the_key_and_options_it_shows(
             assert body["conf"] == expected, (key, force, dry_run, body)
             assert key in body["note"]
         page.context.close()
+
+
+@pytest.mark.parametrize("path", ["/api/dags/demo_dag/runs/.", "/api/dags/..", "/api/dags/."])
+def test_a_dot_path_parameter_is_a_json_404(auth_manager: Any, path: str) -> None:
+    """A DAG or run id of ``.`` or ``..`` that a client sends unencoded: the URL's dot
+    segments are removed before the view sees it, so the answer is a 404 as the schema
+    documents it (JSON), never an undocumented 307 redirect or an HTML page under /api
+    (what schemathesis draws now and then from the path parameters' pattern)."""
+    answer = Client(auth_manager, "admin", "admin").get(path)
+    assert answer.status_code == 404, (answer.status_code, answer.headers, answer.text[:300])
+    assert answer.headers["content-type"] == "application/json", answer.text[:300]
+    assert answer.json()["detail"]
