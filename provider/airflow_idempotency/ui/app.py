@@ -85,6 +85,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_url="/api/openapi.json",
+        # No 307 to the address without its trailing slash (``/dags/d/runs/.`` becomes
+        # ``/dags/d/runs/``): a 404 as the schema documents it.
+        redirect_slashes=False,
     )
     app.openapi = openapi_of(app)  # type: ignore[method-assign]
     app.state.settings = settings or Settings.from_airflow_config()

@@ -30,7 +30,8 @@ TITLES = {
 def wants_json(request: Request) -> bool:
     """Whether the request is for a JSON twin (``/api/...`` under the mount)."""
     root = str(request.scope.get("root_path", ""))
-    return request.url.path.removeprefix(root).startswith("/api/")
+    path = request.url.path.removeprefix(root)
+    return path == "/api" or path.startswith("/api/")
 
 
 def error_response(request: Request, status: int, title: str, detail: str) -> Response:
