@@ -191,8 +191,9 @@ class RunRecords:
         the attempt), in one READ COMMITTED transaction (two round trips: its BEGIN, then the
         rest with the COMMIT).
 
-        It first takes the key over from the fence (``fence_take_over``, migrations 0006 and
-        0008): it waits until every fenced transaction of an earlier attempt has ended, so no
+        It first takes the key over from the fence (``fence_take_over``, migrations 0006, 0008
+        and 0012), and is refused (SQLSTATE ``IF001``) unless ``lock`` is still held: it
+        waits until every fenced transaction of an earlier attempt has ended, so no
         write of a previous attempt can commit after this start; at most
         :func:`~airflow_idempotency.locks.lock_wait_ms` (then SQLSTATE ``IF002``, naming the
         sessions it waited for), the bound of every lock wait of the transaction. Any other
@@ -203,7 +204,12 @@ class RunRecords:
         params = self._attempt_params(lock, options)
         take_over = (
             query("fence_take_over", self.schema),
-            {**params, "lock_wait_ms": lock_wait_ms(), **server_keepalive_settings(conn)},
+            {
+                **params,
+                **lock.params,
+                "lock_wait_ms": lock_wait_ms(),
+                **server_keepalive_settings(conn),
+            },
         )
         if options.dry_run:
             params.update(outcome="running", dry_run=True, error=None, details=Jsonb({}))

@@ -51,7 +51,12 @@ from airflow_idempotency.exceptions import (
     MissingPrivilegeError,
     RunLockedError,
 )
-from airflow_idempotency.fence import bookkeeping_lock_holders, fence_sqlstate, lock_wait_refusal
+from airflow_idempotency.fence import (
+    bookkeeping_lock_holders,
+    fence_refused,
+    fence_sqlstate,
+    lock_wait_refusal,
+)
 from airflow_idempotency.key_spelling import check_key_text, check_text
 from airflow_idempotency.key_zone import check_key_zone
 from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
@@ -469,6 +474,12 @@ class _Run:
             return call(*args)
         except psycopg.Error as exc:
             refusal = self._lock_wait(exc, step)
+            if refusal is None and fence_refused(exc):
+                refusal = LockLostError(
+                    f"{step} job {self.job_name!r} run_key {self.run_key!r}: its lock session "
+                    f"ended before the step was recorded ({exc.diag.message_primary}); nothing "
+                    "of it was written. A rerun will pick the key up again."
+                )
             if refusal is None:
                 raise
             raise refusal from exc

@@ -2,7 +2,7 @@
 
 A start is not fenced by its own lock: an attempt whose lock session ended between taking the
 run lock and its start can commit that start after its successor's, and take the run over from
-it. Marked as an expected failure until ``fence_take_over`` refuses such a start.
+it. Fixed by migration 0012: ``fence_take_over`` refuses a start whose lock is gone.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import threading
 from typing import Any
 
 import psycopg
-import pytest
 
 from airflow_idempotency.runner import RunContext, run_idempotently
 from support.db import rows
@@ -21,11 +20,6 @@ JOB = "finding"
 KEY = "2026-10-01"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="start_attempt does not check that its attempt still holds the run lock "
-    "(docs/fence.md, 'An exhaustive check')",
-)
 def test_a_start_after_its_lock_was_lost_does_not_take_the_run_over(pg_dsn: str) -> None:
     late_start, successor_works = threading.Event(), threading.Event()
     connects = {"late": 0}

@@ -101,8 +101,11 @@ SELECT {schema}.fence_arm(%(lock_key)s, %(lock_backend_pid)s, %(lock_holder)s, %
 -- name: fence_take_over
 -- The first statement of an attempt's start: waits until every fenced transaction of the key's
 -- previous attempts has ended (at most lock_wait_ms, then IF002 naming them), and forgets their
--- arms (migrations 6 and 8). Every lock wait of the start's transaction is bounded by it.
-SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s),
+-- arms (migrations 6 and 8); then refuses (IF001) unless this attempt's lock transaction
+-- still holds the run lock (migration 12). Every lock wait of the start's transaction is
+-- bounded by it.
+SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s, %(lock_backend_pid)s,
+                                %(lock_holder)s),
        {schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s,
                                 %(keepalives_count)s, %(tcp_user_timeout)s);
 

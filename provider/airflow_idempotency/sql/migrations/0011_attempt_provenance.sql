@@ -1,4 +1,4 @@
--- Version 10: where each attempt came from in Airflow, beyond the DAG, run, task, try and map
+-- Version 11: where each attempt came from in Airflow, beyond the DAG, run, task, try and map
 -- index that version 1 records: the task instance's id (Airflow 3: ti.id, a UUID; Airflow 2
 -- task instances have none, they are named by dag_id, task_id, run_id and map_index), the
 -- DAG run's type as Airflow spells it (scheduled, manual, backfill, asset_triggered,
