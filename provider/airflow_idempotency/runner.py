@@ -473,7 +473,7 @@ class _Run:
         try:
             return call(*args)
         except psycopg.Error as exc:
-            refusal = self._lock_wait(exc, step)
+            refusal: IdempotencyError | None = self._lock_wait(exc, step)
             if refusal is None and fence_refused(exc):
                 refusal = LockLostError(
                     f"{step} job {self.job_name!r} run_key {self.run_key!r}: its lock session "
