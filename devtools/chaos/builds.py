@@ -128,7 +128,8 @@ FENCE_OFF = Build(
         # ... and the successor's wait for every fenced transaction of the key to end.
         Patch(
             "sql/queries.sql",
-            "SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s),\n",
+            "SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s, "
+            "%(lock_backend_pid)s,\n                                %(lock_holder)s),\n",
             "SELECT -- broken build: fence-off\n",
         ),
     ),
