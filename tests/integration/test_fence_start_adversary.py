@@ -1,0 +1,85 @@
+"""Adversary of migration 0012 (a start fenced by its own lock), on real PostgreSQL.
+
+A worker of the previous release (version 11: ``fence_take_over(lock_key, wait_ms)``, the
+two-argument function that 0012 keeps for a rolling upgrade) whose lock session ended before
+its start still commits that start after a new worker's successor has started, and takes the
+run over from it: the successor's completion is refused and the key is left not completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_idempotency import records
+from airflow_idempotency.runner import RunContext, run_idempotently
+from support.db import rows
+from support.locks import Background, terminate_lock_session, wait_for
+
+JOB = "finding"
+KEY = "2026-10-01"
+
+# sql/queries.sql's fence_take_over as a worker of version 11 sends it (before 555b3c2)
+OLD_TAKE_OVER = (
+    "SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s), "
+    "{schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s, "
+    "%(keepalives_count)s, %(tcp_user_timeout)s)"
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="0012 keeps the unchecked two-argument fence_take_over: an old worker's late "
+    "start overtakes a new worker's successor",
+)
+def test_an_old_workers_late_start_does_not_take_the_run_over_from_a_new_one(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    late_start, successor_works = threading.Event(), threading.Event()
+    connects = {"late": 0}
+    old_threads: set[int] = set()
+    new_query = records.query
+
+    def query(name: str, schema: str, file: str = "queries.sql") -> str:
+        if name == "fence_take_over" and threading.get_ident() in old_threads:
+            return OLD_TAKE_OVER.replace("{schema}", schema)
+        return new_query(name, schema, file)
+
+    monkeypatch.setattr(records, "query", query)
+
+    def late_connect() -> psycopg.Connection[Any]:
+        old_threads.add(threading.get_ident())
+        connects["late"] += 1
+        if connects["late"] == 2:  # the work connection: opened after the lock is taken
+            late_start.wait(30)
+        return psycopg.connect(pg_dsn)
+
+    def successor_work(run: RunContext) -> None:
+        successor_works.set()
+        with run.transaction() as cur:
+            cur.execute("CREATE TABLE IF NOT EXISTS finding_rows (n int)")
+            cur.execute("INSERT INTO finding_rows VALUES (1)")
+        wait_for("the late start", lambda: late.error is not None or late.result is not None)
+
+    late = Background(
+        lambda: run_idempotently(
+            connect=late_connect, job_name=JOB, run_key=KEY, work=lambda run: None
+        )
+    )
+    wait_for("the first attempt's lock", lambda: connects["late"] == 2)
+    terminate_lock_session(pg_dsn, JOB, KEY)  # its lock session ends before its start
+    successor = Background(
+        lambda: run_idempotently(
+            connect=lambda: psycopg.connect(pg_dsn), job_name=JOB, run_key=KEY, work=successor_work
+        )
+    )
+    assert successor_works.wait(30), "the successor did not start its work"
+    late_start.set()  # the old worker's lost attempt starts now
+    late.join()
+    successor.join()
+    assert rows(pg_dsn, "SELECT n FROM finding_rows") == [(1,)]
+    assert successor.error is None, successor.error
+    assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
