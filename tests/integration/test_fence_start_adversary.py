@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from airflow_idempotency import records
+from airflow_idempotency.records import RunOptions
 from airflow_idempotency.runner import RunContext, run_idempotently
 from support.db import rows
 from support.locks import Background, terminate_lock_session, wait_for
@@ -83,3 +84,89 @@ def test_an_old_workers_late_start_does_not_take_the_run_over_from_a_new_one(
     assert rows(pg_dsn, "SELECT n FROM finding_rows") == [(1,)]
     assert successor.error is None, successor.error
     assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
+
+
+def _blocked_on_a_row(dsn: str) -> bool:
+    """Whether a backend of this database waits for a row lock (a transaction id)."""
+    found = rows(
+        dsn,
+        "SELECT 1 FROM pg_locks AS l WHERE NOT l.granted AND l.locktype IN "
+        "('transactionid', 'tuple') AND l.pid IS NOT NULL",
+    )
+    return bool(found)
+
+
+def test_a_start_whose_lock_is_lost_after_its_check_commits_before_the_successors(
+    pg_dsn: str,
+) -> None:
+    """The late start passes its check, then waits (a row lock on job_runs) while its lock
+    session ends and a successor takes the lock: the successor's start waits for it, then
+    closes it as abandoned; the successor completes the key."""
+    with pytest.raises(RuntimeError):
+        run_idempotently(
+            connect=lambda: psycopg.connect(pg_dsn), job_name=JOB, run_key=KEY,
+            work=lambda run: (_ for _ in ()).throw(RuntimeError("first fails")),
+        )
+    blocker = psycopg.connect(pg_dsn)
+    blocker.execute("SELECT 1 FROM idempotency.job_runs FOR UPDATE")
+    late = Background(
+        lambda: run_idempotently(
+            connect=lambda: psycopg.connect(pg_dsn), job_name=JOB, run_key=KEY,
+            work=lambda run: None,
+        )
+    )
+    wait_for("the late start's row wait", lambda: _blocked_on_a_row(pg_dsn))
+    terminate_lock_session(pg_dsn, JOB, KEY)
+    successor = Background(
+        lambda: run_idempotently(
+            connect=lambda: psycopg.connect(pg_dsn), job_name=JOB, run_key=KEY,
+            work=lambda run: {"n": 1},
+        )
+    )
+    from support.locks import waiting_backends
+
+    wait_for("the successor's start on the fence key", lambda: bool(waiting_backends(pg_dsn, 2)))
+    blocker.rollback()
+    blocker.close()
+    late.join()
+    successor.join()
+    assert successor.error is None, successor.error
+    assert late.error is not None
+    assert rows(pg_dsn, "SELECT status, current_attempt_id FROM idempotency.job_runs") == [
+        ("completed", successor.result.attempt_id)
+    ]
+    outcomes = rows(
+        pg_dsn, "SELECT attempt_id, outcome FROM idempotency.job_run_attempts ORDER BY 1"
+    )
+    assert [o for _, o in outcomes] == ["failed", "lock_lost", "completed"], outcomes
+
+
+def test_a_dry_runs_start_after_its_lock_was_lost_is_refused_and_writes_nothing(
+    pg_dsn: str,
+) -> None:
+    late_start = threading.Event()
+    connects = {"n": 0}
+
+    def connect() -> psycopg.Connection[Any]:
+        connects["n"] += 1
+        if connects["n"] == 2:
+            late_start.wait(30)
+        return psycopg.connect(pg_dsn)
+
+    from airflow_idempotency.exceptions import LockLostError
+
+    late = Background(
+        lambda: run_idempotently(
+            connect=connect, job_name=JOB, run_key=KEY, work=lambda run: None,
+            options=RunOptions(dry_run=True),
+        )
+    )
+    wait_for("the dry run's lock", lambda: connects["n"] == 2)
+    terminate_lock_session(pg_dsn, JOB, KEY)
+    late_start.set()
+    late.join()
+    assert isinstance(late.error, LockLostError), late.error
+    message = str(late.error)
+    assert "the start of" in message and "rerun" in message.lower(), message
+    assert "password" not in message.lower() and "postgresql://" not in message, message
+    assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_run_attempts") == [(0,)]
