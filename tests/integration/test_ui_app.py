@@ -18,6 +18,7 @@ import psycopg
 import pytest
 
 from airflow_idempotency._sql import latest_migration
+from airflow_idempotency.compat import AIRFLOW_V_3_2_PLUS
 from airflow_idempotency.records import Trigger
 from airflow_idempotency.runner import RunContext, run_idempotently
 from airflow_idempotency.ui.database import POOLS
@@ -307,6 +308,11 @@ def test_key_page_shows_the_record_attempts_lock_holder_and_ledger(
     )
 
 
+@pytest.mark.skipif(
+    not AIRFLOW_V_3_2_PLUS,
+    reason="Airflow 3.1's execution API dies in _get_upstream_map_indexes when dag.test runs "
+    "this DAG (an error of 3.1's own, not of the task); 3.2 and 3.3 run it",
+)
 def test_attempts_show_where_they_came_from_in_airflow(
     auth_manager: Any, airflow_pg_conn: str
 ) -> None:

@@ -77,8 +77,13 @@ def parse_map_index(value: str | None) -> int | None:
     return int(value)
 
 
+# Parameters whose name is a Python keyword: their field has another name, which FastAPI 0.117
+# (Airflow 3.1's lock) puts in an error's location where 0.136 (3.2, 3.3) puts the alias.
+_SENT_AS = {"from_key": "from", "to_key": "to"}
+
+
 def _where(loc: Iterable[Any]) -> str:
-    parts = [str(part) for part in loc if part not in ("query", "path")]
+    parts = [_SENT_AS.get(str(part), str(part)) for part in loc if part not in ("query", "path")]
     return ".".join(parts) or "the request"
 
 
