@@ -19,8 +19,9 @@ import pytest
 from airflow_idempotency import _sql, records
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.records import RunOptions
-from airflow_idempotency.runner import RunContext, run_idempotently
+from airflow_idempotency.runner import run_idempotently
 from support.db import rows
+from support.fenced_work import late_start_race
 from support.locks import Background, terminate_lock_session, wait_for, waiting_backends
 
 JOB = "finding"
@@ -42,8 +43,6 @@ OLD_TAKE_OVER = (
 def test_an_old_workers_late_start_does_not_take_the_run_over_from_a_new_one(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    late_start, successor_works = threading.Event(), threading.Event()
-    connects = {"late": 0}
     old_threads: set[int] = set()
     new_query = _sql.query
 
@@ -53,37 +52,10 @@ def test_an_old_workers_late_start_does_not_take_the_run_over_from_a_new_one(
         return new_query(name, schema, file)
 
     monkeypatch.setattr(records, "query", query)
-
-    def late_connect() -> psycopg.Connection[Any]:
-        old_threads.add(threading.get_ident())
-        connects["late"] += 1
-        if connects["late"] == 2:  # the work connection: opened after the lock is taken
-            late_start.wait(30)
-        return psycopg.connect(pg_dsn)
-
-    def successor_work(run: RunContext) -> None:
-        successor_works.set()
-        with run.transaction() as cur:
-            cur.execute("CREATE TABLE IF NOT EXISTS finding_rows (n int)")
-            cur.execute("INSERT INTO finding_rows VALUES (1)")
-        wait_for("the late start", lambda: late.error is not None or late.result is not None)
-
-    late = Background(
-        lambda: run_idempotently(
-            connect=late_connect, job_name=JOB, run_key=KEY, work=lambda run: None
-        )
+    # the late attempt's thread sends the old worker's take-over
+    _, successor = late_start_race(
+        pg_dsn, JOB, KEY, on_late_connect=lambda: old_threads.add(threading.get_ident())
     )
-    wait_for("the first attempt's lock", lambda: connects["late"] == 2)
-    terminate_lock_session(pg_dsn, JOB, KEY)  # its lock session ends before its start
-    successor = Background(
-        lambda: run_idempotently(
-            connect=lambda: psycopg.connect(pg_dsn), job_name=JOB, run_key=KEY, work=successor_work
-        )
-    )
-    assert successor_works.wait(30), "the successor did not start its work"
-    late_start.set()  # the old worker's lost attempt starts now
-    late.join()
-    successor.join()
     assert rows(pg_dsn, "SELECT n FROM finding_rows") == [(1,)]
     assert successor.error is None, successor.error
     assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
