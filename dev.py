@@ -149,8 +149,18 @@ def setup(line: Line) -> None:
 def venv_env(line: Line) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{line.bin}{os.pathsep}{env.get('PATH', '')}"
+    # This checkout's provider and accounting service come first: a venv shared by several
+    # checkouts (worktrees) holds an editable install of whichever ran setup last.
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), str(ROOT / "dags"), env.get("PYTHONPATH")) if p
+        p
+        for p in (
+            str(ROOT / "provider"),
+            str(ROOT / "accounting"),
+            str(ROOT),
+            str(ROOT / "dags"),
+            env.get("PYTHONPATH"),
+        )
+        if p
     )
     # Tests that need the other line's environment (a worker of each, side by side) find it
     # here; it exists once `python3 dev.py setup --airflow 2` has run.

@@ -1,8 +1,9 @@
-"""The fence's Python (fenced transactions, errors); its SQL: migrations 0006, 0008, 0010, 0012.
+"""The fence's Python (fenced transactions, errors); its SQL: migrations 0006, 0008, 0010, 0012+.
 
 A fenced transaction on a connection of one attempt, and what its errors mean (:class:`Fence`).
-The fence itself is SQL (migrations 0006, 0008, 0010 and 0012, the ``fence_enter``/``fence_arm``/
-``fence_take_over`` queries of ``sql/queries.sql``); docs/fence.md says what it guarantees.
+The fence itself is SQL (migrations 0006, 0008, 0010, 0012 and 0013, the ``fence_enter``/
+``fence_arm``/``fence_take_over`` queries of ``sql/queries.sql``); docs/fence.md says what it
+guarantees.
 """
 
 from __future__ import annotations

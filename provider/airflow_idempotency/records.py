@@ -191,8 +191,8 @@ class RunRecords:
         the attempt), in one READ COMMITTED transaction (two round trips: its BEGIN, then the
         rest with the COMMIT).
 
-        It first takes the key over from the fence (``fence_take_over``, migrations 0006, 0008
-        and 0012), and is refused (SQLSTATE ``IF001``) unless ``lock`` is still held: it
+        It first takes the key over from the fence (``fence_take_over``, migrations 0006, 0008,
+        0012 and 0013), and is refused (SQLSTATE ``IF001``) unless ``lock`` is still held: it
         waits until every fenced transaction of an earlier attempt has ended, so no
         write of a previous attempt can commit after this start; at most
         :func:`~airflow_idempotency.locks.lock_wait_ms` (then SQLSTATE ``IF002``, naming the

@@ -3,9 +3,11 @@
 Found: a worker of the previous release (version 11: ``fence_take_over(lock_key, wait_ms)``, the
 two-argument function that 0012 keeps for a rolling upgrade) whose lock session ended before
 its start still commits that start after a new worker's successor has started, and takes the
-run over from it: the successor's completion is refused and the key is left not completed (xfail). Held: a start whose lock is lost after its check (it
-commits before the successor's start, which closes it as abandoned); a dry run's start after its lock
-was lost (LockLostError naming the step and a rerun, nothing recorded).
+run over from it: the successor's completion was refused and the key left not completed (fixed
+by migration 0013: a start's INSERT checks its lock session, whichever fence_take_over the
+worker sent). Held: a start whose lock is lost after its check (it commits before the
+successor's start, which closes it as abandoned); a dry run's start after its lock was lost
+(LockLostError naming the step and a rerun, nothing recorded).
 """
 
 from __future__ import annotations
@@ -35,11 +37,6 @@ OLD_TAKE_OVER = (
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="0012 keeps the unchecked two-argument fence_take_over: an old worker's late "
-    "start overtakes a new worker's successor",
-)
 def test_an_old_workers_late_start_does_not_take_the_run_over_from_a_new_one(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,13 +11,17 @@
  * provider/airflow_idempotency/sql/queries.sql (the test checks that each exists and that every
  * fence statement is modelled). The checksum below is that of the fence's SQL (the fence_*
  * queries, acquire_run_lock, start_attempt, complete_attempt and every migration that defines
- * a fence function: 0006, 0008, 0010, 0012): when the SQL changes, the test fails until the model is
+ * a fence function: 0006, 0008, 0010, 0012, 0013): when the SQL changes, the test fails until the model is
  * reviewed and the checksum updated. Reviewed for 0010 (the commit-time check runs at COMMIT
  * or refuses: the model's check and commit are one step) and 0011 (start_attempt records the
  * attempt's provenance: no fence change) and 0012 (the start's check of its own lock, modelled
- * after the takeover's acquisition of the fence key).
+ * after the takeover's acquisition of the fence key) and 0013 (the same check again, in a
+ * trigger on the start's INSERT, for workers of version 11 that send the two-argument takeover:
+ * the model's attempts are of this version, whose start already checks under the fence key, so
+ * the model's start step stands for both checks; an old worker's start, checked by pid alone,
+ * is the -DPID_ONLY variant's start).
  *
- * fence-sql-sha256: a7a64caf1f5c58426e549bcbe653fd481966ac5c91759f30f8b6d4a4d93c3412
+ * fence-sql-sha256: 3ad910a55ef16a633f7f35abfc88c62b43b9fa2e6c8c8d51d1eb4612e7f54e49
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
