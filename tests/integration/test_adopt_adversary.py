@@ -22,6 +22,7 @@ import pytest
 
 from airflow_idempotency import adoption
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
+from airflow_idempotency.schema import ensure_schema
 from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date, task_states
 from support.db import rows
 
@@ -110,6 +111,7 @@ def test_a_task_that_did_not_succeed_in_a_succeeded_run_is_not_adopted(
     dag = _dag(folder, LATER_FILE)
     assert sorted(dag.task_ids) == ["extract", "new_table", "report"]
     with psycopg.connect(airflow_pg_conn, autocommit=True) as conn:
+        ensure_schema(conn, "idempotency")
         planned = adoption.plan(dag, runs, conn, "idempotency")
         adoption.apply(conn, "idempotency", DAG_ID, planned)
     would = {a.task_id: a.would for a in planned}

@@ -89,6 +89,10 @@ def test_a_return_value_jsonb_refuses_does_not_undo_the_completion(
     was kept for the no-op's replay, and the completion write failed after the work. The
     work must be done once and the key completed; such a value is not kept (as one too
     large is not)."""
+    from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
+
+    if AIRFLOW_V_3_0_PLUS and "float" in value:
+        pytest.skip("Airflow 3 itself refuses to push NaN or Infinity as an XCom (httpx's JSON)")
     dag = _inline_dag(
         tmp_path,
         f"""
@@ -135,7 +139,7 @@ def test_more_schedules_firing_twice_a_day_are_refused(case: str, tmp_path: Path
     (tmp_path / "refused.py").write_text(
         f"import pendulum\n{imports}\n"
         "from airflow.providers.common.compat.sdk import DAG\n"
-        f"DAG('refused', schedule={schedule}, start_date=pendulum.datetime(2026, 9, 1),"
+        f"dag = DAG('refused', schedule={schedule}, start_date=pendulum.datetime(2026, 9, 1),"
         " tags=['finance'])\n"
     )
     bag = load_dag_bag(tmp_path)
