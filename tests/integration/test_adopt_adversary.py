@@ -7,7 +7,10 @@ Found:
   adopt recorded that task's key completed, so the work it never did became a no-op for
   good (``test_a_task_that_did_not_succeed_in_a_succeeded_run_is_not_adopted``).
 
-Held: see the end of this docstring (filled in as the pass goes).
+Held (read in the code; tests/integration/test_adopt.py drives them): each key is written in
+its own transaction under its run lock (``pg_try_advisory_xact_lock``), only where no record
+exists, so a live run's key is left ``locked`` and a re-apply writes nothing; ``--from`` after
+``--to`` exits 2 having written nothing.
 """
 
 from __future__ import annotations

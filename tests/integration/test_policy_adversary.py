@@ -16,7 +16,12 @@ Found:
   it outside the contract: its first part runs again on every rerun
   (``test_a_deferring_task_does_its_work_once_per_date``).
 
-Held: see the end of this docstring (filled in as the pass goes).
+Held: without the fix, a return value Airflow 3 itself cannot push (NaN, Infinity: httpx's
+JSON) fails the task in Airflow, not in the contract; the deferring task's run succeeds in
+Airflow (only its key is wrong, above). Read in the code, not driven here: a DAG parsed twice
+in one process is not wrapped twice (``protected()``, one cached subclass per class); tasks
+that are IdempotentRunOperator are left alone; sensors are left alone; a mapped task group's
+instances are refused (tests/integration/test_policy.py).
 """
 
 from __future__ import annotations
