@@ -34,12 +34,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -133,6 +136,9 @@ class Cell:
     errors: Counter[str] = field(default_factory=Counter)
     keys_once: int = 0  # keys whose work committed exactly once
     keys_repeated: int = 0  # keys whose work committed more than once
+    keys_of_failed_runs: int = 0  # keys whose work committed although their run failed
+    stragglers: int = 0  # threads still alive after the bound and the grace
+    waiting_in: Counter[str] = field(default_factory=Counter)  # where they were, at the bound
     effects_expected: int = 0  # effects of the exporting runs that completed
     effects_delivered: int = 0  # invoices the remote holds under the cell's prefix
     remote_requests: int = 0
@@ -154,18 +160,26 @@ class Cell:
             and self.effects_delivered == self.effects_expected
         )
 
+    def error_counts(self) -> str:
+        return ", ".join(f"{name} {n}" for name, n in self.errors.most_common())
+
     def summary(self) -> str:
         if self.unavailable:
             return f"{self.scenario.label}: not available ({self.unavailable})"
         return (
             f"{self.scenario.label}: {self.completed} completed, {self.failed} failed"
             + (f" (first: {self.first_error})" if self.first_error else "")
+            + (f" [{self.error_counts()}]" if self.failed else "")
             + (
-                f", {self.unfinished} still running at the {self.scenario.bound:.0f} s bound"
+                f", {self.unfinished} still running at the {self.scenario.bound:.0f} s bound "
+                f"({self.stragglers} after {GRACE_SECONDS:.0f} s more; at the bound in "
+                + ", ".join(f"{w} x{n}" for w, n in self.waiting_in.most_common(3))
+                + ")"
                 if self.timed_out
                 else ""
             )
-            + f"; keys once {self.keys_once}, more than once {self.keys_repeated}; effects "
+            + f"; keys once {self.keys_once}, more than once {self.keys_repeated}, of failed "
+            f"runs {self.keys_of_failed_runs}; effects "
             f"{self.effects_delivered}/{self.effects_expected}, replays {self.remote_replays}; "
             f"peak server connections {self.peak_server_connections}; "
             f"wall {self.wall_seconds:.1f} s"
@@ -243,6 +257,9 @@ def _path(server: PostgresServer, dsn: str, scenario: Scenario) -> Iterator[str]
         return
     settings = {
         "query_wait_timeout": str(scenario.query_wait_timeout),
+        # 128 by default: N clients connecting at once overflow it, and the kernel's SYN
+        # retries (1 s, 3 s, 7 s) then look like a slow pooler.
+        "listen_backlog": str(max(128, 3 * scenario.runs)),
         "max_client_conn": str(3 * scenario.runs + 100),  # lock, work and ledger sessions
     }
     with pgbouncer.run_pgbouncer(
@@ -297,11 +314,13 @@ def run_cell(server: PostgresServer, remote: AccountingService, scenario: Scenar
         cell.peak_server_connections = sampler.peak
         ended = _tally(cell, dict(outcomes), dict(began), t0)
         with psycopg.connect(dsn) as conn:
-            counts = [n for (n,) in conn.execute(
-                "SELECT count(*) FROM public.scale_work GROUP BY run_key"
-            ).fetchall()]  # fmt: skip
-        cell.keys_once = sum(1 for n in counts if n == 1)
-        cell.keys_repeated = sum(1 for n in counts if n > 1)
+            counts: dict[str, int] = dict(conn.execute(
+                "SELECT run_key, count(*) FROM public.scale_work GROUP BY run_key"
+            ).fetchall())  # fmt: skip
+        cell.keys_once = sum(1 for n in counts.values() if n == 1)
+        cell.keys_repeated = sum(1 for n in counts.values() if n > 1)
+        completed = {_run_key(i) for i, o in ended.items() if o.error is None}
+        cell.keys_of_failed_runs = len(set(counts) - completed)
     exporters_done = sum(1 for i, o in ended.items() if o.error is None and scenario.exports(i))
     cell.effects_expected = exporters_done * scenario.effects_per_export
     cell.effects_delivered = len(remote.invoices(prefix))
@@ -332,7 +351,7 @@ def _run_threads(
             run_idempotently(
                 connect=lambda: psycopg.connect(dsn),
                 job_name=JOB,
-                run_key=f"k{index:05d}",
+                run_key=_run_key(index),
                 work=_work(scenario, index, url, prefix, began),
                 environment=environment,
                 **mode,
@@ -363,14 +382,39 @@ def _run_threads(
     alive = [t for t in threads if t.is_alive()]
     if alive:
         cell.timed_out = True
+        cell.waiting_in = _where_waiting(alive)
         _THREADS[id(cell)] = alive
     return outcomes, began, t0
 
 
+def _where_waiting(threads: list[threading.Thread]) -> Counter[str]:
+    """Where the runs still running at the bound were: the innermost frame of the provider,
+    then of psycopg, in each thread's stack (``module:function:line``)."""
+    frames = sys._current_frames()
+    where: Counter[str] = Counter()
+    for thread in threads:
+        frame = frames.get(thread.ident or -1)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        spots = []
+        for package in ("airflow_idempotency", "psycopg"):
+            inner = [f for f in stack if f"/{package}/" in f.filename]
+            if inner:
+                f = inner[-1]
+                spots.append(f"{Path(f.filename).stem}:{f.name}:{f.lineno}")
+        where[" > ".join(spots) or "?"] += 1
+    return where
+
+
+def _run_key(index: int) -> str:
+    return f"k{index:05d}"
+
+
 def _join_stragglers(cell: Cell) -> None:
     deadline = time.monotonic() + GRACE_SECONDS
-    for thread in _THREADS.pop(id(cell), []):
+    threads = _THREADS.pop(id(cell), [])
+    for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
+    cell.stragglers = sum(1 for t in threads if t.is_alive())
 
 
 def _tally(
@@ -471,7 +515,11 @@ def _rows(result: BenchResult, cell: Cell) -> None:
         "runs",
         f"= {s.runs}" if goal else "",
         (cell.completed == s.runs) if goal else None,
-        (f"{cell.failed} failed, first {cell.first_error}" if cell.failed else "none failed")
+        (
+            f"{cell.failed} failed ({cell.error_counts()}), first {cell.first_error}"
+            if cell.failed
+            else "none failed"
+        )
         + (
             f"; {cell.unfinished} still running at the {s.bound:.0f} s bound"
             if cell.timed_out
@@ -482,7 +530,8 @@ def _rows(result: BenchResult, cell: Cell) -> None:
         f"{label}: keys whose work committed once",
         cell.keys_once,
         "keys",
-        note=f"{cell.keys_repeated} more than once",
+        note=f"{cell.keys_repeated} more than once; {cell.keys_of_failed_runs} of runs that "
+        "failed after their work committed",
     )
     result.add(
         f"{label}: effects at the remote",
