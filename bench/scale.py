@@ -136,7 +136,7 @@ class Cell:
     errors: Counter[str] = field(default_factory=Counter)
     keys_once: int = 0  # keys whose work committed exactly once
     keys_repeated: int = 0  # keys whose work committed more than once
-    keys_of_failed_runs: int = 0  # keys whose work committed although their run failed
+    keys_of_failed_runs: int = 0  # keys whose work committed although their run did not complete
     stragglers: int = 0  # threads still alive after the bound and the grace
     waiting_in: Counter[str] = field(default_factory=Counter)  # where they were, at the bound
     effects_expected: int = 0  # effects of the exporting runs that completed
@@ -178,9 +178,9 @@ class Cell:
                 if self.timed_out
                 else ""
             )
-            + f"; keys once {self.keys_once}, more than once {self.keys_repeated}, of failed "
-            f"runs {self.keys_of_failed_runs}; effects "
-            f"{self.effects_delivered}/{self.effects_expected}, replays {self.remote_replays}; "
+            + f"; keys once {self.keys_once}, more than once {self.keys_repeated}, of "
+            f"runs not completed {self.keys_of_failed_runs}; effects at the remote "
+            f"{self.effects_delivered} (completed runs' {self.effects_expected}), replays {self.remote_replays}; "
             f"peak server connections {self.peak_server_connections}; "
             f"wall {self.wall_seconds:.1f} s"
         )
@@ -531,7 +531,7 @@ def _rows(result: BenchResult, cell: Cell) -> None:
         cell.keys_once,
         "keys",
         note=f"{cell.keys_repeated} more than once; {cell.keys_of_failed_runs} of runs that "
-        "failed after their work committed",
+        "did not complete (failed or still running after their work committed)",
     )
     result.add(
         f"{label}: effects at the remote",
