@@ -1,4 +1,4 @@
-"""``python -m bench [--size tiny|small|full] [--only NAME ...] [--output FILE]``.
+"""``python -m bench [NAME ...] [--size tiny|small|full] [--only NAME ...] [--output FILE]``.
 
 Runs the benchmarks, prints one table of figures and side-by-side ratios, and writes
 BENCHMARKS.md (by default only when every benchmark ran at ``--size full``, the size the
@@ -39,11 +39,18 @@ BENCHMARKS = (
     "airflow_e2e",
     "partitions_e2e",
     "ui",
+    "scale",
 )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"benchmarks to run, as --only (`python -m bench scale`); any of {BENCHMARKS}",
+    )
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument(
         "--only", nargs="+", choices=BENCHMARKS, metavar="NAME", help=f"any of {BENCHMARKS}"
@@ -61,8 +68,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="timed passes per DAG and line of airflow_e2e (default: the size's; fewer "
         "when the machine is too loaded for the full run to finish in time)",
     )
+    parser.add_argument(
+        "--scale-runs",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="runs at once in each cell of the scale benchmark (default: the size's; full: "
+        "100 500 1000)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print the table only")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}: any of {BENCHMARKS}")
+    if args.names:
+        args.only = [*(args.only or []), *args.names]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.airflow_rounds < 1:
             raise SystemExit("--airflow-rounds must be at least 1")
         size = dataclasses.replace(size, airflow_rounds=args.airflow_rounds)
+    if args.scale_runs:
+        if min(args.scale_runs) < 1:
+            raise SystemExit("--scale-runs must be at least 1")
+        size = dataclasses.replace(size, scale_runs=tuple(args.scale_runs))
     command = "python3 dev.py bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     server = find_server()
     started = dt.datetime.now(dt.timezone.utc)
@@ -99,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     table = render_table(results)
     print(table)
+    print(
+        f"load average: {machine['load average']} at the start, {machine['load average (end)']} at the end"
+    )
     # Only a complete run at the target size replaces BENCHMARKS.md by default.
     complete = size.name == "full" and not args.only
     output = args.output or (ROOT / "BENCHMARKS.md" if complete else None)

@@ -40,11 +40,12 @@ class Size:
     export_concurrency: int
     contention_workers: int
     email_messages: int  # emails through the ledger, and through each plain smtplib loop
+    scale_runs: tuple[int, ...] = (100, 500, 1_000)  # runs at once, one scale cell each
 
 
 SIZES: dict[str, Size] = {
-    "tiny": Size("tiny", 20, 1, 1, False, 2_000, 500, 200, 100, 32, 4, 200),
-    "small": Size("small", 300, 7, 1, True, 100_000, 10_000, 5_000, 1_000, 32, 32, 2_000),
+    "tiny": Size("tiny", 20, 1, 1, False, 2_000, 500, 200, 100, 32, 4, 200, (10,)),
+    "small": Size("small", 300, 7, 1, True, 100_000, 10_000, 5_000, 1_000, 32, 32, 2_000, (100,)),
     "full": Size("full", 1_000, 30, 3, True, 1_000_000, 100_000, 20_000, 2_000, 32, 32, 10_000),
 }
 
@@ -69,6 +70,8 @@ class Row:
         if self.value is None:
             return "n/a"
         v = self.value
+        if isinstance(v, int):  # a count: runs, keys, connections
+            return f"{v:,}"
         if self.unit in ("x", "ratio"):
             return f"{v:.3f}"
         if abs(v) >= 100:

@@ -82,25 +82,24 @@ def _ini(
     settings: dict[str, str],
 ) -> str:
     target = " ".join(f"{k}={v}" for k, v in upstream.items())
-    extra = "".join(f"{name} = {value}\n" for name, value in settings.items())
-    return f"""[databases]
-* = {target}
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = {port}
-unix_socket_dir = {folder}
-auth_type = trust
-auth_file = {folder}/users.txt
-pool_mode = {pool_mode}
-default_pool_size = {pool_size}
-min_pool_size = 0
-max_client_conn = 500
-logfile = {folder}/pgbouncer.log
-pidfile = {folder}/pgbouncer.pid
-admin_users = postgres
-server_check_delay = 0
-{extra}"""
+    values = {
+        "listen_addr": "127.0.0.1",
+        "listen_port": str(port),
+        "unix_socket_dir": str(folder),
+        "auth_type": "trust",
+        "auth_file": f"{folder}/users.txt",
+        "pool_mode": pool_mode,
+        "default_pool_size": str(pool_size),
+        "min_pool_size": "0",
+        "max_client_conn": "500",
+        "logfile": f"{folder}/pgbouncer.log",
+        "pidfile": f"{folder}/pgbouncer.pid",
+        "admin_users": "postgres",
+        "server_check_delay": "0",
+        **settings,  # a caller's setting replaces the default of the same name
+    }
+    lines = "".join(f"{name} = {value}\n" for name, value in values.items())
+    return f"[databases]\n* = {target}\n\n[pgbouncer]\n{lines}"
 
 
 @contextlib.contextmanager
@@ -112,7 +111,8 @@ def run_pgbouncer(
 ) -> Iterator[PgBouncer]:
     """Start PgBouncer as ``nobody`` in ``pool_mode`` in front of ``server``; stop it after.
 
-    ``settings``: more ``[pgbouncer]`` settings, e.g. ``{"query_wait_timeout": "4"}``.
+    ``settings``: more ``[pgbouncer]`` settings, e.g. ``{"query_wait_timeout": "4"}``; one
+    of the defaults above (``max_client_conn`` 500, ...) is replaced by a setting of its name.
     """
     if pool_mode not in POOL_MODES:
         raise ValueError(f"pool_mode must be one of {POOL_MODES}, not {pool_mode!r}")

@@ -9,6 +9,9 @@ Order of preference, each announced on stderr so nobody wonders which one is use
 
 ``IDEMPOTENCY_PG=embedded`` skips the first two, ``IDEMPOTENCY_PG=local`` forbids the third.
 
+A cluster of a caller's own from the system's PostgreSQL binaries, with server settings of
+its choosing (``max_connections``: the scale benchmark), is :func:`dedicated_cluster`.
+
 A server of a caller's own (:func:`private_embedded`) can be stopped, started again and
 restarted (:meth:`PostgresServer.stop`, :meth:`~PostgresServer.start`,
 :meth:`~PostgresServer.restart`): the fault scenarios, the partition tests and chaos do.
@@ -21,7 +24,10 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -273,3 +279,83 @@ def temporary_database(
         yield server.dsn(name)
     finally:
         server.drop_database(name)
+
+
+SYSTEM_BINARIES = Path("/usr/lib/postgresql")
+"""Where Debian's packages put each PostgreSQL version's initdb and pg_ctl (``<major>/bin``)."""
+
+
+def system_binaries() -> Path | None:
+    """The ``bin`` folder of the newest PostgreSQL installed under :data:`SYSTEM_BINARIES`."""
+    found = [
+        p.parent for p in SYSTEM_BINARIES.glob("*/bin/initdb") if p.parent.parent.name.isdigit()
+    ]
+    return max(found, key=lambda p: int(p.parent.name)) if found else None
+
+
+def _as_nobody() -> list[str]:
+    """The command prefix that drops root (PostgreSQL refuses to run as root)."""
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+
+
+@contextlib.contextmanager
+def dedicated_cluster(name: str, settings: dict[str, str]) -> Iterator[PostgresServer]:
+    """A PostgreSQL cluster of the caller's own, made by the system's ``initdb`` and started
+    with ``settings`` (``{"max_connections": "100"}``) on 127.0.0.1 at a free port; stopped
+    and removed afterwards.
+
+    Its folder is under /tmp, owned by ``nobody`` when this process is root (the server
+    refuses root, as PgBouncer does: devtools/pgbouncer.py). Trust authentication for user
+    ``postgres``, a superuser, as on the shared server.
+    """
+    binaries = system_binaries()
+    if binaries is None:
+        raise RuntimeError(
+            f"no PostgreSQL binaries under {SYSTEM_BINARIES} (apt-get install postgresql)"
+        )
+    folder = Path(tempfile.mkdtemp(prefix=f"idem-{name}-"))
+    data = folder / "data"
+    prefix = _as_nobody()
+    if prefix:
+        shutil.chown(folder, "nobody", "nogroup")
+        os.chmod(folder, 0o755)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {folder} " + " ".join(
+        f"-c {key}={value}" for key, value in settings.items()
+    )
+    pg_ctl = [*prefix, str(binaries / "pg_ctl"), "-D", str(data), "-w", "-t", "60"]
+    try:
+        subprocess.run(
+            [*prefix, str(binaries / "initdb"), "-D", str(data), "-U", "postgres",
+             "--auth=trust", "--no-locale", "-E", "UTF8", "--no-sync"],
+            check=True, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        _say(f"starting a dedicated PostgreSQL ({binaries.parent.name}) in {data}, port {port}")
+        subprocess.run(
+            [*pg_ctl, "-l", str(folder / "server.log"), "-o", options, "start"],
+            check=True, capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+        try:
+            yield PostgresServer(
+                make_conninfo(
+                    host="127.0.0.1", port=str(port), user="postgres", dbname="postgres",
+                    connect_timeout="5",
+                ),
+                "dedicated",
+            )  # fmt: skip
+        finally:
+            subprocess.run(
+                [*pg_ctl, "-m", "fast", "stop"], capture_output=True, timeout=90, check=False
+            )
+    except subprocess.CalledProcessError as exc:
+        log = folder / "server.log"
+        raise RuntimeError(
+            f"dedicated PostgreSQL {name}: {exc.cmd[len(prefix)]} failed: {exc.stderr}"
+            + (log.read_text(errors="replace")[-2000:] if log.exists() else "")
+        ) from exc
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -13,6 +13,7 @@ already, or whose run lock is held, is left as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -51,6 +52,10 @@ class SucceededRun:
     end_date: dt.datetime | None
     conf: dict[str, Any] = field(default_factory=dict)
     partition_key: str | None = None
+    task_states: dict[str, str] | None = None
+    """task_id -> the state of its task instance(s) in the run (:func:`task_states`): a
+    succeeded run may hold a task that failed (a downstream ``all_done`` leaf succeeded) or
+    none of a task added to the DAG later; ``None``: not read (every task taken)."""
 
     def as_details(self) -> dict[str, Any]:
         return {
@@ -60,6 +65,17 @@ class SucceededRun:
             "end_date": self.end_date.isoformat() if self.end_date else None,
             "partition_key": self.partition_key,
         }
+
+
+def task_states(instances: Iterable[tuple[str, str | None]]) -> dict[str, str]:
+    """task_id -> its state from ``(task_id, state)`` of a run's task instances: ``success``
+    only when every instance (every map index) succeeded, else one that did not."""
+    states: dict[str, str] = {}
+    for task_id, state in instances:
+        state = str(state or "none")
+        if states.get(task_id, "success") == "success":
+            states[task_id] = state
+    return states
 
 
 def _instant(value: str | None) -> dt.datetime | None:
@@ -128,7 +144,23 @@ class ApiRuns:
             page = self._call("GET", path)["dag_runs"]
             runs += [_api_run(r) for r in page]
             if len(page) < PAGE:
-                return runs
+                break
+        return [
+            dataclasses.replace(r, task_states=self.task_states(dag_id, r.run_id)) for r in runs
+        ]
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
+        """task_id -> state of the run's task instances
+        (``GET /api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances``)."""
+        found: list[tuple[str, str | None]] = []
+        dag, run = (urllib.parse.quote(part, safe="") for part in (dag_id, run_id))
+        while True:
+            params = urllib.parse.urlencode({"limit": PAGE, "offset": len(found)})
+            path = f"/api/v2/dags/{dag}/dagRuns/{run}/taskInstances?{params}"
+            page = self._call("GET", path)["task_instances"]
+            found += [(str(ti["task_id"]), ti.get("state")) for ti in page]
+            if len(page) < PAGE:
+                return task_states(found)
 
 
 def _api_run(row: dict[str, Any]) -> SucceededRun:
@@ -146,6 +178,7 @@ def metadata_runs(dag_id: str, first: dt.datetime, last: dt.datetime) -> list[Su
     """Airflow 2.11's metadata database: the DAG's succeeded runs whose logical date is in
     [first, last), through its own models."""
     from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
     from airflow.utils.state import DagRunState
     from sqlalchemy import select
@@ -161,6 +194,16 @@ def metadata_runs(dag_id: str, first: dt.datetime, last: dt.datetime) -> list[Su
             )
             .order_by(DagRun.execution_date)
         ).all()
+        instances: dict[str, list[tuple[str, str | None]]] = {}
+        if found:
+            for ti in session.scalars(
+                select(TaskInstance).where(
+                    TaskInstance.dag_id == dag_id,
+                    TaskInstance.run_id.in_([r.run_id for r in found]),
+                )
+            ):
+                state = None if ti.state is None else str(getattr(ti.state, "value", ti.state))
+                instances.setdefault(ti.run_id, []).append((ti.task_id, state))
         return [
             SucceededRun(
                 run_id=r.run_id,
@@ -168,6 +211,7 @@ def metadata_runs(dag_id: str, first: dt.datetime, last: dt.datetime) -> list[Su
                 logical_date=r.execution_date,
                 end_date=r.end_date,
                 conf=dict(r.conf or {}),
+                task_states=task_states(instances.get(r.run_id, [])),
             )
             for r in found
         ]
@@ -276,6 +320,17 @@ def plan(
 
 
 def _adoption(run: SucceededRun, job_name: str, keys: Any) -> Adoption:
+    if run.task_states is not None and run.task_states.get(keys.task_id) != "success":
+        state = run.task_states.get(keys.task_id)
+        why = f"its state is {state}" if state else "it has no task instance in the run"
+        return Adoption(
+            run,
+            keys.task_id,
+            job_name,
+            None,
+            "refused",
+            reason=f"task {keys.task_id!r} did not succeed in run {run.run_id!r} ({why})",
+        )
     try:
         resolved = keys.explain_run_key(
             kind=run.run_type,

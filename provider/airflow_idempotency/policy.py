@@ -14,8 +14,9 @@ the one the policy changed. For such a DAG:
   once completed, ``force`` / ``dry_run`` from the trigger's conf;
 - left alone: tasks with ``params={"idempotency_exempt": True}`` (or :func:`exempt`),
   tasks that are already idempotent (:class:`IdempotentRunOperator`,
-  ``@task.idempotent_run``), sensors, and mapped tasks (their instances are made at run
-  time, where a policy does not reach: use ``key_segment`` with the operator instead);
+  ``@task.idempotent_run``), sensors, branching and short-circuit operators, and mapped
+  tasks (their instances are made at run time, where a policy does not reach: use
+  ``key_segment`` with the operator instead);
 - a DAG whose runs have no business date (``schedule=None``, asset-triggered) or whose
   schedule fires more than once a day is refused, with the reason, as the file's import
   error: the policy keys runs by day, and two runs of one day would make the second a no-op.
@@ -50,6 +51,13 @@ _KEYED_TIMETABLES = frozenset(
         "CronPartitionTimetable",
     }
 )
+
+
+_LEFT_ALONE_BASES = frozenset({"BaseSensorOperator", "SkipMixin"})
+"""Sensors wait and do no work to protect. Branching and short-circuit operators (SkipMixin)
+decide which tasks run by skipping the others inside their execute: a no-op of one would
+skip nothing (Airflow 2), and on Airflow 3 their skip is an exception the contract would
+record as a failure."""
 
 
 def _setting(name: str, fallback: str) -> str:
@@ -100,7 +108,7 @@ def covered(task: Any) -> bool:
         return False  # a mapped task, or one under the contract already
     if protected(task):
         return False  # done already (a DAG parsed twice in one process)
-    if any(c.__name__ == "BaseSensorOperator" for c in type(task).__mro__):
+    if any(c.__name__ in _LEFT_ALONE_BASES for c in type(task).__mro__):
         return False
     params = task.params or {}
     return not (EXEMPT_PARAM in params and _truthy(params[EXEMPT_PARAM]))
@@ -126,23 +134,47 @@ def key_refusal(dag: Any) -> str | None:
             f"its runs have no business date to key them by (timetable {name}: "
             "schedule=None or assets); only a run_key in every trigger's conf would name one"
         )
-    expression = getattr(timetable, "expression", None) or getattr(timetable, "_expression", None)
-    if isinstance(expression, str):
-        days = _fire_days(expression, getattr(timetable, "_timezone", None) or dag.timezone)
+    # MultipleCronTriggerTimetable: its crons together (two daily crons fire twice a day)
+    parts = getattr(timetable, "_timetables", None) or [timetable]
+    expressions = [
+        e
+        for t in parts
+        if isinstance(e := getattr(t, "expression", None) or getattr(t, "_expression", None), str)
+    ]
+    zone = getattr(parts[0], "_timezone", None) or dag.timezone
+    for expression in expressions:
+        days = _fire_days(expression, zone)
         if len(set(days)) < len(days):
             return (
                 f"its schedule {expression!r} fires more than once a day, and the policy keys "
                 "runs by day (the day's later runs would be no-ops)"
             )
+    if len(expressions) > 1:  # each once a day at most: do two of them meet on a day?
+        days = [day for e in expressions for day in _fire_days(e, zone, runs=None, span=400)]
+        if len(set(days)) < len(days):
+            return (
+                f"its schedules {expressions!r} together fire more than once a day on some "
+                "days, and the policy keys runs by day (the day's later runs would be no-ops)"
+            )
     delta = getattr(timetable, "_delta", None) or getattr(timetable, "delta", None)
+    if delta is not None and not isinstance(delta, dt.timedelta):
+        # a dateutil relativedelta: its step from a fixed day (relativedelta(hours=6))
+        start = dt.datetime(2026, 1, 5)
+        try:
+            delta = (start + delta) - start
+        except TypeError:
+            delta = None
     if isinstance(delta, dt.timedelta) and delta < dt.timedelta(days=1):
         return f"its schedule fires every {delta}, more than once a day"
     return None
 
 
-def _fire_days(expression: str, timezone: Any) -> list[dt.date]:
-    """The local days of the cron ``expression``'s first eight fire times from 2026-01-05
-    (Airflow's own cron timetable, the same on both lines)."""
+def _fire_days(
+    expression: str, timezone: Any, runs: int | None = 8, span: int = 40
+) -> list[dt.date]:
+    """The local days of the cron ``expression``'s first ``runs`` fire times (all, for
+    ``None``) in the ``span`` days from 2026-01-05 (Airflow's own cron timetable, the same
+    on both lines)."""
     import pendulum
     from airflow.timetables.trigger import CronTriggerTimetable
 
@@ -150,8 +182,10 @@ def _fire_days(expression: str, timezone: Any) -> list[dt.date]:
 
     tz = pendulum.timezone(str(getattr(timezone, "name", None) or timezone or "UTC"))
     start = pendulum.datetime(2026, 1, 5, tz=tz)
-    runs = timetable_runs(CronTriggerTimetable(expression, timezone=tz), start, start.add(days=40))
-    return [r.logical_date.in_timezone(tz).date() for r in runs[:8]]
+    fired = timetable_runs(
+        CronTriggerTimetable(expression, timezone=tz), start, start.add(days=span)
+    )
+    return [r.logical_date.in_timezone(tz).date() for r in fired[:runs]]
 
 
 @functools.cache
@@ -246,13 +280,20 @@ def _work(task: Any, original: Any, returned: list[Any], ctx: Any) -> dict[str, 
         return {}
     value = original()
     returned.append(value)
+    return {"return_value": value} if _replayable(value) else {}
+
+
+def _replayable(value: Any) -> bool:
+    """Whether ``value`` can be kept with the run: JSON that PostgreSQL's jsonb takes (no NaN
+    or Infinity, no NUL character: json.dumps writes them, and the completion write would
+    fail after the work) of at most :data:`MAX_REPLAYED_BYTES`."""
+    if value is None:
+        return False
     try:
-        size = len(json.dumps(value))
+        text = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
-        size = MAX_REPLAYED_BYTES + 1
-    if value is None or size > MAX_REPLAYED_BYTES:
-        return {}
-    return {"return_value": value}
+        return False
+    return len(text) <= MAX_REPLAYED_BYTES and "\\u0000" not in text
 
 
 __all__ = [

@@ -19,6 +19,7 @@ BENCHMARKS = (
     "airflow_e2e",
     "partitions_e2e",
     "ui",
+    "scale",
 )
 
 
