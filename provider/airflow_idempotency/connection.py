@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
+from airflow_idempotency.leases import check_lease_ttl, check_lock_mode
 from airflow_idempotency.locks import DEAD_PEER_DEFAULTS
 from airflow_idempotency.schema import DEFAULT_CONN_ID
 
@@ -31,6 +32,23 @@ HOOK_EXTRAS = frozenset(
 )
 """Extras of a postgres connection that are the postgres provider's own options, not
 libpq's (its ``PostgresHook.ignored_extra_options``): never passed to ``psycopg.connect``."""
+
+PROVIDER_EXTRAS = frozenset({"lock_mode", "lease_ttl"})
+"""Extras that are this provider's own options for the job database, never libpq's: how its
+runs hold their keys (``lock_mode``: ``advisory`` or ``lease``; ``lease_ttl``: seconds),
+:func:`lock_options`."""
+
+
+def lock_options(conn: Any) -> dict[str, Any]:
+    """``lock_mode`` and ``lease_ttl`` of ``run_idempotently`` from the Airflow connection's
+    extra (checked: a bad value is a :class:`~airflow_idempotency.exceptions.
+    ConfigurationError` naming the allowed ones)."""
+    extra = conn.extra_dejson
+    where = f"the extra of Airflow connection {getattr(conn, 'conn_id', None)!r}"
+    return {
+        "lock_mode": check_lock_mode(extra.get("lock_mode"), f"{where}: lock_mode"),
+        "lease_ttl": check_lease_ttl(extra.get("lease_ttl"), f"{where}: lease_ttl"),
+    }
 
 
 def connect_kwargs(
@@ -60,7 +78,11 @@ def connect_kwargs(
     }
     if options:
         kwargs["options"] = options
-    kwargs.update((k, v) for k, v in conn.extra_dejson.items() if k not in ignored)
+    kwargs.update(
+        (k, v)
+        for k, v in conn.extra_dejson.items()
+        if k not in ignored and k not in PROVIDER_EXTRAS
+    )
     for name, value in DEAD_PEER_DEFAULTS.items():
         kwargs.setdefault(name, value)
     kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT)
@@ -112,6 +134,12 @@ class JobDatabase:
         from airflow.providers.common.compat.sdk import BaseHook
 
         return BaseHook.get_connection(self.conn_id)
+
+    @cached_property
+    def lock_options(self) -> dict[str, Any]:
+        """How runs on this database hold their keys: ``lock_mode`` and ``lease_ttl`` from the
+        connection's extra (:func:`lock_options`), for ``run_idempotently``."""
+        return lock_options(self.connection)
 
     @cached_property
     def _iam(self) -> bool:
