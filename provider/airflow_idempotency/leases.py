@@ -153,6 +153,14 @@ def release_lease(conn: psycopg.Connection, lock: RunLock, *, schema: str) -> bo
     return cursor.fetchone() is not None
 
 
+def lease_is_live(conn: psycopg.Connection, lock_key: int, *, schema: str) -> bool:
+    """Whether ``lock_key`` has a live lease. A caller holding the key's advisory run lock
+    (the CLI's reset, an effect's resolution) treats the key as locked then: no lease can be
+    taken while it holds that lock."""
+    row = conn.execute(query("lease_live", schema), {"lock_key": lock_key}).fetchone()
+    return bool(row and row[0])
+
+
 Borrow = Callable[[], AbstractContextManager[psycopg.Connection]]
 
 

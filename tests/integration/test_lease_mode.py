@@ -131,6 +131,30 @@ def test_the_two_modes_exclude_each_other(lease_db: str) -> None:
     assert written(lease_db) == []
 
 
+def test_the_clis_reset_is_refused_while_a_lease_is_live(
+    lease_db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`reset` holds the key's advisory lock, which a lease does not: it is refused (exit 75)
+    while a lease is live too, and resets the key once the lease is gone."""
+    from airflow_idempotency.cli import main
+
+    def fail(ctx: RunContext) -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        run_idempotently(
+            connect=connect_to(lease_db), job_name=JOB, run_key=KEY, work=fail, lock_mode="lease"
+        )
+    with psycopg.connect(lease_db, autocommit=True) as conn:
+        lease = acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30)
+        assert lease is not None
+        argv = ["reset", JOB, KEY, "--reason", "stuck", "--dsn", lease_db]
+        assert main(argv) == 75
+        assert "is locked" in capsys.readouterr().err
+        release_lease(conn, lease, schema="idempotency")
+    assert main(argv) == 0
+
+
 def test_the_lock_mode_is_checked_and_read_from_the_connections_extra() -> None:
     """A bad lock_mode or lease_ttl names the allowed values and runs nothing; the Airflow
     connection's extra chooses them, and they never reach libpq."""

@@ -38,6 +38,16 @@ SITES: dict[tuple[str, str, str], str] = {
     ("runner.py", "_start_and_work", "transaction"): "the dry run's outer transaction: "
     "BEGIN only, the work's statements in it are the work's own",
     ("run_failures.py", "record_failure", "bounded_transaction"): _BOUNDED,
+    ("run_failures.py", "record_failure", "transaction"): _FENCED + ", and bound_locks (the "
+    "lease mode's failure record)",
+    ("leases.py", "acquire_lease", "in_one_transaction"): "bound_lock_waits first: "
+    "lock_timeout for the lease's transaction; the advisory run lock is only tried",
+    ("leases.py", "renew_lease", "in_one_transaction"): "bound_lock_waits first (the heartbeat)",
+    ("leases.py", "release_lease", "in_one_transaction"): "bound_lock_waits first",
+    ("runner.py", "_run_lease", "bounded_transaction"): _BOUNDED + " (a lease-mode dry run's "
+    "record)",
+    ("runner.py", "_complete_lease", "transaction"): _FENCED + ", and bound_locks (the lease "
+    "mode's completion)",
     ("ledger/pipeline.py", "_write_intents", "bounded_transaction"): _BOUNDED,
     ("effects/notifications.py", "fenced_transaction", "bounded_transaction"): _BOUNDED,
     ("retention.py", "prune_attempts", "bounded_transaction"): _BOUNDED,

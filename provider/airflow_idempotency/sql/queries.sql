@@ -162,6 +162,15 @@ DELETE FROM {schema}.run_leases
 WHERE lock_key = %(lock_key)s AND token = %(token)s
 RETURNING token;
 
+-- name: lease_live
+-- Whether a key has a live lease (the lease mode): the CLI's reset and an operator's
+-- resolution of an effect, which hold the key's advisory run lock for their transaction (so no
+-- lease can be taken meanwhile: lease_acquire tries that lock), are refused while one is live.
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.run_leases
+    WHERE lock_key = %(lock_key)s AND expires_at > clock_timestamp()
+) AS live;
+
 -- name: lease_holder
 -- Who holds a key's lease, for the refusal message: the worker, since when, until when, and
 -- the attempt it runs (the newest running attempt of the key).
