@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from collections.abc import Callable
 
 import psycopg
 
@@ -135,36 +136,60 @@ def record_failure(
         if not spec.options.dry_run:
             records.mark_failed(conn, attempt_id, error)
 
-    schema = spec.environment.schema
     if lock_conn is None:
-        if fence is not None:
-            try:
-                with (
-                    autocommit_connection(spec.connect) as conn,
-                    fence.transaction(conn, bound_locks=True),
-                ):
-                    write(conn)
-                return
-            except (psycopg.Error, IdempotencyError):
-                pass  # the lease is lost (or the database unreachable): a fresh session below
-    elif not (lock_conn.closed or lock_conn.broken):
-        try:
-            if lock_conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
-                write(lock_conn)
-                lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
-            else:  # the lock transaction already ended (a completion that found no row)
-                with bounded_transaction(lock_conn, schema):
-                    write(lock_conn)
+        if fence is not None and _write_fenced(spec, fence, write):
             return
-        except psycopg.Error:
-            # Terminated server-side (psycopg only learns it from a failed statement),
-            # or the lock transaction is aborted: give it up, write from a fresh one.
-            with contextlib.suppress(psycopg.Error):
-                lock_conn.execute("ROLLBACK")
+    elif _write_in_lock_transaction(lock_conn, spec, write):
+        return
+    _write_fresh(spec, log, write)
+
+
+def _write_fenced(spec: RunSpec, fence: Fence, write: Callable[[psycopg.Connection], None]) -> bool:
+    """The lease mode: ``write`` in a fenced transaction on a borrowed connection; False when
+    the lease is lost (or the database unreachable)."""
     try:
         with (
             autocommit_connection(spec.connect) as conn,
-            bounded_transaction(conn, schema),
+            fence.transaction(conn, bound_locks=True),
+        ):
+            write(conn)
+        return True
+    except (psycopg.Error, IdempotencyError):
+        return False
+
+
+def _write_in_lock_transaction(
+    lock_conn: psycopg.Connection, spec: RunSpec, write: Callable[[psycopg.Connection], None]
+) -> bool:
+    """The advisory mode: ``write`` in the lock transaction, which then commits (the failure
+    and the lock's release, at once); False when the lock session is gone or aborted."""
+    if lock_conn.closed or lock_conn.broken:
+        return False
+    try:
+        if lock_conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+            write(lock_conn)
+            lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
+        else:  # the lock transaction already ended (a completion that found no row)
+            with bounded_transaction(lock_conn, spec.environment.schema):
+                write(lock_conn)
+        return True
+    except psycopg.Error:
+        # Terminated server-side (psycopg only learns it from a failed statement),
+        # or the lock transaction is aborted: give it up, write from a fresh one.
+        with contextlib.suppress(psycopg.Error):
+            lock_conn.execute("ROLLBACK")
+        return False
+
+
+def _write_fresh(
+    spec: RunSpec, log: RunLogger, write: Callable[[psycopg.Connection], None]
+) -> None:
+    """``write`` from a fresh session (the lock session or the lease is gone); a failure to
+    write is logged, never raised over the run's own error."""
+    try:
+        with (
+            autocommit_connection(spec.connect) as conn,
+            bounded_transaction(conn, spec.environment.schema),
         ):
             write(conn)  # READ COMMITTED: autocommit_connection pins it
     except (psycopg.Error, IdempotencyError) as record_exc:

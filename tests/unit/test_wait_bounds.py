@@ -37,8 +37,9 @@ SITES: dict[tuple[str, str, str], str] = {
     "lock_timeout for every statement (the ledger's)",
     ("runner.py", "_start_and_work", "transaction"): "the dry run's outer transaction: "
     "BEGIN only, the work's statements in it are the work's own",
-    ("run_failures.py", "record_failure", "bounded_transaction"): _BOUNDED,
-    ("run_failures.py", "record_failure", "transaction"): _FENCED + ", and bound_locks (the "
+    ("run_failures.py", "_write_in_lock_transaction", "bounded_transaction"): _BOUNDED,
+    ("run_failures.py", "_write_fresh", "bounded_transaction"): _BOUNDED,
+    ("run_failures.py", "_write_fenced", "transaction"): _FENCED + ", and bound_locks (the "
     "lease mode's failure record)",
     ("leases.py", "acquire_lease", "in_one_transaction"): "bound_lock_waits first: "
     "lock_timeout for the lease's transaction; the advisory run lock is only tried",
