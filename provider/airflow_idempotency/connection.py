@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from airflow_idempotency.leases import check_lease_ttl, check_lock_mode
+from airflow_idempotency.leases import LockMode, check_lease_ttl, check_lock_mode
 from airflow_idempotency.locks import DEAD_PEER_DEFAULTS
 from airflow_idempotency.schema import DEFAULT_CONN_ID
 
@@ -40,15 +40,14 @@ runs hold their keys (``lock_mode``: ``advisory`` or ``lease``; ``lease_ttl``: s
 
 
 def lock_options(conn: Any) -> dict[str, Any]:
-    """``lock_mode`` and ``lease_ttl`` of ``run_idempotently`` from the Airflow connection's
-    extra (checked: a bad value is a :class:`~airflow_idempotency.exceptions.
-    ConfigurationError` naming the allowed ones)."""
+    """``lock_mode`` of ``run_idempotently`` (a :class:`~airflow_idempotency.leases.LockMode`)
+    from the Airflow connection's extra ``lock_mode`` and ``lease_ttl`` (checked: a bad value
+    is a :class:`~airflow_idempotency.exceptions.ConfigurationError` naming the allowed ones)."""
     extra = conn.extra_dejson
     where = f"the extra of Airflow connection {getattr(conn, 'conn_id', None)!r}"
-    return {
-        "lock_mode": check_lock_mode(extra.get("lock_mode"), f"{where}: lock_mode"),
-        "lease_ttl": check_lease_ttl(extra.get("lease_ttl"), f"{where}: lease_ttl"),
-    }
+    mode = check_lock_mode(extra.get("lock_mode"), f"{where}: lock_mode")
+    ttl = check_lease_ttl(extra.get("lease_ttl"), f"{where}: lease_ttl")
+    return {"lock_mode": LockMode(mode, ttl)}
 
 
 def connect_kwargs(
@@ -137,8 +136,8 @@ class JobDatabase:
 
     @cached_property
     def lock_options(self) -> dict[str, Any]:
-        """How runs on this database hold their keys: ``lock_mode`` and ``lease_ttl`` from the
-        connection's extra (:func:`lock_options`), for ``run_idempotently``."""
+        """How runs on this database hold their keys: ``lock_mode`` for ``run_idempotently``,
+        from the connection's extra ``lock_mode`` and ``lease_ttl`` (:func:`lock_options`)."""
         return lock_options(self.connection)
 
     @cached_property

@@ -53,8 +53,8 @@ class IdempotencyHook(PostgresHook):
         )
 
     def lock_options(self) -> dict[str, Any]:
-        """``lock_mode`` and ``lease_ttl`` for ``run_idempotently``, from this connection's
-        extra (:func:`~airflow_idempotency.connection.lock_options`)."""
+        """``lock_mode`` for ``run_idempotently``, from this connection's extra ``lock_mode``
+        and ``lease_ttl`` (:func:`~airflow_idempotency.connection.lock_options`)."""
         return lock_options(self.connection)
 
     def new_connection(self) -> psycopg.Connection[Any]:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -80,6 +81,31 @@ def check_lease_ttl(value: Any, where: str = "lease_ttl") -> float:
             "within it"
         )
     return seconds
+
+
+@dataclass(frozen=True)
+class LockMode:
+    """How a run holds its key, for ``run_idempotently(lock_mode=...)``: ``mode``
+    (``"advisory"`` or ``"lease"``) and, for the lease mode, its time to live in seconds
+    (``None``: :data:`LEASE_TTL_DEFAULT`). A plain string means that mode with the default
+    time to live: ``lock_mode="lease"`` is ``lock_mode=LockMode("lease")``."""
+
+    mode: str = DEFAULT_LOCK_MODE
+    lease_ttl: float | None = None
+
+    @property
+    def ttl(self) -> float:
+        """The lease's time to live in seconds (:data:`LEASE_TTL_DEFAULT` when not given)."""
+        return LEASE_TTL_DEFAULT if self.lease_ttl is None else self.lease_ttl
+
+
+def resolve_lock_mode(value: str | LockMode | None, where: str = "lock_mode") -> LockMode:
+    """``value`` checked, as a :class:`LockMode` with its mode and time to live filled in
+    (``None``: the default mode), or a :class:`ConfigurationError`."""
+    if isinstance(value, LockMode):
+        mode = check_lock_mode(value.mode, f"{where}.mode")
+        return LockMode(mode, check_lease_ttl(value.lease_ttl, f"{where}.lease_ttl"))
+    return LockMode(check_lock_mode(value, where), LEASE_TTL_DEFAULT)
 
 
 def lease_token(lock: RunLock) -> int:

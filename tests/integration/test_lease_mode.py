@@ -25,7 +25,13 @@ import pytest
 from airflow_idempotency import leases
 from airflow_idempotency.connection import connect_kwargs, lock_options
 from airflow_idempotency.exceptions import ConfigurationError, LockLostError, RunLockedError
-from airflow_idempotency.leases import LeaseHeartbeat, acquire_lease, release_lease, renew_lease
+from airflow_idempotency.leases import (
+    LeaseHeartbeat,
+    LockMode,
+    acquire_lease,
+    release_lease,
+    renew_lease,
+)
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
@@ -172,8 +178,7 @@ def test_the_lock_mode_is_checked_and_read_from_the_connections_extra() -> None:
             job_name=JOB,
             run_key=KEY,
             work=writer("x"),
-            lock_mode="lease",
-            lease_ttl=0,
+            lock_mode=LockMode("lease", lease_ttl=0),
         )
     conn = SimpleNamespace(
         conn_id="jobs",
@@ -184,11 +189,11 @@ def test_the_lock_mode_is_checked_and_read_from_the_connections_extra() -> None:
         port=5432,
         extra_dejson={"lock_mode": "lease", "lease_ttl": 20, "sslmode": "prefer"},
     )
-    assert lock_options(conn) == {"lock_mode": "lease", "lease_ttl": 20.0}
+    assert lock_options(conn) == {"lock_mode": LockMode("lease", 20.0)}
     kwargs = connect_kwargs(conn)
     assert kwargs["sslmode"] == "prefer" and "lock_mode" not in kwargs and "lease_ttl" not in kwargs
     conn.extra_dejson = {}
-    assert lock_options(conn) == {"lock_mode": "advisory", "lease_ttl": 30.0}
+    assert lock_options(conn) == {"lock_mode": LockMode("advisory", 30.0)}
     conn.extra_dejson = {"lock_mode": "Lease-ish"}
     with pytest.raises(ConfigurationError, match="Airflow connection 'jobs': lock_mode"):
         lock_options(conn)
@@ -218,8 +223,7 @@ def test_a_run_holds_no_connection_between_its_statements(lease_db: str) -> None
         job_name=JOB,
         run_key=KEY,
         work=work,
-        lock_mode="lease",
-        lease_ttl=3,
+        lock_mode=LockMode("lease", lease_ttl=3),
     )
     assert result.outcome is RunOutcome.COMPLETED
     assert seen["open"] == 0
@@ -241,13 +245,14 @@ WORKER = textwrap.dedent(
     """
     import sys, time, psycopg
     from airflow_idempotency import run_idempotently
+    from airflow_idempotency.leases import LockMode
 
     def work(run):
         print("working", flush=True)
         time.sleep(120)
 
     run_idempotently(connect=lambda: psycopg.connect(sys.argv[1]), job_name=sys.argv[2],
-                     run_key=sys.argv[3], work=work, lock_mode="lease", lease_ttl=3)
+                     run_key=sys.argv[3], work=work, lock_mode=LockMode("lease", 3))
     """
 )
 
@@ -335,8 +340,7 @@ def test_an_attempt_whose_lease_expired_cannot_commit_and_is_ordered_before_its_
             job_name=JOB,
             run_key=KEY,
             work=old_work,
-            lock_mode="lease",
-            lease_ttl=1,
+            lock_mode=LockMode("lease", lease_ttl=1),
         )
     )
     assert opened.wait(15)
@@ -386,8 +390,7 @@ def test_a_lost_lease_found_by_the_heartbeat_fails_the_next_fenced_step(lease_db
             job_name=JOB,
             run_key=KEY,
             work=work,
-            lock_mode="lease",
-            lease_ttl=3,
+            lock_mode=LockMode("lease", lease_ttl=3),
         )
     assert seen == [False]
     assert written(lease_db) == []
