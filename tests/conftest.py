@@ -151,3 +151,13 @@ def facts(pg_dsn: str) -> str:
     from support.fenced_work import create_facts
 
     return create_facts(pg_dsn)
+
+
+@pytest.fixture(params=["advisory", "lease"])
+def lock_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each lock mode in turn, as the default of every run of the test (run_idempotently's
+    lock_mode when not given; docs/locks.md)."""
+    from airflow_idempotency import leases
+
+    monkeypatch.setattr(leases, "DEFAULT_LOCK_MODE", request.param)
+    return str(request.param)

@@ -277,6 +277,7 @@ def run_task(
             metrics=AIRFLOW_METRICS,
             airflow_context=context,
         ),
+        **job_database.lock_options,
     )
     task.last_run_outcome = result.outcome.value
     return result

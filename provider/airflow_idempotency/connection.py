@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
+from airflow_idempotency.leases import LockMode, check_lease_ttl, check_lock_mode
 from airflow_idempotency.locks import DEAD_PEER_DEFAULTS
 from airflow_idempotency.schema import DEFAULT_CONN_ID
 
@@ -31,6 +32,22 @@ HOOK_EXTRAS = frozenset(
 )
 """Extras of a postgres connection that are the postgres provider's own options, not
 libpq's (its ``PostgresHook.ignored_extra_options``): never passed to ``psycopg.connect``."""
+
+PROVIDER_EXTRAS = frozenset({"lock_mode", "lease_ttl"})
+"""Extras that are this provider's own options for the job database, never libpq's: how its
+runs hold their keys (``lock_mode``: ``advisory`` or ``lease``; ``lease_ttl``: seconds),
+:func:`lock_options`."""
+
+
+def lock_options(conn: Any) -> dict[str, Any]:
+    """``lock_mode`` of ``run_idempotently`` (a :class:`~airflow_idempotency.leases.LockMode`)
+    from the Airflow connection's extra ``lock_mode`` and ``lease_ttl`` (checked: a bad value
+    is a :class:`~airflow_idempotency.exceptions.ConfigurationError` naming the allowed ones)."""
+    extra = conn.extra_dejson
+    where = f"the extra of Airflow connection {getattr(conn, 'conn_id', None)!r}"
+    mode = check_lock_mode(extra.get("lock_mode"), f"{where}: lock_mode")
+    ttl = check_lease_ttl(extra.get("lease_ttl"), f"{where}: lease_ttl")
+    return {"lock_mode": LockMode(mode, ttl)}
 
 
 def connect_kwargs(
@@ -60,7 +77,11 @@ def connect_kwargs(
     }
     if options:
         kwargs["options"] = options
-    kwargs.update((k, v) for k, v in conn.extra_dejson.items() if k not in ignored)
+    kwargs.update(
+        (k, v)
+        for k, v in conn.extra_dejson.items()
+        if k not in ignored and k not in PROVIDER_EXTRAS
+    )
     for name, value in DEAD_PEER_DEFAULTS.items():
         kwargs.setdefault(name, value)
     kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT)
@@ -112,6 +133,12 @@ class JobDatabase:
         from airflow.providers.common.compat.sdk import BaseHook
 
         return BaseHook.get_connection(self.conn_id)
+
+    @cached_property
+    def lock_options(self) -> dict[str, Any]:
+        """How runs on this database hold their keys: ``lock_mode`` for ``run_idempotently``,
+        from the connection's extra ``lock_mode`` and ``lease_ttl`` (:func:`lock_options`)."""
+        return lock_options(self.connection)
 
     @cached_property
     def _iam(self) -> bool:

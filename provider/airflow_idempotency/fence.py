@@ -153,6 +153,12 @@ class Fence:
         Raises psycopg errors; :meth:`translate_error` names them (the fence's refusal is
         SQLSTATE ``IF001``).
         """
+        if self.lock.known_lost:  # the lease's heartbeat found it lost: refuse before BEGIN
+            raise LockLostError(
+                f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
+                f"attempt {self.attempt_id} ({self.lock.describe()}), so it may not begin another "
+                "transaction. A rerun will pick the key up again."
+            )
         params = self._params(conn)
         first = [(query("fence_enter", self.schema), params)]
         if bound_locks:
@@ -220,8 +226,8 @@ class Fence:
         if fence_refused(exc):
             return LockLostError(
                 f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
-                f"attempt {self.attempt_id} (its lock session, backend pid "
-                f"{self.lock.backend_pid}, ended), so its transaction did not commit "
+                f"attempt {self.attempt_id} ({self.lock.describe()}), so its transaction did "
+                "not commit "
                 f"({_first_line(exc)}). A rerun will pick the key up again."
             )
         if isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):

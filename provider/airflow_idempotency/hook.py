@@ -8,7 +8,7 @@ import psycopg
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 from psycopg.rows import tuple_row
 
-from airflow_idempotency.connection import hook_connect_kwargs
+from airflow_idempotency.connection import hook_connect_kwargs, lock_options
 from airflow_idempotency.schema import DEFAULT_CONN_ID
 
 
@@ -51,6 +51,11 @@ class IdempotencyHook(PostgresHook):
             database=getattr(self, "database", None),
             options=getattr(self, "options", None),
         )
+
+    def lock_options(self) -> dict[str, Any]:
+        """``lock_mode`` for ``run_idempotently``, from this connection's extra ``lock_mode``
+        and ``lease_ttl`` (:func:`~airflow_idempotency.connection.lock_options`)."""
+        return lock_options(self.connection)
 
     def new_connection(self) -> psycopg.Connection[Any]:
         """Open a new psycopg 3 connection (use it as a context manager: it closes on exit)."""

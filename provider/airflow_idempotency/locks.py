@@ -37,8 +37,9 @@ import logging
 import os
 import select
 import socket
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg
 
@@ -127,11 +128,33 @@ def named_lock_key(name: str) -> int:
 class RunLock:
     """A held run lock: its key, the backend (session) that holds it, and the lock
     transaction itself (``holder``: its virtual transaction id, migration 0008). A pid alone
-    is reused by the operating system; the pair names one lock transaction."""
+    is reused by the operating system; the pair names one lock transaction.
+
+    In the lease mode (:mod:`airflow_idempotency.leases`) ``holder`` is ``'lease:<token>'``,
+    ``backend_pid`` 0 (no session holds it), and ``lost`` is set by the heartbeat once the
+    lease is lost."""
 
     lock_key: int
     backend_pid: int
     holder: str | None = None
+    lost: threading.Event | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def is_lease(self) -> bool:
+        """Whether this is a lease (the lease mode), not an advisory lock."""
+        return self.holder is not None and self.holder.startswith("lease:")
+
+    @property
+    def known_lost(self) -> bool:
+        """Whether the lease's heartbeat found it lost (always ``False`` for an advisory lock:
+        the database answers that)."""
+        return self.lost is not None and self.lost.is_set()
+
+    def describe(self) -> str:
+        """What holds it, for a message: the lock session, or the lease."""
+        if self.is_lease:
+            return f"its lease ({self.holder}) expired or was taken over"
+        return f"its lock session, backend pid {self.backend_pid}, ended"
 
     @property
     def params(self) -> dict[str, int | str | None]:

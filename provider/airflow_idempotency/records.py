@@ -151,12 +151,14 @@ class RunRecords:
             **trigger.provenance.params,
             # Facts of the trigger that have no column: the attempt's details from its start.
             "trigger_details": Jsonb(
-                {"partition_key": trigger.partition_key} if trigger.partition_key else {}
+                ({"partition_key": trigger.partition_key} if trigger.partition_key else {})
+                | ({"lease": lock.holder} if lock and lock.is_lease else {})
             ),
             "key_zone": trigger.key_zone,
             "hostname": _HOSTNAME,
             "pid": os.getpid(),
-            "lock_backend_pid": lock.backend_pid if lock else None,
+            # a lease has no lock session (the lease mode: its holder is in the details)
+            "lock_backend_pid": lock.backend_pid if lock and not lock.is_lease else None,
             "force": options.force,
         }
 
@@ -266,6 +268,16 @@ class RunRecords:
         }
         cursor = _execute(conn, query("complete_attempt", self.schema), params, and_commit)
         return cursor.fetchone() is not None
+
+    def complete_attempt_lease(
+        self, conn: psycopg.Connection, attempt_id: int, counts: dict[str, Any]
+    ) -> bool:
+        """The lease mode's completion: mark the run and the attempt completed; ``False``
+        (nothing written) when this attempt no longer owns the run. Must run in a fenced
+        transaction of the attempt (its checks at BEGIN and at COMMIT stand for the lock's)."""
+        params = {**self.run.key_params, "attempt_id": attempt_id, "details": Jsonb(counts)}
+        row = conn.execute(query("complete_attempt_lease", self.schema), params).fetchone()
+        return row is not None
 
     def mark_failed(self, conn: psycopg.Connection, attempt_id: int, error: str) -> bool:
         """Mark the run failed, if ``attempt_id`` still owns it."""

@@ -91,6 +91,10 @@ class RunSpec:
     options: RunOptions
     connect: ConnectionFactory
     environment: RunEnvironment
+    # how the run holds its key: "advisory" (a lock transaction for the whole run) or "lease"
+    # (airflow_idempotency.leases), and the lease's time to live in seconds
+    lock_mode: str = "advisory"
+    lease_ttl: float = 30.0
 
 
 class RunContext:
@@ -207,6 +211,8 @@ class RunContext:
         """Whether the lock session has visibly ended, without a round trip
         (:func:`~airflow_idempotency.locks.session_ended`); ``False`` says only that no end was
         seen: :meth:`lock_is_held` asks the database."""
+        if self._lock.lost is not None:  # a lease: its heartbeat says
+            return self._lock.known_lost
         return self._lock_conn is not None and session_ended(self._lock_conn)
 
     def assert_lock_held(self, conn: psycopg.Connection | None = None) -> None:
@@ -214,7 +220,7 @@ class RunContext:
         if not self.lock_is_held(conn):
             raise LockLostError(
                 f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
-                f"this attempt (its session, backend pid {self._lock.backend_pid}, ended): "
+                f"this attempt ({self._lock.describe()}): "
                 "stopping before writing more. A rerun will pick the key up again."
             )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from collections.abc import Callable
 
 import psycopg
 
@@ -22,25 +23,31 @@ from airflow_idempotency.exceptions import (
     LockWaitError,
     PoolExhaustedError,
 )
-from airflow_idempotency.locks import pooler_refusal, session_ended
+from airflow_idempotency.fence import Fence
+from airflow_idempotency.locks import RunLock, pooler_refusal, session_ended
 from airflow_idempotency.records import AttemptOutcome, RunRecords
 from airflow_idempotency.run_context import RunLogger, RunSpec, autocommit_connection
 
 
 def named_failure(
-    lock_conn: psycopg.Connection, exc: BaseException, spec: RunSpec
+    lock_conn: psycopg.Connection | None,
+    exc: BaseException,
+    spec: RunSpec,
+    lock: RunLock | None = None,
 ) -> BaseException:
     """The provider's error for a database failure the work did not name: a connection
     refused for want of slots (:func:`pooler_refusal`: the sizing rule), or a connection
     the server ended while the lock session ended too (every session of this attempt
     terminated at once: a failover, a restart, an operator) as :class:`LockLostError`.
-    Anything else is ``exc`` itself."""
+    Anything else is ``exc`` itself. In the lease mode (no ``lock_conn``) the lease's
+    heartbeat (``lock``) says whether the lock is gone."""
     if not isinstance(exc, psycopg.Error):
         return exc
     refusal = pooler_refusal(exc)
     if refusal is not None:
         return refusal
-    if isinstance(exc, psycopg.OperationalError) and session_ended(lock_conn):
+    gone = session_ended(lock_conn) if lock_conn is not None else bool(lock and lock.known_lost)
+    if isinstance(exc, psycopg.OperationalError) and gone:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return LockLostError(
             f"job {spec.run.job_name!r} run_key {spec.run.run_key!r}: the job database ended "
@@ -57,7 +64,7 @@ def _count(spec: RunSpec, outcome: str) -> None:
 
 
 def record_refused_start(
-    lock_conn: psycopg.Connection,
+    lock_conn: psycopg.Connection | None,
     exc: BaseException,
     spec: RunSpec,
     records: RunRecords,
@@ -65,16 +72,26 @@ def record_refused_start(
 ) -> None:
     """A start that a pooler refused (its pool exhausted) or whose bounded takeover ended
     is recorded as a failed attempt, in the lock transaction (which has its server
-    connection), naming the cause."""
+    connection), naming the cause; in the lease mode (no ``lock_conn``), on a connection
+    borrowed for it."""
     refusal: BaseException | None = None
     if type(exc) in (PoolExhaustedError, ConfigurationError) or isinstance(exc, LockWaitError):
         refusal = exc
     elif isinstance(exc, psycopg.Error):
         refusal = pooler_refusal(exc)
-    if refusal is None or lock_conn.closed or lock_conn.broken:
+    if refusal is None or (lock_conn is not None and (lock_conn.closed or lock_conn.broken)):
         return
     log.error("%s", refusal)
     _count(spec, "failed")
+    if lock_conn is None:
+        with (
+            contextlib.suppress(psycopg.Error, IdempotencyError),
+            autocommit_connection(spec.connect) as conn,
+        ):
+            log.attempt = records.insert_attempt(
+                conn, "failed", lock=None, options=spec.options, error=str(refusal)
+            )
+        return
     with contextlib.suppress(psycopg.Error):
         log.attempt = records.insert_attempt(
             lock_conn,
@@ -87,12 +104,13 @@ def record_refused_start(
 
 
 def record_failure(
-    lock_conn: psycopg.Connection,
+    lock_conn: psycopg.Connection | None,
     exc: BaseException,
     spec: RunSpec,
     records: RunRecords,
     log: RunLogger,
     attempt_id: int | None,
+    fence: Fence | None = None,
 ) -> None:
     """Mark the attempt (and, unless dry run, the run) failed; never mask ``exc``.
 
@@ -100,6 +118,10 @@ def record_failure(
     the lock released at one instant. When the lock session is gone, it is written from
     a fresh session instead; mark_failed only touches the run if this attempt still
     owns it, so a successor is never overwritten.
+
+    In the lease mode (no ``lock_conn``; ``fence``: the attempt's) it is written in a fenced
+    transaction on a borrowed connection; once the lease is lost, from a fresh session as
+    above.
     """
     if attempt_id is None:  # the start itself failed: nothing was recorded yet
         record_refused_start(lock_conn, exc, spec, records, log)
@@ -114,25 +136,60 @@ def record_failure(
         if not spec.options.dry_run:
             records.mark_failed(conn, attempt_id, error)
 
-    schema = spec.environment.schema
-    if not (lock_conn.closed or lock_conn.broken):
-        try:
-            if lock_conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
-                write(lock_conn)
-                lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
-            else:  # the lock transaction already ended (a completion that found no row)
-                with bounded_transaction(lock_conn, schema):
-                    write(lock_conn)
+    if lock_conn is None:
+        if fence is not None and _write_fenced(spec, fence, write):
             return
-        except psycopg.Error:
-            # Terminated server-side (psycopg only learns it from a failed statement),
-            # or the lock transaction is aborted: give it up, write from a fresh one.
-            with contextlib.suppress(psycopg.Error):
-                lock_conn.execute("ROLLBACK")
+    elif _write_in_lock_transaction(lock_conn, spec, write):
+        return
+    _write_fresh(spec, log, write)
+
+
+def _write_fenced(spec: RunSpec, fence: Fence, write: Callable[[psycopg.Connection], None]) -> bool:
+    """The lease mode: ``write`` in a fenced transaction on a borrowed connection; False when
+    the lease is lost (or the database unreachable)."""
     try:
         with (
             autocommit_connection(spec.connect) as conn,
-            bounded_transaction(conn, schema),
+            fence.transaction(conn, bound_locks=True),
+        ):
+            write(conn)
+        return True
+    except (psycopg.Error, IdempotencyError):
+        return False
+
+
+def _write_in_lock_transaction(
+    lock_conn: psycopg.Connection, spec: RunSpec, write: Callable[[psycopg.Connection], None]
+) -> bool:
+    """The advisory mode: ``write`` in the lock transaction, which then commits (the failure
+    and the lock's release, at once); False when the lock session is gone or aborted."""
+    if lock_conn.closed or lock_conn.broken:
+        return False
+    try:
+        if lock_conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+            write(lock_conn)
+            lock_conn.execute("COMMIT")  # the failure and the lock's release, at once
+        else:  # the lock transaction already ended (a completion that found no row)
+            with bounded_transaction(lock_conn, spec.environment.schema):
+                write(lock_conn)
+        return True
+    except psycopg.Error:
+        # Terminated server-side (psycopg only learns it from a failed statement),
+        # or the lock transaction is aborted: give it up, write from a fresh one.
+        with contextlib.suppress(psycopg.Error):
+            lock_conn.execute("ROLLBACK")
+        return False
+
+
+def _write_fresh(
+    spec: RunSpec, log: RunLogger, write: Callable[[psycopg.Connection], None]
+) -> None:
+    """``write`` from a fresh session (the lock session or the lease is gone); a failure to
+    write is logged, never raised over the run's own error."""
+    try:
+        with (
+            autocommit_connection(spec.connect) as conn,
+            bounded_transaction(conn, spec.environment.schema),
         ):
             write(conn)  # READ COMMITTED: autocommit_connection pins it
     except (psycopg.Error, IdempotencyError) as record_exc:

@@ -5,7 +5,8 @@ operator would) while A is inside ``run.transaction()``; worker B takes the key 
 uses the outbound ledger inside that open transaction (issue 30, defect 1: both hung for
 ever), or keeps the transaction open while its worker does something else (B's takeover
 then waits a bounded time and names A's session). Both are real runs in threads of this
-process against a real PostgreSQL.
+process against a real PostgreSQL, in both lock modes (the ``lock_mode`` fixture: in the lease
+mode A's lease expires instead).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def write_an_output_file(ctx: RunContext, remote: Recorder, folder: Path) -> Non
 
 @pytest.mark.parametrize("effect", [send_through_the_ledger, write_an_output_file])
 def test_an_effect_inside_a_lost_attempts_transaction_fails_at_once(
-    facts: str, tmp_path: Path, effect: Callable[[RunContext, Recorder, Path], None]
+    facts: str,
+    tmp_path: Path,
+    effect: Callable[[RunContext, Recorder, Path], None],
+    lock_mode: str,
 ) -> None:
     """Defect 1: an attempt whose lock session ended while its run.transaction() is open, and
     which then uses the ledger (or an OutputFile) inside it while a successor's takeover waits for that
@@ -86,7 +90,7 @@ def test_an_effect_inside_a_lost_attempts_transaction_fails_at_once(
 
 
 def test_a_takeover_waits_a_bounded_time_and_names_the_open_transaction(
-    facts: str, monkeypatch: pytest.MonkeyPatch
+    facts: str, monkeypatch: pytest.MonkeyPatch, lock_mode: str
 ) -> None:
     """A successor whose takeover waits for a transaction the lost attempt keeps open (its
     worker busy outside the database) gives up after the bound (1 s here) with an error that

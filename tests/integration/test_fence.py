@@ -1,6 +1,8 @@
 """The fence against a real PostgreSQL server: an attempt that lost its lock never commits
 again, its open transactions are ordered before a successor's start, and the contract holds
-whatever isolation level the database, the role or the work asks for."""
+whatever isolation level the database, the role or the work asks for; in both lock modes
+where they apply (the ``lock_mode`` fixture: a lost lock is a terminated lock session, or an
+expired lease)."""
 
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def commit_gate(facts: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 def test_a_commit_stalled_after_the_lock_is_lost_never_lands(
-    facts: str, commit_gate: psycopg.Connection[Any]
+    facts: str, commit_gate: psycopg.Connection[Any], lock_mode: str
 ) -> None:
     """An attempt whose COMMIT stalls (after its last statement, after any check before it)
     while its lock session is ended and a successor takes the key over: the stalled COMMIT is
@@ -109,7 +111,7 @@ def test_a_commit_stalled_after_the_lock_is_lost_never_lands(
 
 
 def test_the_successor_waits_for_the_old_attempts_open_transaction(
-    facts: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    facts: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, lock_mode: str
 ) -> None:
     """A successor's start waits while a transaction of the previous attempt is still open
     (stopped between its last statement and its COMMIT), and starts only once it has ended:
@@ -144,7 +146,9 @@ def test_the_successor_waits_for_the_old_attempts_open_transaction(
 
 
 @pytest.mark.parametrize("default", ["repeatable read", "serializable"])
-def test_the_contract_holds_under_a_stricter_default_isolation(pg_dsn: str, default: str) -> None:
+def test_the_contract_holds_under_a_stricter_default_isolation(
+    pg_dsn: str, default: str, lock_mode: str
+) -> None:
     """With default_transaction_isolation set on the database, a run completes (its work runs
     once, at that level), a rerun is a no-op, and the lock session holds no snapshot and no
     transaction id while the work runs (vacuum is not held back)."""
@@ -175,12 +179,13 @@ def test_the_contract_holds_under_a_stricter_default_isolation(pg_dsn: str, defa
     assert (first.outcome, again.outcome) == (RunOutcome.COMPLETED, RunOutcome.NOOP)
     assert calls == [KEY]
     assert seen["level"] == (default,)
-    assert seen["lock session"] == (None, None)
+    # the advisory mode's lock session: no snapshot, no xid; the lease mode has none at all
+    assert seen["lock session"] == ((None, None) if lock_mode == "advisory" else None)
     assert rows(pg_dsn, "SELECT count(*) FROM public.facts") == [(1,)]
     assert rows(pg_dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
 
 
-def test_the_work_gets_the_isolation_level_it_asks_for(pg_dsn: str) -> None:
+def test_the_work_gets_the_isolation_level_it_asks_for(pg_dsn: str, lock_mode: str) -> None:
     """transaction(isolation_level=...) and read_only begin the work's transaction as asked;
     without them it gets the database's default (READ COMMITTED here)."""
     seen: list[tuple[Any, ...]] = []
@@ -197,7 +202,7 @@ def test_the_work_gets_the_isolation_level_it_asks_for(pg_dsn: str) -> None:
     assert seen == [("read committed", "off"), ("serializable", "off"), ("read committed", "on")]
 
 
-def test_a_serialization_failure_is_a_clear_retryable_error(pg_dsn: str) -> None:
+def test_a_serialization_failure_is_a_clear_retryable_error(pg_dsn: str, lock_mode: str) -> None:
     """Under REPEATABLE READ, a concurrent update of a row the work then updates makes the work
     fail with WorkConflictError (nothing of it committed); the rerun completes the key."""
     from airflow_idempotency.exceptions import WorkConflictError
@@ -223,7 +228,9 @@ def test_a_serialization_failure_is_a_clear_retryable_error(pg_dsn: str) -> None
     assert [o for _, o in attempts(pg_dsn)] == ["failed", "completed"]
 
 
-def test_a_read_only_transaction_after_the_lock_is_lost_is_refused(facts: str) -> None:
+def test_a_read_only_transaction_after_the_lock_is_lost_is_refused(
+    facts: str, lock_mode: str
+) -> None:
     """The fence's first statement refuses any transaction, read-only ones too, once the
     attempt's lock session has ended; no fence row is left behind by any run."""
 

@@ -1,7 +1,8 @@
 """The fence however transactions nest or follow each other, on a real PostgreSQL (issue 30):
 a fenced transaction inside the work's own psycopg transaction and around savepoints, a COMMIT
 of the work's own inside the block, a lost attempt's later transactions, a holder whose pid
-was reused, two-phase commit. (The ledger and OutputFile inside ``run.transaction()`` of a
+was reused, two-phase commit; in both lock modes where they apply (the ``lock_mode``
+fixture). (The ledger and OutputFile inside ``run.transaction()`` of a
 lost attempt, and the bounded takeover: tests/faults/test_faults_fence.py.)"""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run(dsn: str, work: Callable[[RunContext], Any], **connect: Any) -> RunResul
 
 
 def test_a_fenced_transaction_inside_the_works_own_transaction_is_checked_at_its_commit(
-    facts: str,
+    facts: str, lock_mode: str
 ) -> None:
     """Defect 2: run.transaction() inside the connection's own psycopg transaction (idiomatic
     psycopg 3) is a savepoint whose check runs at that transaction's COMMIT: the lock lost
@@ -61,7 +62,7 @@ def test_a_fenced_transaction_inside_the_works_own_transaction_is_checked_at_its
 
 @pytest.mark.parametrize("where", ["before", "inside"])
 def test_set_constraints_immediate_cannot_run_the_commit_check_early(
-    facts: str, where: str
+    facts: str, where: str, lock_mode: str
 ) -> None:
     """SET CONSTRAINTS ALL IMMEDIATE in the work's own transaction (before run.transaction(),
     or inside it) would fire the fence's deferred check at once, leaving the real COMMIT
@@ -83,7 +84,9 @@ def test_set_constraints_immediate_cannot_run_the_commit_check_early(
     assert written(facts) == []
 
 
-def test_savepoints_inside_a_fenced_transaction_commit_only_under_the_lock(facts: str) -> None:
+def test_savepoints_inside_a_fenced_transaction_commit_only_under_the_lock(
+    facts: str, lock_mode: str
+) -> None:
     """Savepoints of the work's own inside run.transaction() (and one around a second
     run.transaction()): what they keep commits with the fenced transaction, and nothing of it
     once the lock is lost before the COMMIT."""
@@ -104,7 +107,9 @@ def test_savepoints_inside_a_fenced_transaction_commit_only_under_the_lock(facts
     assert written(facts) == []
 
 
-def test_a_commit_of_the_works_own_inside_the_block_is_fenced_and_refused(facts: str) -> None:
+def test_a_commit_of_the_works_own_inside_the_block_is_fenced_and_refused(
+    facts: str, lock_mode: str
+) -> None:
     """A COMMIT the work sends itself inside run.transaction() is checked (the check is armed
     when the transaction begins): after the lock is lost it does not commit. With the lock held
     it commits, and the block then fails clearly: what follows it would run unfenced."""
@@ -129,7 +134,7 @@ def test_a_commit_of_the_works_own_inside_the_block_is_fenced_and_refused(facts:
     assert written(facts) == ["committed by the work"]
 
 
-def test_every_later_transaction_of_a_lost_attempt_is_refused(facts: str) -> None:
+def test_every_later_transaction_of_a_lost_attempt_is_refused(facts: str, lock_mode: str) -> None:
     """After its lock is lost and a successor has completed the key, the old attempt's second
     and third fenced transactions (the work's, then the ledger's claim) are refused one after
     the other; only its first, committed under the lock, and the successor's writes land."""
@@ -238,7 +243,7 @@ def prepare_around(ctx: RunContext) -> None:
 
 @pytest.mark.parametrize("work", [prepare_inside, prepare_around])
 def test_a_fenced_transaction_cannot_be_prepared(
-    two_phase_dsn: str, work: Callable[[RunContext], None]
+    two_phase_dsn: str, work: Callable[[RunContext], None], lock_mode: str
 ) -> None:
     """PREPARE TRANSACTION of a fenced transaction (inside run.transaction(), or of the work's
     own transaction around one) is refused: COMMIT PREPARED would run no check, and could land

@@ -375,3 +375,35 @@ def test_dag_file_parsing_does_no_io() -> None:
     with pytest.raises(ValueError, match="python_callable"):
         IdempotentRunOperator(task_id="t2")
     assert dt.timedelta(seconds=30) == op.reschedule_interval
+
+
+def test_the_connections_extra_chooses_the_lease_mode(
+    airflow_pg_conn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``"lock_mode": "lease"`` in the job database connection's extra: the operator's runs hold
+    their keys as leases (the attempt names its lease, no lock session); a bad value fails the
+    task, naming the allowed ones, and writes nothing."""
+    import json
+
+    from devtools.airflow_env import airflow_connection_json
+
+    def with_extra(**extra: Any) -> None:
+        conn = {**json.loads(airflow_connection_json(airflow_pg_conn)), "extra": extra}
+        monkeypatch.setenv("AIRFLOW_CONN_IDEMPOTENCY_DEFAULT", json.dumps(conn))
+
+    with_extra(lock_mode="lease", lease_ttl=10)
+    dag = make_dag("op_lease", lambda run: {"n": 1})
+    assert run_dag(dag, logical_date=utc(2026, 10, 2, 1)).state == SUCCESS
+    assert rows(
+        airflow_pg_conn,
+        "SELECT outcome, lock_backend_pid, details->>'lease' LIKE 'lease:%%'"
+        " FROM idempotency.job_run_attempts",
+    ) == [("completed", None, True)]
+    with_extra(lock_mode="leases")
+    assert (
+        run_dag(make_dag("op_bad_mode", lambda run: None), logical_date=utc(2026, 10, 2, 1)).state
+        == FAILED
+    )
+    assert rows(
+        airflow_pg_conn, "SELECT count(*) FROM idempotency.job_runs WHERE job_name LIKE 'op_bad%%'"
+    ) == [(0,)]

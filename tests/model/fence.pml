@@ -11,7 +11,7 @@
  * provider/airflow_idempotency/sql/queries.sql (the test checks that each exists and that every
  * fence statement is modelled). The checksum below is that of the fence's SQL (the fence_*
  * queries, acquire_run_lock, start_attempt, complete_attempt and every migration that defines
- * a fence function: 0006, 0008, 0010, 0012, 0013): when the SQL changes, the test fails until the model is
+ * a fence function: 0006, 0008, 0010, 0012, 0013, 0014): when the SQL changes, the test fails until the model is
  * reviewed and the checksum updated. Reviewed for 0010 (the commit-time check runs at COMMIT
  * or refuses: the model's check and commit are one step) and 0011 (start_attempt records the
  * attempt's provenance: no fence change) and 0012 (the start's check of its own lock, modelled
@@ -19,9 +19,14 @@
  * trigger on the start's INSERT, for workers of version 11 that send the two-argument takeover:
  * the model's attempts are of this version, whose start already checks under the fence key, so
  * the model's start step stands for both checks; an old worker's start, checked by pid alone,
- * is the -DPID_ONLY variant's start).
+ * is the -DPID_ONLY variant's start). Reviewed for 0014 (the lease mode, issue 32; the
+ * -DLEASE variant below): run_lock_held_by answers a holder 'lease:<token>' from run_leases
+ * (the token is the holder's identity, as the vxid is: every acquisition draws a new one, so
+ * held_by(a) compares it; the pid plays no part), and the advisory path is unchanged; the
+ * start trigger also refuses an advisory-mode start while a lease is live (the two modes on one
+ * key: not modelled, the model's attempts are of one mode).
  *
- * fence-sql-sha256: 3ad910a55ef16a633f7f35abfc88c62b43b9fa2e6c8c8d51d1eb4612e7f54e49
+ * fence-sql-sha256: 27b2944a739e2f1f1ba074583abf555eb7f402bcb49f5bdbf4abbb14f74706b2
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
@@ -40,6 +45,16 @@
  *             COMMIT (main at b2bdd8d: issue 30, defect 2);
  *  -DPID_ONLY the checks compare the lock session's pid only (pid reuse);
  *  -DNO_CYCLE_MONITOR leaves the wait-cycle assertion out (so that a hang shows as one).
+ *
+ * -DLEASE   the lease mode (docs/locks.md): the run lock is a lease, taken only when free or
+ *             expired (sql: lease_acquire, the acquisition step: a new token is the new vxid),
+ *             lost when it expires (LockLoss: an expired lease is never renewed, lease_renew),
+ *             and the completion is not written in a lock transaction but in one more fenced
+ *             transaction (sql: complete_attempt_lease: fence_enter at its BEGIN, the check at
+ *             its COMMIT, the fence key shared in between), after which the lease is released
+ *             (sql: lease_release). Every property must hold; with
+ *             -DLEASE_COMPLETION_UNFENCED (the completion's COMMIT unchecked, as if it were
+ *             written outside the fence) a completion commits after its lease was lost.
  *
  * -DSTART_UNCHECKED the start does not check, under the fence key it holds exclusively, that
  *             its attempt still holds the run lock (main before migration 0012): an attempt whose
@@ -114,7 +129,7 @@ proctype Attempt(byte me) {
     bool held_at_commit;
     bool ok;
 
-    /* sql: acquire_run_lock (the lock transaction) */
+    /* sql: acquire_run_lock (the lock transaction); -DLEASE: sql: lease_acquire */
     atomic {
         if
         :: !run_locked ->
@@ -253,6 +268,41 @@ proctype Attempt(byte me) {
     :: depth == 0 -> break
     od;
 
+#ifdef LEASE
+    /* sql: complete_attempt_lease, a fenced transaction of its own: its enter (the fence key
+       is not free only while a successor's takeover holds or awaits it, i.e. the lease changed
+       hands: IF001 at once) and its check at COMMIT */
+    atomic {
+        if
+        :: shared_free && held_by(me) -> fence_shared++; open_shared[me]++
+        :: else -> goto failed
+        fi
+    }
+    atomic {                  /* COMMIT: the deferred trigger fence_check_at_commit runs */
+        held_at_commit = held_by(me);
+        if
+#ifndef LEASE_COMPLETION_UNFENCED
+        :: !held_at_commit -> goto failed                        /* IF001: LockLostError */
+#endif
+        :: else -> skip
+        fi
+    }
+    atomic {                  /* the completion lands, and its fence lock goes */
+        assert(held_at_commit);
+        assert(!successor_started(me));
+        fence_shared--;
+        open_shared[me]--;
+        held_at_commit = false
+    }
+    /* sql: lease_release, once the completion committed (a lease that expired meanwhile is
+       released by nobody: it stays expired) */
+    atomic {
+        if
+        :: held_by(me) && session_alive[me] -> end_session(me)
+        :: else -> skip
+        fi
+    }
+#else
     /* sql: complete_attempt, in the lock transaction; its COMMIT releases the lock */
     atomic {
         if
@@ -260,6 +310,7 @@ proctype Attempt(byte me) {
         :: else -> goto failed
         fi
     }
+#endif
     goto done;
 
 failed:                       /* every open transaction rolls back; the failure is recorded */

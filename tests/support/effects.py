@@ -41,6 +41,7 @@ def run_once(
     """One execution of (job, run_key) through the real runner and Postgres (a script's run
     unless ``trigger`` names the Airflow run that started it)."""
     environment = RunEnvironment() if metrics is None else RunEnvironment(metrics=metrics)
+    triggered: dict[str, Any] = {"trigger": trigger} if trigger is not None else {}
     return run_idempotently(
         connect=lambda: psycopg.connect(dsn),
         job_name=job,
@@ -48,7 +49,7 @@ def run_once(
         work=work,
         options=RunOptions(force=force, dry_run=dry_run),
         environment=environment,
-        **({"trigger": trigger} if trigger is not None else {}),
+        **triggered,
     )
 
 

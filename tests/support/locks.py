@@ -98,10 +98,37 @@ def run_lock_taken(dsn: str, job: str, run_key: str) -> Iterator[None]:
         yield
 
 
+def expire_lease(dsn: str, job: str, run_key: str) -> int:
+    """End (job, run_key)'s live lease (the lease mode) as if its worker had stopped renewing
+    it for its whole time to live; return its token."""
+    found = rows(
+        dsn,
+        "UPDATE idempotency.run_leases SET expires_at = clock_timestamp()"
+        " WHERE lock_key = %s AND expires_at > clock_timestamp() RETURNING token",
+        (run_lock_key(job, run_key),),
+    )
+    assert len(found) == 1, f"expected one live lease of {job!r} {run_key!r}, found none"
+    return int(found[0][0])
+
+
+def lease_mode_in_use(dsn: str) -> bool:
+    """Whether the bookkeeping schema has a lease table with a live lease (the lease mode)."""
+    found = rows(dsn, "SELECT to_regclass('idempotency.run_leases')")
+    if found[0][0] is None:
+        return False
+    live = "SELECT count(*) FROM idempotency.run_leases WHERE expires_at > clock_timestamp()"
+    return bool(rows(dsn, live)[0][0])
+
+
 def terminate_lock_session(dsn: str, job: str, run_key: str) -> int:
     """Terminate the session holding (job, run_key)'s lock and wait until it is gone; return
-    its pid. Without the wait, a fencing check racing the dying backend still sees the lock."""
+    its pid. Without the wait, a fencing check racing the dying backend still sees the lock.
+    In the lease mode (no session holds the key), the lease is made to expire instead
+    (:func:`expire_lease`; 0 is returned)."""
     pid = run_lock_holder(dsn, job, run_key)
+    if pid is None and lease_mode_in_use(dsn):
+        expire_lease(dsn, job, run_key)
+        return 0
     assert pid is not None, f"expected one holder of {job!r} {run_key!r}, found none"
     with psycopg.connect(dsn, autocommit=True) as conn:
         ended = conn.execute("SELECT pg_terminate_backend(%s, %s)", (pid, _WAIT_MS)).fetchone()

@@ -136,13 +136,29 @@ def test_the_fence_holds_in_every_interleaving(tmp_path: Path) -> None:
         (["-DDEFECT2"], "assertion violated held_at_commit"),
         # the holder named by its pid alone: a successor's session reusing the pid passes
         (["-DPID_ONLY"], "assertion violated"),
+        # the lease mode's completion committed without the fence's check at COMMIT
+        (["-DLEASE", "-DLEASE_COMPLETION_UNFENCED"], "assertion violated"),
     ],
-    ids=["defect1-cycle", "defect1-hang", "defect2-commit-after-loss", "pid-reuse"],
+    ids=[
+        "defect1-cycle",
+        "defect1-hang",
+        "defect2-commit-after-loss",
+        "pid-reuse",
+        "lease-completion-unfenced",
+    ],
 )
 def test_a_reintroduced_defect_is_found(tmp_path: Path, flags: list[str], violation: str) -> None:
     out = verify(tmp_path, *flags)
     assert _errors(out) > 0, f"spin found nothing with {flags}:\n{out}"
     assert violation in out, out
+
+
+def test_the_lease_mode_holds_in_every_interleaving(tmp_path: Path) -> None:
+    """The lease mode (migration 0014, -DLEASE): the same properties, with the completion in a
+    fenced transaction of its own and the lease released after it."""
+    out = verify(tmp_path, "-DLEASE")
+    assert _errors(out) == 0, out
+    assert "Search not completed" not in out and "max search depth too small" not in out, out
 
 
 def test_a_start_lands_only_before_a_successors_start(tmp_path: Path) -> None:

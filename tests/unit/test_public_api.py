@@ -347,6 +347,8 @@ _TASK_MODULES = {
     "airflow_idempotency.operator",
     "airflow_idempotency.key_spelling",
     "airflow_idempotency.key_zone",
+    "airflow_idempotency.lease_run",  # the lease lock mode's run, and its lease
+    "airflow_idempotency.leases",
     "airflow_idempotency.partitions",
     "airflow_idempotency.provenance",
     "airflow_idempotency.provider_info",
@@ -355,6 +357,7 @@ _TASK_MODULES = {
     "airflow_idempotency.run_failures",
     "airflow_idempotency.run_key",
     "airflow_idempotency.run_key_rule",
+    "airflow_idempotency.run_steps",
     "airflow_idempotency.runner",
     "airflow_idempotency.schema",
     "airflow_idempotency.ui",  # its route constants only (the operator's link)

@@ -35,9 +35,20 @@ SITES: dict[tuple[str, str, str], str] = {
     "statements keep the work's lock_timeout",
     ("run_context.py", "fenced_transaction", "transaction"): _FENCED + ", and bound_locks: "
     "lock_timeout for every statement (the ledger's)",
-    ("runner.py", "_start_and_work", "transaction"): "the dry run's outer transaction: "
+    ("run_steps.py", "_start_and_work", "transaction"): "the dry run's outer transaction: "
     "BEGIN only, the work's statements in it are the work's own",
-    ("run_failures.py", "record_failure", "bounded_transaction"): _BOUNDED,
+    ("run_failures.py", "_write_in_lock_transaction", "bounded_transaction"): _BOUNDED,
+    ("run_failures.py", "_write_fresh", "bounded_transaction"): _BOUNDED,
+    ("run_failures.py", "_write_fenced", "transaction"): _FENCED + ", and bound_locks (the "
+    "lease mode's failure record)",
+    ("leases.py", "acquire_lease", "in_one_transaction"): "bound_lock_waits first: "
+    "lock_timeout for the lease's transaction; the advisory run lock is only tried",
+    ("leases.py", "renew_lease", "in_one_transaction"): "bound_lock_waits first (the heartbeat)",
+    ("leases.py", "release_lease", "in_one_transaction"): "bound_lock_waits first",
+    ("lease_run.py", "_run_lease", "bounded_transaction"): _BOUNDED + " (a lease-mode dry run's "
+    "record)",
+    ("lease_run.py", "_complete_lease", "transaction"): _FENCED + ", and bound_locks (the lease "
+    "mode's completion)",
     ("ledger/pipeline.py", "_write_intents", "bounded_transaction"): _BOUNDED,
     ("effects/notifications.py", "fenced_transaction", "bounded_transaction"): _BOUNDED,
     ("retention.py", "prune_attempts", "bounded_transaction"): _BOUNDED,

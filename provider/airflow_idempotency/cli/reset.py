@@ -12,6 +12,7 @@ from airflow_idempotency.cli._arguments import text
 from airflow_idempotency.cli._base import EXIT_LOCKED, EXIT_OK, CommandError, add_command
 from airflow_idempotency.cli._database import connect_write
 from airflow_idempotency.cli._output import spelling_note
+from airflow_idempotency.leases import lease_is_live
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.records import Trigger
 
@@ -47,7 +48,7 @@ def handle(args: argparse.Namespace) -> int:
             conn, lock_key, schema=args.schema, application_name="airflow-idempotency reset"
         ) as lock,
     ):
-        if lock is None:
+        if lock is None or lease_is_live(conn, lock_key, schema=args.schema):
             raise CommandError(
                 f"run key {args.run_key!r} of {args.job!r} is locked: a worker is running it now "
                 "(see `airflow-idempotency locks`). Not resetting.",

@@ -36,6 +36,7 @@ import psycopg
 
 from airflow_idempotency._sql import query_row, query_rows
 from airflow_idempotency.exceptions import InvalidInputError, RunLockedError
+from airflow_idempotency.leases import lease_is_live
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
 from airflow_idempotency.run_key import check_text
 
@@ -143,7 +144,7 @@ def _run_lock_of(conn: psycopg.Connection, schema: str, effect: dict[str, Any]) 
     with hold_run_lock(
         conn, lock_key, schema=schema, application_name="airflow-idempotency ledger"
     ) as lock:
-        if lock is None:
+        if lock is None or lease_is_live(conn, lock_key, schema=schema):
             raise RunLockedError(
                 f"run key {effect['run_key']!r} of {effect['job_name']!r} is locked: an attempt "
                 "is running it now (see `airflow-idempotency locks`). Resolve when it has ended."

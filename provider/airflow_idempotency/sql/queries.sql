@@ -109,6 +109,92 @@ SELECT {schema}.fence_take_over(%(lock_key)s, %(lock_wait_ms)s, %(lock_backend_p
        {schema}.bound_dead_peer(%(keepalives_idle)s, %(keepalives_interval)s,
                                 %(keepalives_count)s, %(tcp_user_timeout)s);
 
+-- name: lease_acquire
+-- The lease mode (migration 14): take the key's lease, in one short transaction, when the key
+-- has no lease or its lease expired (clock_timestamp(): the server's clock). The same
+-- transaction tries the key's advisory run lock for its own length: a run of the advisory mode
+-- holding the key refuses the lease, two workers taking the lease at once exclude each other,
+-- and a session-level lock left on a pooled server connection is seen (already_held) as in
+-- acquire_run_lock. A takeover draws a new token (run_lease_tokens): the fencing token the
+-- fence compares (holder 'lease:<token>'). token is NULL when the lease was not taken.
+WITH before AS MATERIALIZED (
+    SELECT EXISTS (
+        SELECT 1 FROM {schema}.held_run_locks() AS h
+        WHERE h.lock_key = %(lock_key)s AND h.pid = pg_backend_pid()
+    ) AS already_held
+),
+advisory AS MATERIALIZED (
+    SELECT before.already_held, pg_try_advisory_xact_lock(%(lock_key)s) AS free FROM before
+),
+taken AS (
+    INSERT INTO {schema}.run_leases AS l (lock_key, holder, acquired_at, renewed_at, expires_at)
+    SELECT %(lock_key)s, %(holder)s, clock_timestamp(), clock_timestamp(),
+           clock_timestamp() + make_interval(secs => %(ttl)s)
+    FROM advisory
+    WHERE advisory.free AND NOT advisory.already_held
+    ON CONFLICT (lock_key) DO UPDATE
+    SET token = EXCLUDED.token, holder = EXCLUDED.holder, acquired_at = EXCLUDED.acquired_at,
+        renewed_at = EXCLUDED.renewed_at, expires_at = EXCLUDED.expires_at
+    WHERE l.expires_at <= clock_timestamp()
+    RETURNING l.token, l.expires_at
+)
+SELECT advisory.already_held, advisory.free, taken.token, taken.expires_at
+FROM advisory LEFT JOIN taken ON true;
+
+-- name: lease_renew
+-- The heartbeat of a lease (a short transaction on a borrowed connection): extends it only
+-- while it is still this acquisition's (its token) and has not expired. No row back: the
+-- lease is lost, for good (an expired lease is never revived, even if nobody took it over).
+UPDATE {schema}.run_leases
+SET renewed_at = clock_timestamp(),
+    expires_at = greatest(expires_at, clock_timestamp() + make_interval(secs => %(ttl)s))
+WHERE lock_key = %(lock_key)s AND token = %(token)s AND expires_at > clock_timestamp()
+RETURNING expires_at;
+
+-- name: lease_release
+-- The end of a run of the lease mode, after its outcome committed: the lease goes (if it is
+-- still this acquisition's) with the commit-time checks of its fenced transactions (spent).
+WITH disarmed AS (
+    DELETE FROM {schema}.fence_arms
+    WHERE lock_key = %(lock_key)s AND lock_holder = %(lock_holder)s
+)
+DELETE FROM {schema}.run_leases
+WHERE lock_key = %(lock_key)s AND token = %(token)s
+RETURNING token;
+
+-- name: lease_live
+-- Whether a key has a live lease (the lease mode): the CLI's reset and an operator's
+-- resolution of an effect, which hold the key's advisory run lock for their transaction (so no
+-- lease can be taken meanwhile: lease_acquire tries that lock), are refused while one is live.
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.run_leases
+    WHERE lock_key = %(lock_key)s AND expires_at > clock_timestamp()
+) AS live;
+
+-- name: lease_holder
+-- Who holds a key's lease, for the refusal message: the worker, since when, until when, and
+-- the attempt it runs (the newest running attempt of the key).
+SELECT l.token, l.holder, l.acquired_at, l.renewed_at, l.expires_at,
+       att.attempt_id AS attempt_attempt_id,
+       att.hostname AS attempt_hostname,
+       att.pid AS attempt_pid,
+       att.started_at AS attempt_started_at,
+       att.dag_id AS attempt_dag_id,
+       att.run_id AS attempt_run_id,
+       att.task_id AS attempt_task_id,
+       att.try_number AS attempt_try_number,
+       att.triggered_by AS attempt_triggered_by
+FROM {schema}.run_leases AS l
+LEFT JOIN LATERAL (
+    SELECT attempt_id, hostname, pid, started_at, dag_id, run_id, task_id, try_number,
+           triggered_by
+    FROM {schema}.job_run_attempts
+    WHERE lock_key = l.lock_key AND outcome = 'running'
+    ORDER BY attempt_id DESC
+    LIMIT 1
+) AS att ON true
+WHERE l.lock_key = %(lock_key)s AND l.expires_at > clock_timestamp();
+
 -- name: bound_lock_waits
 -- The first statement of a transaction of the provider's own (after fence_enter in a fenced one):
 -- every lock wait in it ends after lock_wait_ms with lock_not_available (55P03).
@@ -267,6 +353,29 @@ attempt AS (
 -- the commit-time checks of this attempt's fenced transactions are spent (migration 6)
 disarmed AS (
     DELETE FROM {schema}.fence_arms WHERE lock_key = %(lock_key)s AND EXISTS (SELECT 1 FROM run)
+)
+SELECT completed_at FROM run;
+
+-- name: complete_attempt_lease
+-- The completion of the lease mode, in a fenced transaction (fence_enter with its BEGIN, the
+-- check at its COMMIT: the lease must still be this attempt's): mark the run completed only for
+-- the attempt that owns it, and close the attempt. No row back means the attempt no longer owns
+-- the run, and nothing changed. The lease is released after it commits (lease_release).
+WITH run AS (
+    UPDATE {schema}.job_runs
+    SET status = 'completed', completed_at = statement_timestamp(), updated_at = statement_timestamp(),
+        details = details || %(details)s
+    WHERE job_name = %(job_name)s
+      AND run_key = %(run_key)s
+      AND current_attempt_id = %(attempt_id)s
+      AND status = 'started'
+    RETURNING completed_at
+),
+attempt AS (
+    UPDATE {schema}.job_run_attempts
+    SET outcome = 'completed', finished_at = statement_timestamp(), error = NULL,
+        details = details || jsonb_build_object('counts', %(details)s)
+    WHERE attempt_id = %(attempt_id)s AND EXISTS (SELECT 1 FROM run)
 )
 SELECT completed_at FROM run;
 

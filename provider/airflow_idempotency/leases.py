@@ -1,0 +1,271 @@
+"""The lease lock mode: a run holds its key as a lease renewed by a heartbeat (issue 32).
+
+In the default ``advisory`` mode a run holds its key with an advisory lock, in a transaction
+kept open on a connection of its own for the whole run (:func:`~airflow_idempotency.locks.
+hold_run_lock`): behind a pooler in transaction mode that pins one server connection per
+running task. In the ``lease`` mode (migration 14) the key is a row of ``run_leases`` with a
+fencing token, taken in one short transaction when free or expired (:func:`acquire_lease`),
+renewed by a heartbeat thread every ``ttl / 3`` on a connection borrowed for each renewal
+(:class:`LeaseHeartbeat`), and released when the run's outcome is recorded
+(:func:`release_lease`). Nothing is held between those statements.
+
+The fence is the same protocol in both modes (docs/fence.md): only the answer to "is the lock
+still held by this attempt" changes, to "the key's lease has this attempt's token and has not
+expired" (``run_lock_held_by`` with the holder ``'lease:<token>'``). The trade-off: a worker
+that dies frees its key when its lease expires (within ``ttl``), not at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from airflow_idempotency._sql import query
+from airflow_idempotency._transactions import in_one_transaction
+from airflow_idempotency.exceptions import (
+    ConfigurationError,
+    IdempotencyError,
+    SharedSessionError,
+)
+from airflow_idempotency.locks import RunLock, lock_wait_ms
+
+log = logging.getLogger(__name__)
+
+LOCK_MODES = ("advisory", "lease")
+"""The lock modes: ``advisory`` (the default) and ``lease``."""
+
+DEFAULT_LOCK_MODE = "advisory"
+
+LEASE_TTL_DEFAULT = 30.0
+"""Seconds a lease lasts without a renewal: a crashed worker's key is free again within it."""
+
+_LEASE_PREFIX = "lease:"
+
+
+def check_lock_mode(value: Any, where: str = "lock_mode") -> str:
+    """``value`` as a lock mode (``None``: the default), or a :class:`ConfigurationError`
+    naming the allowed ones."""
+    if value is None or value == "":
+        return DEFAULT_LOCK_MODE
+    mode = value.strip().lower() if isinstance(value, str) else value
+    if mode not in LOCK_MODES:
+        raise ConfigurationError(
+            f"{where}={value!r} is not a lock mode: give one of {', '.join(LOCK_MODES)} "
+            f"(default {DEFAULT_LOCK_MODE}; docs/locks.md says what each costs)"
+        )
+    return str(mode)
+
+
+def check_lease_ttl(value: Any, where: str = "lease_ttl") -> float:
+    """``value`` as a lease's time to live in seconds (``None``: :data:`LEASE_TTL_DEFAULT`),
+    or a :class:`ConfigurationError`: at least 1 and at most 3600."""
+    if value is None or value == "":
+        return LEASE_TTL_DEFAULT
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(value, bool) or not 1 <= seconds <= 3600:
+        raise ConfigurationError(
+            f"{where}={value!r}: give the lease's time to live in seconds, at least 1 and at "
+            f"most 3600 (default {LEASE_TTL_DEFAULT:g}); a dead worker's key is free again "
+            "within it"
+        )
+    return seconds
+
+
+@dataclass(frozen=True)
+class LockMode:
+    """How a run holds its key, for ``run_idempotently(lock_mode=...)``: ``mode``
+    (``"advisory"`` or ``"lease"``) and, for the lease mode, its time to live in seconds
+    (``None``: :data:`LEASE_TTL_DEFAULT`). A plain string means that mode with the default
+    time to live: ``lock_mode="lease"`` is ``lock_mode=LockMode("lease")``."""
+
+    mode: str = DEFAULT_LOCK_MODE
+    lease_ttl: float | None = None
+
+    @property
+    def ttl(self) -> float:
+        """The lease's time to live in seconds (:data:`LEASE_TTL_DEFAULT` when not given)."""
+        return LEASE_TTL_DEFAULT if self.lease_ttl is None else self.lease_ttl
+
+
+def resolve_lock_mode(value: str | LockMode | None, where: str = "lock_mode") -> LockMode:
+    """``value`` checked, as a :class:`LockMode` with its mode and time to live filled in
+    (``None``: the default mode), or a :class:`ConfigurationError`."""
+    if isinstance(value, LockMode):
+        mode = check_lock_mode(value.mode, f"{where}.mode")
+        return LockMode(mode, check_lease_ttl(value.lease_ttl, f"{where}.lease_ttl"))
+    return LockMode(check_lock_mode(value, where), LEASE_TTL_DEFAULT)
+
+
+def lease_token(lock: RunLock) -> int:
+    """The fencing token of the lease ``lock``."""
+    assert lock.holder is not None and lock.is_lease
+    return int(lock.holder.removeprefix(_LEASE_PREFIX))
+
+
+def _worker() -> str:
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
+def acquire_lease(
+    conn: psycopg.Connection, lock_key: int, *, schema: str, ttl: float
+) -> RunLock | None:
+    """Take the lease of ``lock_key`` for ``ttl`` seconds, in one short transaction on the
+    idle autocommit ``conn``: the lease (a :class:`RunLock` whose holder is ``'lease:<token>'``
+    and whose ``lost`` event the heartbeat sets), or ``None`` when another worker's lease is
+    live or an advisory-mode run holds the key. Raises :class:`SharedSessionError` when the
+    server session already held the key's advisory lock (as :func:`~airflow_idempotency.
+    locks.hold_run_lock` does)."""
+    params = {"lock_key": lock_key, "holder": _worker(), "ttl": ttl, "lock_wait_ms": lock_wait_ms()}
+    _, cursor = in_one_transaction(
+        conn,
+        [(query("bound_lock_waits", schema), params), (query("lease_acquire", schema), params)],
+    )
+    row = cursor.fetchone()
+    assert row is not None
+    already_held, _free, token, _expires = row
+    if already_held:
+        raise SharedSessionError(
+            f"the server session already held run lock {lock_key} before this run tried its "
+            "lease: the connection to the job database is shared with another client that took "
+            "the lock at session level (e.g. an older version of this provider behind a pooler "
+            "in transaction mode). Point that client at a direct connection or pool_mode = "
+            "session, or upgrade it."
+        )
+    if token is None:
+        return None
+    return RunLock(lock_key, 0, f"{_LEASE_PREFIX}{token}", lost=threading.Event())
+
+
+def renew_lease(conn: psycopg.Connection, lock: RunLock, *, schema: str, ttl: float) -> bool:
+    """Extend the lease ``lock`` by ``ttl`` seconds, in a short transaction; ``False`` when it
+    is lost (expired, or taken over): it is never extended again."""
+    params = {
+        "lock_key": lock.lock_key,
+        "token": lease_token(lock),
+        "ttl": ttl,
+        "lock_wait_ms": lock_wait_ms(),
+    }
+    _, cursor = in_one_transaction(
+        conn, [(query("bound_lock_waits", schema), params), (query("lease_renew", schema), params)]
+    )
+    return cursor.fetchone() is not None
+
+
+def release_lease(conn: psycopg.Connection, lock: RunLock, *, schema: str) -> bool:
+    """Release the lease ``lock`` (if it is still this acquisition's) and forget its fenced
+    transactions' commit-time checks; whether it was still held."""
+    params = {
+        "lock_key": lock.lock_key,
+        "token": lease_token(lock),
+        "lock_holder": lock.holder,
+        "lock_wait_ms": lock_wait_ms(),
+    }
+    _, cursor = in_one_transaction(
+        conn,
+        [(query("bound_lock_waits", schema), params), (query("lease_release", schema), params)],
+    )
+    return cursor.fetchone() is not None
+
+
+def lease_is_live(conn: psycopg.Connection, lock_key: int, *, schema: str) -> bool:
+    """Whether ``lock_key`` has a live lease. A caller holding the key's advisory run lock
+    (the CLI's reset, an effect's resolution) treats the key as locked then: no lease can be
+    taken while it holds that lock."""
+    row = conn.execute(query("lease_live", schema), {"lock_key": lock_key}).fetchone()
+    return bool(row and row[0])
+
+
+Borrow = Callable[[], AbstractContextManager[psycopg.Connection]]
+
+
+class LeaseHeartbeat:
+    """Renews a lease every ``ttl / 3`` seconds from a thread of the worker, each time on a
+    connection borrowed for that renewal only (``borrow``).
+
+    A renewal that finds the lease lost (no row updated: it expired or was taken over), or no
+    renewal succeeding for ``ttl`` seconds (the database unreachable), sets ``lock.lost``: the
+    run's next fenced step then raises :class:`~airflow_idempotency.exceptions.LockLostError`
+    before it begins (the database refuses it anyway once the lease expired).
+    """
+
+    def __init__(
+        self,
+        lock: RunLock,
+        borrow: Borrow,
+        *,
+        schema: str,
+        ttl: float,
+        logger: Any = None,
+    ) -> None:
+        assert lock.lost is not None
+        self.lock = lock
+        self.borrow = borrow
+        self.schema = schema
+        self.ttl = ttl
+        self.interval = ttl / 3
+        self.log = logger or log
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"lease-heartbeat-{lock.lock_key}", daemon=True
+        )
+        self._renewed = time.monotonic()
+
+    def start(self) -> None:
+        self._renewed = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.ttl)
+
+    def __enter__(self) -> LeaseHeartbeat:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _renew(self) -> bool:
+        with self.borrow() as conn:
+            return renew_lease(conn, self.lock, schema=self.schema, ttl=self.ttl)
+
+    def _lost(self, why: str) -> None:
+        assert self.lock.lost is not None
+        self.lock.lost.set()
+        self.log.warning(
+            "the lease of run lock %s (%s) is lost: %s; the run's next fenced step fails "
+            "(LockLostError)",
+            self.lock.lock_key,
+            self.lock.holder,
+            why,
+        )
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                renewed = self._renew()
+            except (psycopg.Error, IdempotencyError, OSError) as exc:
+                silent = time.monotonic() - self._renewed
+                if silent >= self.ttl:
+                    self._lost(f"no renewal succeeded for {silent:.0f} s (last error: {exc})")
+                    return
+                key = self.lock.lock_key
+                self.log.warning("could not renew the lease of run lock %s: %s", key, exc)
+                continue
+            if not renewed:
+                self._lost("it expired or another worker took the key over")
+                return
+            self._renewed = time.monotonic()
