@@ -11,7 +11,9 @@ the one the policy changed. For such a DAG:
   same module, so the UI shows it as before) whose ``execute`` runs the original one under
   the contract: run key from the run's schedule or partition (the operator's rules,
   :mod:`airflow_idempotency.airflow_task`), lock, job name ``<dag_id>.<task_id>``, a no-op
-  once completed, ``force`` / ``dry_run`` from the trigger's conf;
+  once completed, ``force`` / ``dry_run`` from the trigger's conf; while it executes, its run
+  key and job are in the environment (:data:`RUN_KEY_ENV`, :data:`JOB_ENV`) for what it
+  starts (dbt through cosmos: docs/dbt.md);
 - left alone: tasks with ``params={"idempotency_exempt": True}`` (or :func:`exempt`),
   tasks that are already idempotent (:class:`IdempotentRunOperator`,
   ``@task.idempotent_run``), sensors, and mapped tasks (their instances are made at run
