@@ -96,7 +96,7 @@ def test_the_dbt_page_shows_the_tested_project_as_it_is() -> None:
     page = (DOCS / "dbt.md").read_text(encoding="utf-8")
     project = DOCS.parent / "tests" / "dbt_project"
     sources = [p.read_text(encoding="utf-8") for p in sorted(project.rglob("*.sql"))]
-    blocks = re.findall(r"^```sql\n(.*?)^```$", page, re.M | re.S)
+    blocks = re.findall(r"^```sql\+jinja\n(.*?)^```$", page, re.M | re.S)
     assert len(blocks) >= 3, blocks
     stale = [b for b in blocks if not any(b in source for source in sources)]
     assert not stale, f"docs/dbt.md blocks not in tests/dbt_project: {stale}"
