@@ -23,6 +23,10 @@ right after the command uses another line, each with its own venv and lock file:
 requirements/lock-floors.txt), e.g. `python3 dev.py test --airflow 2` or
 `python3 dev.py setup --airflow 3.1`. docs/airflow-lines.md says what each line gets.
 
+dbt: the main line's set-up also makes .venv-dbt/ (requirements/lock-dbt.txt: dbt-core and
+dbt-postgres, whose pins conflict with Airflow's), the dbt that astronomer-cosmos runs as a
+subprocess in tests/stack/test_dbt_cosmos.py (docs/dbt.md); IDEMPOTENCY_DBT_EXECUTABLE names it.
+
 PostgreSQL: IDEMPOTENCY_PG_DSN if set, else a server on 127.0.0.1:5432, else an embedded
 server started from the `pgserver` wheel (data in .pgdata/). IDEMPOTENCY_PG=embedded
 forces the embedded one.
@@ -62,6 +66,8 @@ LINES = {
     "2": Line("Airflow 2.11", ".venv-airflow2", "lock-airflow2.txt"),
     "floors": Line("the declared floors", ".venv-floors", "lock-floors.txt"),
 }
+# dbt in an environment of its own (no Airflow, no checkout), set up with the main line.
+DBT = Line("dbt, run by astronomer-cosmos", ".venv-dbt", "lock-dbt.txt")
 # Other names of the same lines.
 ALIASES = {"3": "3.3", "2.11": "2"}
 
@@ -146,6 +152,34 @@ def setup(line: Line) -> None:
     say(f"environment ready ({line.name})")
 
 
+def setup_dbt(installer: Line) -> None:
+    """Create or refresh .venv-dbt/ with exactly requirements/lock-dbt.txt, with the uv of
+    ``installer`` (a line set up already): a venv without pip, a few seconds."""
+    digest = hashlib.sha256(SETUP_REVISION + DBT.lock.read_bytes()).hexdigest()
+    if DBT.python.exists() and DBT.stamp.exists() and DBT.stamp.read_text().strip() == digest:
+        return
+    if not DBT.python.exists():
+        say(f"creating the virtual environment {DBT.venv.relative_to(ROOT)}/ ({DBT.name}) ...")
+        try:
+            venv.EnvBuilder(with_pip=False, clear=DBT.venv.exists()).create(DBT.venv)
+        except Exception as exc:
+            fail(
+                f"could not create {DBT.venv}: {exc}",
+                "install your Python's venv module (Debian: apt-get install python3-venv)",
+            )
+    say(f"installing dbt from {DBT.lock.relative_to(ROOT)} ...")
+    run(
+        [
+            str(installer.bin / "uv"), "pip", "sync", "--python", str(DBT.python),
+            "--compile-bytecode", str(DBT.lock),
+        ],
+        "installing dbt's locked packages failed",
+        "check network access to PyPI; delete .venv-dbt/ and try again",
+    )  # fmt: skip
+    DBT.stamp.write_text(digest)
+    say(f"environment ready ({DBT.name})")
+
+
 def venv_env(line: Line) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{line.bin}{os.pathsep}{env.get('PATH', '')}"
@@ -166,6 +200,8 @@ def venv_env(line: Line) -> dict[str, str]:
     # here; it exists once `python3 dev.py setup --airflow 2` has run.
     env.setdefault("IDEMPOTENCY_AIRFLOW2_PYTHON", str(LINES["2"].python))
     env.setdefault("IDEMPOTENCY_AIRFLOW3_PYTHON", str(LINES["3.3"].python))
+    # The dbt that cosmos runs (tests/dags_dbt/dbt_shop.py), made with the main line.
+    env.setdefault("IDEMPOTENCY_DBT_EXECUTABLE", str(DBT.bin / "dbt"))
     return env
 
 
@@ -242,6 +278,8 @@ def main(argv: list[str]) -> None:
             raise SystemExit(2)
         line, rest = LINES[name], rest[2:]
     setup(line)
+    if line is LINES["3.3"]:
+        setup_dbt(line)
     if command == "test" and not rest and line is LINES["3.3"]:
         raise SystemExit(test_in_two_sessions(line))
     if command == "test":

@@ -11,7 +11,9 @@ the one the policy changed. For such a DAG:
   same module, so the UI shows it as before) whose ``execute`` runs the original one under
   the contract: run key from the run's schedule or partition (the operator's rules,
   :mod:`airflow_idempotency.airflow_task`), lock, job name ``<dag_id>.<task_id>``, a no-op
-  once completed, ``force`` / ``dry_run`` from the trigger's conf;
+  once completed, ``force`` / ``dry_run`` from the trigger's conf; while it executes, its run
+  key and job are in the environment (:data:`RUN_KEY_ENV`, :data:`JOB_ENV`) for what it
+  starts (dbt through cosmos: docs/dbt.md);
 - left alone: tasks with ``params={"idempotency_exempt": True}`` (or :func:`exempt`),
   tasks that are already idempotent (:class:`IdempotentRunOperator`,
   ``@task.idempotent_run``), sensors, branching and short-circuit operators, and mapped
@@ -27,9 +29,12 @@ while it sets itself up.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import json
+import os
+from collections.abc import Iterator
 from typing import Any
 
 from airflow.policies import hookimpl
@@ -37,6 +42,13 @@ from airflow.policies import hookimpl
 CONFIG_SECTION = "idempotency"
 EXEMPT_PARAM = "idempotency_exempt"
 """A task's param that leaves it out of the policy: ``params={"idempotency_exempt": True}``."""
+RUN_KEY_ENV = "AIRFLOW_IDEMPOTENCY_RUN_KEY"
+"""While a task under the policy executes, its run key is in this environment variable, so
+that what the task starts reads it: a dbt model run by astronomer-cosmos filters and replaces
+its day by it (``env_var('AIRFLOW_IDEMPOTENCY_RUN_KEY')``: docs/dbt.md), a BashOperator's
+script by ``$AIRFLOW_IDEMPOTENCY_RUN_KEY``."""
+JOB_ENV = "AIRFLOW_IDEMPOTENCY_JOB"
+"""The job name (``<dag_id>.<task_id>``) beside :data:`RUN_KEY_ENV`."""
 MAX_REPLAYED_BYTES = 65_536
 """A return value (XCom) up to this size in JSON is kept with the run and given again on a
 no-op, so that a downstream task reads what the first run returned."""
@@ -278,7 +290,8 @@ def _work(task: Any, original: Any, returned: list[Any], ctx: Any) -> dict[str, 
     if ctx.dry_run:
         task.log.info("dry run: %s is not executed (the policy cannot roll it back)", task)
         return {}
-    value = original()
+    with _run_environment({RUN_KEY_ENV: ctx.run_key, JOB_ENV: ctx.job_name}):
+        value = original()
     returned.append(value)
     return {"return_value": value} if _replayable(value) else {}
 
@@ -296,8 +309,27 @@ def _replayable(value: Any) -> bool:
     return len(text) <= MAX_REPLAYED_BYTES and "\\u0000" not in text
 
 
+@contextlib.contextmanager
+def _run_environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment (inherited by the subprocesses the task
+    starts, dbt's among them) for the duration; what was there before is put back (``dag.test``
+    runs every task in one process)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 __all__ = [
     "EXEMPT_PARAM",
+    "JOB_ENV",
+    "RUN_KEY_ENV",
     "covered",
     "dag_policy",
     "exempt",

@@ -87,3 +87,16 @@ def test_every_link_between_pages_lands_on_its_heading_on_github() -> None:
             ):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, broken
+
+
+def test_the_dbt_page_shows_the_tested_project_as_it_is() -> None:
+    """Each SQL block of docs/dbt.md is a part of tests/dbt_project's models or macros,
+    verbatim (the project tests/stack/test_dbt_cosmos.py runs), so the page never shows a
+    stale model."""
+    page = (DOCS / "dbt.md").read_text(encoding="utf-8")
+    project = DOCS.parent / "tests" / "dbt_project"
+    sources = [p.read_text(encoding="utf-8") for p in sorted(project.rglob("*.sql"))]
+    blocks = re.findall(r"^```sql\+jinja\n(.*?)^```$", page, re.M | re.S)
+    assert len(blocks) >= 3, blocks
+    stale = [b for b in blocks if not any(b in source for source in sources)]
+    assert not stale, f"docs/dbt.md blocks not in tests/dbt_project: {stale}"

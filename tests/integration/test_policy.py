@@ -3,6 +3,7 @@ both lines: a DAG written without the provider, put under the contract by its ta
 
 from __future__ import annotations
 
+import os
 import shutil
 import textwrap
 from pathlib import Path
@@ -244,3 +245,34 @@ def test_a_policy_task_in_a_mapped_task_group_is_refused_when_it_runs(
     assert _lines(work_log) == []
     # Refused before it connects: nothing recorded, not even the schema.
     assert rows(airflow_pg_conn, "SELECT to_regclass('idempotency.job_runs')") == [(None,)]
+
+
+@pytest.mark.usefixtures("tagged")
+def test_a_policy_task_and_what_it_starts_read_the_run_key_from_the_environment(
+    airflow_pg_conn: str, work_log: Path, tmp_path: Path
+) -> None:
+    """While a task under the policy executes, AIRFLOW_IDEMPOTENCY_RUN_KEY and
+    AIRFLOW_IDEMPOTENCY_JOB hold its day and job, for it and the processes it starts (dbt
+    through cosmos: docs/dbt.md); they are gone after it, and an exempt task has none."""
+    dag = _inline_dag(
+        tmp_path,
+        """
+        import subprocess, sys
+
+        with nightly:
+            @task
+            def load():
+                code = "import os; print(os.environ['AIRFLOW_IDEMPOTENCY_RUN_KEY'], os.environ['AIRFLOW_IDEMPOTENCY_JOB'])"
+                note(subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                    text=True, check=True).stdout.strip())
+
+            @task(params={"idempotency_exempt": True})
+            def notify():
+                note(f"notify {os.environ.get('AIRFLOW_IDEMPOTENCY_RUN_KEY')}")
+
+            load() >> notify()
+        """,
+    )
+    assert run_dag(dag, _fire("2026-10-06")).state == SUCCESS
+    assert _lines(work_log) == ["2026-10-06 nightly_sales.load", "notify None"]
+    assert "AIRFLOW_IDEMPOTENCY_RUN_KEY" not in os.environ
