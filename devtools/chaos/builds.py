@@ -87,7 +87,7 @@ COMPLETED_CHECK_OFF = Build(
     "a completed key is run again: the runner no longer no-ops on a completed key",
     patches=(
         Patch(
-            "runner.py",
+            "run_steps.py",
             'if existing and existing.status == "completed" and not self.options.force:',
             "if False:  # broken build: completed-check-off",
         ),

@@ -49,7 +49,9 @@ def test_bench_tiny_runs_and_prints_the_table(tmp_path: Path) -> None:
     for name in BENCHMARKS:
         assert any(line.startswith(name + " ") for line in lines), (name, proc.stdout)
     assert any("ratio" in line for line in lines)
-    assert lines[-1].startswith("targets: ")
+    # the table's verdict line, then the load average at the start and at the end
+    assert lines[-2].startswith("targets: "), lines[-3:]
+    assert lines[-1].startswith("load average: ") and "at the end" in lines[-1], lines[-1]
     for figure in ("3.3: round trips, new key", "round trips now - before, new key"):
         assert any(line.startswith("decision") and figure in line for line in lines), figure
     # "before" is this very code: the same round trips, so both comparisons are met.
