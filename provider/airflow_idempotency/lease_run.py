@@ -10,7 +10,6 @@ heartbeat and released at the end. The start and the work are the advisory mode'
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import psycopg
@@ -34,7 +33,6 @@ from airflow_idempotency.run_steps import (
     describe_holder,
     format_holder,
     log,
-    replayed,
 )
 from airflow_idempotency.schema import ensure_schema
 
@@ -109,46 +107,11 @@ class LeaseRun(Run):
         else:
             holder = describe_holder(conn, self.schema, self.spec.run.lock_key)
             described = format_holder(holder)
-        message = (
-            f"job {self.job_name!r} run_key {self.run_key!r} is locked by another execution: "
-            f"{described}"
-        )
-        self.log.attempt = self.records.insert_attempt(
-            conn,
-            "lock_held",
-            lock=None,
-            options=self.options,
-            error=message,
-            details={"holder": json.loads(json.dumps(holder, default=str))},
-        )
-        self.log.warning("%s", message)
-        self._decided()
-        self._count("lock_held")
-        return RunLockedError(message, holder=holder)
+        return self._refuse(conn, holder, described, and_commit=False)
 
     def _noop_lease(self, lease: RunLock, existing: RunRecord) -> RunResult:
         with autocommit_connection(self.spec.connect) as conn:
-            completed_at = existing.completed_at.isoformat() if existing.completed_at else None
-            self.attempt_id = self.records.insert_attempt(
-                conn,
-                "noop",
-                lock=lease,
-                options=self.options,
-                details={"completed_at": completed_at},
-            )
-        self.log.attempt = self.attempt_id
-        self._decided()
-        self._count("noop")
-        self.log.info(
-            "found existing completed run (completed %s by %s, %s attempt(s)): no-op. "
-            "Set force=true in the run's conf to recompute it.",
-            existing.completed_at,
-            existing.triggered_by,
-            existing.attempt_count,
-        )
-        return RunResult(
-            RunOutcome.NOOP, self.job_name, self.run_key, self.attempt_id, replayed(existing)
-        )
+            return self._noop(conn, lease, existing, False)
 
     def _fence(self, lease: RunLock) -> Fence:
         assert self.attempt_id is not None
@@ -173,11 +136,7 @@ class LeaseRun(Run):
                 self.records.finish_attempt(
                     conn, self.attempt_id, "dry_run", details={"counts": counts}
                 )
-            self.log.info("dry run finished, rolled back: %s", counts)
-            self._count("dry_run")
-            return RunResult(
-                RunOutcome.DRY_RUN, self.job_name, self.run_key, self.attempt_id, counts
-            )
+            return self._result(RunOutcome.DRY_RUN, counts)
         crash_point("runner.before_completion")
         return self._complete_lease(lease, counts)
 
@@ -215,9 +174,7 @@ class LeaseRun(Run):
             if failure is exc:
                 raise
             raise failure from exc
-        self.log.info("completed: %s", counts)
-        self._count("completed")
-        return RunResult(RunOutcome.COMPLETED, self.job_name, self.run_key, self.attempt_id, counts)
+        return self._result(RunOutcome.COMPLETED, counts)
 
     def _release(self, lease: RunLock) -> None:
         """Release the lease (the run's outcome is recorded, or nothing was); a release that

@@ -46,6 +46,7 @@ from airflow_idempotency.records import (
     RunRecords,
 )
 from airflow_idempotency.run_context import (
+    ConnectionFactory,
     RunContext,
     RunLogger,
     RunSpec,
@@ -152,6 +153,31 @@ def _jsonable_counts(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return counts
 
 
+def _privilege_refusal(
+    connect: ConnectionFactory, schema: str, exc: psycopg.Error
+) -> MissingPrivilegeError | None:
+    """What the role lacks on the bookkeeping tables, if that is why ``exc`` was raised
+    (asked on a new connection: the refused one may be in an aborted transaction)."""
+    try:
+        with autocommit_connection(connect) as conn:
+            missing = missing_privileges(conn, schema)
+            if not missing:
+                return None
+            return privilege_refusal(exc, conn, schema, migrating=False, missing=missing)
+    except psycopg.Error:
+        return None
+
+
+def _warn_start_waits(logger: RunLogger) -> None:
+    logger.warning(
+        "the start has waited %d s for the job database: either a transaction of an earlier "
+        "attempt of this key is still open (a worker cut off from the database: the server "
+        "ends it within the dead-peer bound, about a minute), or a connection pooler has no "
+        "server connection free (its pool is exhausted: see docs/deploying.md, pool sizing)",
+        START_WAIT_WARNING,
+    )
+
+
 class Run:
     """One call of :func:`~airflow_idempotency.runner.run_idempotently`; its methods are the
     steps of runner's module doc."""
@@ -192,7 +218,7 @@ class Run:
         try:
             return self._execute()
         except psycopg.errors.InsufficientPrivilege as exc:
-            missing = self._privilege_refusal(exc)
+            missing = _privilege_refusal(self.spec.connect, self.schema, exc)
             if missing is None:
                 raise  # the work's own statement: its tables, its grants
             raise missing from exc
@@ -201,18 +227,6 @@ class Run:
             if refusal is None:
                 raise
             raise refusal from exc
-
-    def _privilege_refusal(self, exc: psycopg.Error) -> MissingPrivilegeError | None:
-        """What the role lacks on the bookkeeping tables, if that is why ``exc`` was raised
-        (asked on a new connection: the refused one may be in an aborted transaction)."""
-        try:
-            with autocommit_connection(self.spec.connect) as conn:
-                missing = missing_privileges(conn, self.schema)
-                if not missing:
-                    return None
-                return privilege_refusal(exc, conn, self.schema, migrating=False, missing=missing)
-        except psycopg.Error:
-            return None
 
     def _execute(self) -> RunResult:
         with autocommit_connection(self.spec.connect) as lock_conn:
@@ -233,8 +247,9 @@ class Run:
                     crash_point("runner.after_lock")
                     existing = self._bounded("reading the run record of", self._read, lock_conn)
                     if existing and existing.status == "completed" and not self.options.force:
+                        noop, commit = self._noop, True
                         return self._bounded(
-                            "recording the no-op of", self._noop, lock_conn, lock, existing
+                            "recording the no-op of", noop, lock_conn, lock, existing, commit
                         )
                     return self._run(lock_conn, lock, existing)
             raise refusal  # after the lock transaction committed the lock_held attempt
@@ -243,9 +258,21 @@ class Run:
 
     def _record_lock_held(self, conn: psycopg.Connection) -> RunLockedError:
         holder = describe_holder(conn, self.schema, self.spec.run.lock_key)
+        return self._refuse(conn, holder, format_holder(holder), and_commit=True)
+
+    def _refuse(
+        self,
+        conn: psycopg.Connection,
+        holder: dict[str, Any],
+        described: str,
+        *,
+        and_commit: bool,
+    ) -> RunLockedError:
+        """Record the ``lock_held`` attempt (``described`` names the holder), log and count
+        it; the error to raise once the recording committed."""
         message = (
             f"job {self.job_name!r} run_key {self.run_key!r} is locked by another execution: "
-            f"{format_holder(holder)}"
+            f"{described}"
         )
         self.log.attempt = self.records.insert_attempt(
             conn,
@@ -254,7 +281,7 @@ class Run:
             options=self.options,
             error=message,
             details={"holder": json.loads(json.dumps(holder, default=str))},
-            and_commit=True,
+            and_commit=and_commit,
         )
         self.log.warning("%s", message)
         self._decided()
@@ -280,7 +307,10 @@ class Run:
             conn.execute("ROLLBACK TO SAVEPOINT read_run")
         return records.run_record(cursor.fetchone())
 
-    def _noop(self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord) -> RunResult:
+    def _noop(
+        self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord, and_commit: bool
+    ) -> RunResult:
+        """Record the ``noop`` attempt, log and count it; pass the completed run's counts on."""
         completed_at = existing.completed_at.isoformat() if existing.completed_at else None
         self.attempt_id = self.records.insert_attempt(
             conn,
@@ -288,7 +318,7 @@ class Run:
             lock=lock,
             options=self.options,
             details={"completed_at": completed_at},
-            and_commit=True,
+            and_commit=and_commit,
         )
         self.log.attempt = self.attempt_id
         self._decided()
@@ -303,6 +333,17 @@ class Run:
         return RunResult(
             RunOutcome.NOOP, self.job_name, self.run_key, self.attempt_id, replayed(existing)
         )
+
+    def _result(self, outcome: RunOutcome, counts: dict[str, Any]) -> RunResult:
+        """The attempt finished its work (completed, or a dry run rolled back): log and
+        count it."""
+        assert self.attempt_id is not None
+        if outcome is RunOutcome.DRY_RUN:
+            self.log.info("dry run finished, rolled back: %s", counts)
+        else:
+            self.log.info("completed: %s", counts)
+        self._count(outcome.value)
+        return RunResult(outcome, self.job_name, self.run_key, self.attempt_id, counts)
 
     def _run(
         self, lock_conn: psycopg.Connection, lock: RunLock, existing: RunRecord | None
@@ -320,11 +361,7 @@ class Run:
             self.records.finish_attempt(
                 lock_conn, self.attempt_id, "dry_run", details={"counts": counts}
             )
-            self.log.info("dry run finished, rolled back: %s", counts)
-            self._count("dry_run")
-            return RunResult(
-                RunOutcome.DRY_RUN, self.job_name, self.run_key, self.attempt_id, counts
-            )
+            return self._result(RunOutcome.DRY_RUN, counts)
         crash_point("runner.before_completion")
         return self._complete(lock_conn, lock, counts)
 
@@ -376,7 +413,7 @@ class Run:
         The start takes the key over from the fence first: it waits until no transaction of
         an earlier attempt is still open (records.start_attempt).
         """
-        waiting = threading.Timer(START_WAIT_WARNING, self._warn_start_waits)
+        waiting = threading.Timer(START_WAIT_WARNING, _warn_start_waits, (self.log,))
         waiting.daemon = True
         waiting.start()
         try:
@@ -427,15 +464,6 @@ class Run:
         what = f"{step} job {self.job_name!r} run_key {self.run_key!r}"
         return lock_wait_refusal(exc, what, holders)
 
-    def _warn_start_waits(self) -> None:
-        self.log.warning(
-            "the start has waited %d s for the job database: either a transaction of an earlier "
-            "attempt of this key is still open (a worker cut off from the database: the server "
-            "ends it within the dead-peer bound, about a minute), or a connection pooler has no "
-            "server connection free (its pool is exhausted: see docs/deploying.md, pool sizing)",
-            START_WAIT_WARNING,
-        )
-
     # -- 5. fenced completion ---------------------------------------------------------------
 
     def _complete(
@@ -475,6 +503,4 @@ class Run:
             )
             record_failure(lock_conn, lost, self.spec, self.records, self.log, self.attempt_id)
             raise lost from exc
-        self.log.info("completed: %s", counts)
-        self._count("completed")
-        return RunResult(RunOutcome.COMPLETED, self.job_name, self.run_key, self.attempt_id, counts)
+        return self._result(RunOutcome.COMPLETED, counts)

@@ -33,7 +33,7 @@ from airflow_idempotency.leases import (
     renew_lease,
 )
 from airflow_idempotency.locks import hold_run_lock, run_lock_key
-from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from devtools import pgbouncer
 from devtools.postgres import PostgresServer, temporary_database
@@ -67,6 +67,13 @@ def writer(name: str) -> Callable[[RunContext], dict[str, str]]:
         return {"writer": name}
 
     return work
+
+
+def run_in(dsn: str, work: Any, lock_mode: str | LockMode) -> RunResult:
+    """One run of the test's job and key on ``dsn`` in ``lock_mode``."""
+    return run_idempotently(
+        connect=connect_to(dsn), job_name=JOB, run_key=KEY, work=work, lock_mode=lock_mode
+    )
 
 
 def written(dsn: str) -> list[str]:
@@ -112,13 +119,7 @@ def test_the_two_modes_exclude_each_other(lease_db: str) -> None:
     ):
         assert lock is not None
         with pytest.raises(RunLockedError, match="backend pid"):
-            run_idempotently(
-                connect=connect_to(lease_db),
-                job_name=JOB,
-                run_key=KEY,
-                work=writer("x"),
-                lock_mode="lease",
-            )
+            run_in(lease_db, writer("x"), "lease")
     with psycopg.connect(lease_db, autocommit=True) as conn:
         lease = acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30)
     assert lease is not None
@@ -127,13 +128,7 @@ def test_the_two_modes_exclude_each_other(lease_db: str) -> None:
             connect=connect_to(lease_db), job_name=JOB, run_key=KEY, work=writer("advisory")
         )
     with pytest.raises(RunLockedError, match=r"lease token \d+ of worker"):
-        run_idempotently(
-            connect=connect_to(lease_db),
-            job_name=JOB,
-            run_key=KEY,
-            work=writer("lease"),
-            lock_mode="lease",
-        )
+        run_in(lease_db, writer("lease"), "lease")
     assert written(lease_db) == []
 
 
@@ -148,9 +143,7 @@ def test_the_clis_reset_is_refused_while_a_lease_is_live(
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError):
-        run_idempotently(
-            connect=connect_to(lease_db), job_name=JOB, run_key=KEY, work=fail, lock_mode="lease"
-        )
+        run_in(lease_db, fail, "lease")
     with psycopg.connect(lease_db, autocommit=True) as conn:
         lease = acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30)
         assert lease is not None
@@ -218,13 +211,7 @@ def test_a_run_holds_no_connection_between_its_statements(lease_db: str) -> None
         with ctx.transaction() as cur:
             cur.execute("INSERT INTO public.facts VALUES ('w', %s)", (ctx.run_key,))
 
-    result = run_idempotently(
-        connect=connect_to(lease_db),
-        job_name=JOB,
-        run_key=KEY,
-        work=work,
-        lock_mode=LockMode("lease", lease_ttl=3),
-    )
+    result = run_in(lease_db, work, LockMode("lease", lease_ttl=3))
     assert result.outcome is RunOutcome.COMPLETED
     assert seen["open"] == 0
     assert seen["renewed"] > seen["before"]
@@ -234,9 +221,7 @@ def test_a_run_holds_no_connection_between_its_statements(lease_db: str) -> None
         lease_db, "SELECT lock_backend_pid, details->>'lease' FROM idempotency.job_run_attempts"
     )
     assert pid is None and lease.startswith("lease:")
-    again = run_idempotently(
-        connect=connect_to(lease_db), job_name=JOB, run_key=KEY, work=work, lock_mode="lease"
-    )
+    again = run_in(lease_db, work, "lease")
     assert again.outcome is RunOutcome.NOOP
     assert written(lease_db) == ["w"]
 
@@ -279,24 +264,12 @@ def test_a_killed_workers_key_is_free_again_within_the_ttl(lease_db: str) -> Non
             worker.kill()
             worker.wait(10)
     with pytest.raises(RunLockedError, match="lease token"):
-        run_idempotently(
-            connect=connect_to(lease_db),
-            job_name=JOB,
-            run_key=KEY,
-            work=writer("x"),
-            lock_mode="lease",
-        )
+        run_in(lease_db, writer("x"), "lease")
     taken_over: RunOutcome | None = None
     while taken_over is None:
         assert time.monotonic() - killed < 3 + 1.5, "the key was not free within the ttl"
         try:
-            taken_over = run_idempotently(
-                connect=connect_to(lease_db),
-                job_name=JOB,
-                run_key=KEY,
-                work=writer("next"),
-                lock_mode="lease",
-            ).outcome
+            taken_over = run_in(lease_db, writer("next"), "lease").outcome
         except RunLockedError:
             time.sleep(0.1)
     assert taken_over is RunOutcome.COMPLETED
@@ -334,27 +307,11 @@ def test_an_attempt_whose_lease_expired_cannot_commit_and_is_ordered_before_its_
             opened.set()
             assert go.wait(30)
 
-    old = Background(
-        lambda: run_idempotently(
-            connect=connect_to(lease_db),
-            job_name=JOB,
-            run_key=KEY,
-            work=old_work,
-            lock_mode=LockMode("lease", lease_ttl=1),
-        )
-    )
+    old = Background(lambda: run_in(lease_db, old_work, LockMode("lease", lease_ttl=1)))
     assert opened.wait(15)
     time.sleep(1.2)  # the lease expired: nobody renewed it
     frozen_heartbeats.clear()  # the successor's heartbeat renews
-    new = Background(
-        lambda: run_idempotently(
-            connect=connect_to(lease_db),
-            job_name=JOB,
-            run_key=KEY,
-            work=writer("new"),
-            lock_mode="lease",
-        )
-    )
+    new = Background(lambda: run_in(lease_db, writer("new"), "lease"))
     wait_for("the successor's start to wait", lambda: bool(waiting_backends(lease_db, 2)))
     time.sleep(0.3)
     assert outcomes(lease_db) == ["running"]
@@ -385,13 +342,7 @@ def test_a_lost_lease_found_by_the_heartbeat_fails_the_next_fenced_step(lease_db
             cur.execute("INSERT INTO public.facts VALUES ('late', %s)", (ctx.run_key,))
 
     with pytest.raises(LockLostError, match="expired or was taken over"):
-        run_idempotently(
-            connect=connect_to(lease_db),
-            job_name=JOB,
-            run_key=KEY,
-            work=work,
-            lock_mode=LockMode("lease", lease_ttl=3),
-        )
+        run_in(lease_db, work, LockMode("lease", lease_ttl=3))
     assert seen == [False]
     assert written(lease_db) == []
     assert outcomes(lease_db) == ["lock_lost"]
