@@ -67,7 +67,7 @@ Work = Callable[[RunContext], Mapping[str, Any] | None]
 _T = TypeVar("_T")
 
 
-class WorkDeferred(Exception):  # noqa: N818 - not an error: how a work ends its attempt
+class WorkDeferred(Exception):
     """Raised by a work to end its attempt as ``deferred`` instead of failed: the attempt is
     recorded ``deferred``, the run stays ``started``, the lock is released, and this
     exception propagates out of :func:`~airflow_idempotency.runner.run_idempotently` with
