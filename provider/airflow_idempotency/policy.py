@@ -14,6 +14,10 @@ the one the policy changed. For such a DAG:
   once completed, ``force`` / ``dry_run`` from the trigger's conf; while it executes, its run
   key and job are in the environment (:data:`RUN_KEY_ENV`, :data:`JOB_ENV`) for what it
   starts (dbt through cosmos: docs/dbt.md);
+- a deferral (``TaskDeferred``) ends the attempt ``deferred`` (the run stays started, the
+  lock is released, Airflow gets the exception unchanged), and ``resume_execution`` runs
+  under the contract too, as a new attempt of the key: a no-op once it is completed, else
+  the resumed method completes it (docs/policy.md, deferrable operators);
 - left alone: tasks with ``params={"idempotency_exempt": True}`` (or :func:`exempt`),
   tasks that are already idempotent (:class:`IdempotentRunOperator`,
   ``@task.idempotent_run``), sensors, branching and short-circuit operators, and mapped
