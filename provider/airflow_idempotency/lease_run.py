@@ -160,8 +160,8 @@ class LeaseRun(Run):
             counts = self._start_and_work(None, lease, existing)
         except WorkDeferred:
             assert self.attempt_id is not None  # the work ran: its attempt was started
-            fence = self._fence(lease)
-            record_deferral(None, self.spec, self.records, self.log, self.attempt_id, fence)
+            deferred = self._fence(lease)
+            record_deferral(None, self.spec, self.records, self.log, self.attempt_id, deferred)
             raise
         except BaseException as exc:
             named = named_failure(None, exc, self.spec, lease)
