@@ -265,13 +265,7 @@ def run_under_policy(task: Any, context: Any, original: Any, resumed: str | None
     except RunLockedError as exc:
         if resumed is None:
             raise airflow_task.airflow_failure(context, exc, wait, task.log) from exc
-        from airflow_idempotency.compat import AirflowException
-
-        raise AirflowException(
-            f"{exc}; the resumed task ({resumed}) does not wait for it: this try fails, and a "
-            "retry (or a rerun) starts the task again from execute under the contract (a "
-            "no-op once the key is completed)"
-        ) from exc
+        raise airflow_task.resumed_lock_failure(exc, resumed) from exc
     except IdempotencyError as exc:
         raise airflow_task.airflow_failure(context, exc, wait, task.log) from exc
     if result.outcome is RunOutcome.COMPLETED:

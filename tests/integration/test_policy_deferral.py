@@ -285,3 +285,33 @@ def test_a_key_held_elsewhere_when_the_task_resumes_fails_the_try_as_lock_held(
     assert run.state == SUCCESS, task_states(run)
     assert _lines(work_log) == ["submit", "other"]
     assert _status(airflow_pg_conn) == [("completed",)]
+
+
+def test_an_idempotent_run_operator_whose_run_defers_completes_its_key_once(
+    airflow_pg_conn: str, work_log: Path, tmp_path: Path
+) -> None:
+    """IdempotentRunOperator had the same defect (the policy leaves it alone): a subclass
+    whose ``run`` defers was recorded failed and resumed outside the contract. Its deferral
+    ends the attempt ``deferred``, the resumed method is the next attempt's work (it returns
+    the counts, as ``run`` does), and the rerun of the date is a no-op."""
+    dag = _dag(
+        tmp_path,
+        """
+        from airflow_idempotency import IdempotentRunOperator
+
+        class Submit(IdempotentRunOperator):
+            def run(self, ctx):
+                note("submit")
+                self.defer(trigger=wait(), method_name="done")
+
+            def done(self, context, event=None):
+                note("done")
+                return {"rows": 2}
+        """,
+    )
+    for _ in range(2):
+        run = run_dag(dag, _fire("2026-10-09"))
+        assert run.state == SUCCESS, task_states(run)
+    assert _lines(work_log) == ["submit", "done"]
+    assert _status(airflow_pg_conn) == [("completed",)]
+    assert rows(airflow_pg_conn, ATTEMPTS) == [("deferred",), ("completed",), ("noop",)]
