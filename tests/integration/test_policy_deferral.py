@@ -315,3 +315,27 @@ def test_an_idempotent_run_operator_whose_run_defers_completes_its_key_once(
     assert _lines(work_log) == ["submit", "done"]
     assert _status(airflow_pg_conn) == [("completed",)]
     assert rows(airflow_pg_conn, ATTEMPTS) == [("deferred",), ("completed",), ("noop",)]
+
+
+def test_a_task_resumed_into_execute_itself_runs_it_once_under_its_attempt(
+    airflow_pg_conn: str, work_log: Path, tmp_path: Path
+) -> None:
+    """A deferral may name ``execute`` itself (``method_name="execute"``): the resumption
+    calls the original execute as the new attempt's work, not a second contract inside it
+    (which would find its own key locked)."""
+    dag = _dag(
+        tmp_path,
+        """
+        class Submit(BaseOperator):
+            def execute(self, context, event=None):
+                if event is None:
+                    note("submit")
+                    self.defer(trigger=wait(), method_name="execute")
+                note("done")
+        """,
+    )
+    for _ in range(2):
+        run = run_dag(dag, _fire("2026-10-10"))
+        assert run.state == SUCCESS, task_states(run)
+    assert _lines(work_log) == ["submit", "done"]
+    assert rows(airflow_pg_conn, ATTEMPTS) == [("deferred",), ("completed",), ("noop",)]
