@@ -33,7 +33,15 @@ _HOSTNAME = socket.gethostname()
 
 RunStatus = Literal["started", "completed", "failed"]
 AttemptOutcome = Literal[
-    "running", "completed", "failed", "noop", "lock_held", "dry_run", "lock_lost", "reset"
+    "running",
+    "completed",
+    "failed",
+    "noop",
+    "lock_held",
+    "dry_run",
+    "lock_lost",
+    "reset",
+    "deferred",
 ]
 
 

@@ -1015,7 +1015,7 @@ SELECT EXISTS (
 -- name: stale_runs
 -- Work that nobody is doing: attempts still 'running' whose lock their session no longer
 -- holds, and keys still 'started' with no live attempt (a worker died and nothing took the
--- key over yet). Running attempts come from the partial index of migration 3.
+-- key over yet); a key whose attempt deferred waits for Airflow to resume it (migration 15). Running attempts come from the partial index of migration 3.
 WITH held AS MATERIALIZED (SELECT lock_key, pid FROM {schema}.held_run_locks())
 SELECT a.job_name, a.run_key, r.status, a.attempt_id, a.hostname, a.pid, a.dag_id, a.run_id,
        a.started_at, statement_timestamp() - a.started_at AS age
@@ -1035,7 +1035,7 @@ WHERE r.status = 'started'
   AND NOT EXISTS (SELECT 1 FROM held AS h WHERE h.lock_key = r.lock_key)
   AND NOT EXISTS (
       SELECT 1 FROM {schema}.job_run_attempts AS a
-      WHERE a.attempt_id = r.current_attempt_id AND a.outcome = 'running'
+      WHERE a.attempt_id = r.current_attempt_id AND a.outcome IN ('running', 'deferred')
   )
 ORDER BY started_at;
 
