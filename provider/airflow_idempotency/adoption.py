@@ -32,6 +32,7 @@ from airflow_idempotency._sql import query, query_rows
 from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.exceptions import ConfigurationError, InvalidInputError
 from airflow_idempotency.key_zone import check_key_zone
+from airflow_idempotency.leases import lease_is_live
 from airflow_idempotency.locks import run_lock_key
 
 API_URL_ENV = "AIRFLOW_IDEMPOTENCY_API_URL"
@@ -355,16 +356,18 @@ def _states(
 
 def apply(conn: psycopg.Connection, schema: str, dag_id: str, rows: list[Adoption]) -> None:
     """Record every ``adopt`` row as completed, one transaction per key, with the zone its
-    key was made in; a key recorded or locked meanwhile is left alone (its row then says
+    key was made in, under the key's run lock; a key recorded or locked meanwhile (by a
+    run's lock session, or its live lease in the lease mode) is left alone (its row then says
     ``recorded`` or ``locked``), and so is one made in another zone than the job's recorded
     keys (``refused``: the zone rule, as a run would be refused)."""
     for row in rows:
         if row.would != "adopt" or row.run_key is None:
             continue
+        lock_key = run_lock_key(row.job_name, row.run_key)
         params = {
             "job_name": row.job_name,
             "run_key": row.run_key,
-            "lock_key": run_lock_key(row.job_name, row.run_key),
+            "lock_key": lock_key,
             "dag_id": dag_id,
             "run_id": row.run.run_id,
             "task_id": row.task_id,
@@ -375,7 +378,9 @@ def apply(conn: psycopg.Connection, schema: str, dag_id: str, rows: list[Adoptio
         }
         with bounded_transaction(conn, schema):
             (acquired,) = conn.execute(query("adopt_lock", schema), params).fetchone() or (False,)
-            if not acquired:
+            # Held, no lease can be taken (lease_acquire tries this lock): a lease live now,
+            # read by a statement after the lock, is a run of the lease mode working on the key.
+            if not acquired or lease_is_live(conn, lock_key, schema=schema):
                 row.would, row.reason = "locked", "another execution holds the key now"
                 continue
             try:
