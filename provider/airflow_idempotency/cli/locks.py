@@ -1,5 +1,7 @@
-"""``locks``: the run keys locked right now, and by whom: a session's advisory lock, or a
-worker's lease (the lease mode), live or expired (free to take over)."""
+"""``locks``: the run keys locked right now, and by whom.
+
+By a session's advisory lock, or by a worker's lease (the lease mode), live or expired (free
+to take over)."""
 
 from __future__ import annotations
 
