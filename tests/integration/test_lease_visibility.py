@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from airflow_idempotency import adoption, planning
+from airflow_idempotency.leases import acquire_lease
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.schema import ensure_schema
 from airflow_idempotency.ui.reads import RecordsReader, RunFilters, Visibility
@@ -111,8 +114,6 @@ def test_adopt_apply_leaves_a_key_with_a_live_lease_alone(pg_dsn: str) -> None:
     record the key the leased run is about to work on; once the lease expired it may."""
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         ensure_schema(conn, "idempotency")
-        from airflow_idempotency.leases import acquire_lease
-
         assert acquire_lease(conn, run_lock_key(JOB, KEY), schema="idempotency", ttl=30)
         planned = [_adoption(KEY)]
         adoption.apply(conn, "idempotency", "dag", planned)
@@ -153,3 +154,34 @@ def test_the_view_shows_a_leased_run_as_running_with_its_lease(leased: str) -> N
         key = reader.key(JOB, KEY)
         assert key is not None and key.run is not None and key.run["state"] == "interrupted"
         assert key.lease is not None and not key.lease["live"]
+
+
+def test_adopt_apply_sees_a_lease_taken_just_before_its_lock_whatever_the_isolation(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the database's default isolation REPEATABLE READ, a lease committed after the
+    key's transaction began but before it took the lock is still seen (the transaction runs
+    READ COMMITTED: the check after the lock reads a snapshot taken after it)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        ensure_schema(conn, "idempotency")
+        conn.execute(
+            sql.SQL(
+                "ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'"
+            ).format(sql.Identifier(conn.info.dbname))
+        )
+    real_query = adoption.query
+
+    def lease_taken_first(name: str, schema: str) -> Any:
+        if name == "adopt_lock":  # the key's transaction began: a worker takes the lease now
+            with psycopg.connect(pg_dsn, autocommit=True) as worker:
+                lease = acquire_lease(worker, run_lock_key(JOB, KEY), schema=schema, ttl=30)
+                assert lease is not None
+        return real_query(name, schema)
+
+    monkeypatch.setattr(adoption, "query", lease_taken_first)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert conn.execute("SHOW default_transaction_isolation").fetchone() == ("repeatable read",)
+        planned = [_adoption(KEY)]
+        adoption.apply(conn, "idempotency", "dag", planned)
+    assert planned[0].would == "locked"
+    assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_runs") == [(0,)]
