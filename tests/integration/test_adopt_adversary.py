@@ -122,3 +122,23 @@ def test_a_task_that_did_not_succeed_in_a_succeeded_run_is_not_adopted(
     assert rows(airflow_pg_conn, "SELECT job_name FROM idempotency.job_runs") == [
         (f"{DAG_ID}.report",)
     ]
+
+
+def test_a_dry_run_is_not_adopted(
+    airflow_pg_conn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DAG run with ``{"dry_run": true}`` succeeds without doing the work of a protected
+    task (the policy does not execute it; the operator rolls it back) and leaves job_runs
+    unchanged: adopting it would record the key completed, and the date's real run would
+    then be a no-op, its work never done."""
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__POLICY_DAG_TAGS", "nightly")
+    dag = _dag(tmp_path / "dags", DAG_FILE)
+    made = run_dag(dag, _fire("2026-10-05"), conf={"dry_run": True})
+    assert made.state == SUCCESS, task_states(made)
+    assert rows(airflow_pg_conn, "SELECT count(*) FROM idempotency.job_runs") == [(0,)]
+    with psycopg.connect(airflow_pg_conn, autocommit=True) as conn:
+        planned = adoption.plan(dag, _read([made]), conn, "idempotency")
+        adoption.apply(conn, "idempotency", DAG_ID, planned)
+    assert {a.would for a in planned} == {"refused"}, planned
+    assert all("dry run" in a.reason for a in planned), planned
+    assert rows(airflow_pg_conn, "SELECT count(*) FROM idempotency.job_runs") == [(0,)]
