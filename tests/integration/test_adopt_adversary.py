@@ -6,6 +6,9 @@ Found:
   downstream ``all_done`` leaf succeeded, or the task was added to the DAG after the run):
   adopt recorded that task's key completed, so the work it never did became a no-op for
   good (``test_a_task_that_did_not_succeed_in_a_succeeded_run_is_not_adopted``).
+- a dry run (conf ``dry_run``) succeeds without doing the protected tasks' work and leaves
+  job_runs unchanged: adopt recorded its keys completed, so the date's real run was a no-op
+  and its work never done (``test_a_dry_run_is_not_adopted``; fixed: refused, naming it).
 
 Held (read in the code; tests/integration/test_adopt.py drives them): each key is written in
 its own transaction under its run lock (``pg_try_advisory_xact_lock``), only where no record
