@@ -29,6 +29,7 @@ import pytest
 from airflow_idempotency import adoption
 from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
 from airflow_idempotency.schema import ensure_schema
+from support.cli import cli
 from support.dag_runs import SUCCESS, load_dag_bag, run_dag, scheduled_logical_date, task_states
 from support.db import rows
 
@@ -145,3 +146,27 @@ def test_a_dry_run_is_not_adopted(
     assert {a.would for a in planned} == {"refused"}, planned
     assert all("dry run" in a.reason for a in planned), planned
     assert rows(airflow_pg_conn, "SELECT count(*) FROM idempotency.job_runs") == [(0,)]
+
+
+@pytest.mark.parametrize("days", [("2026-10-01", "9999-12-31"), ("9999-12-31", "9999-12-31")])
+def test_the_last_representable_day_is_refused_clearly(
+    days: tuple[str, str],
+    airflow_pg_conn: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--to 9999-12-31`` (an operator's "everything"): the end of its day is past Python's
+    last date; the command crashed with an OverflowError traceback (exit 1, as a failure of
+    the database would) instead of naming the option (exit 2, nothing written)."""
+    monkeypatch.setenv("AIRFLOW__IDEMPOTENCY__POLICY_DAG_TAGS", "nightly")
+    folder = tmp_path / "dags"
+    _dag(folder, DAG_FILE)
+    first, last = days
+    code, _, err = cli(
+        capsys,
+        *("adopt", DAG_ID, "--dsn", airflow_pg_conn, "--dags-folder", str(folder)),
+        *("--from", first, "--to", last, "--api-url", "http://127.0.0.1:9", "--apply"),
+    )
+    assert code == 2 and "--to 9999-12-31" in err and "Traceback" not in err, err
+    assert rows(airflow_pg_conn, "SELECT to_regclass('idempotency.job_runs')") == [(None,)]
