@@ -9,6 +9,8 @@ Found:
 - a dry run (conf ``dry_run``) succeeds without doing the protected tasks' work and leaves
   job_runs unchanged: adopt recorded its keys completed, so the date's real run was a no-op
   and its work never done (``test_a_dry_run_is_not_adopted``; fixed: refused, naming it).
+- ``--to 9999-12-31`` crashed with an OverflowError traceback (exit 1) where a usage error
+  was due (``test_the_last_representable_day_is_refused_clearly``; fixed: exit 2).
 
 Held (read in the code; tests/integration/test_adopt.py drives them): each key is written in
 its own transaction under its run lock (``pg_try_advisory_xact_lock``), only where no record
