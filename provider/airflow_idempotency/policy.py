@@ -156,7 +156,7 @@ def key_refusal(dag: Any) -> str | None:
     zone = getattr(parts[0], "_timezone", None) or dag.timezone
     for expression in expressions:
         days = _fire_days(expression, zone)
-        if len(set(days)) < len(days):
+        if _times_a_day(expression) > 1 or len(set(days)) < len(days):
             return (
                 f"its schedule {expression!r} fires more than once a day, and the policy keys "
                 "runs by day (the day's later runs would be no-ops)"
@@ -179,6 +179,20 @@ def key_refusal(dag: Any) -> str | None:
     if isinstance(delta, dt.timedelta) and delta < dt.timedelta(days=1):
         return f"its schedule fires every {delta}, more than once a day"
     return None
+
+
+def _times_a_day(expression: str) -> int:
+    """How many times the cron ``expression`` fires on a day it fires at all: its minute
+    field's values times its hour field's (``*``: 60, 24), read from the expression itself,
+    so that a cron firing twice a day only in some months (``0 8,20 * 3-5 *``) is seen
+    whatever days :func:`_fire_days` samples; 1 when croniter cannot read it."""
+    try:
+        from croniter import croniter
+
+        minutes, hours = croniter(expression).expanded[:2]
+    except Exception:  # Airflow's timetable parsed it; the sampled days decide then
+        return 1
+    return (60 if "*" in minutes else len(minutes)) * (24 if "*" in hours else len(hours))
 
 
 def _fire_days(
