@@ -321,6 +321,8 @@ def plan(
 
 
 def _adoption(run: SucceededRun, job_name: str, keys: Any) -> Adoption:
+    from airflow_idempotency import airflow_task
+
     if run.task_states is not None and run.task_states.get(keys.task_id) != "success":
         state = run.task_states.get(keys.task_id)
         why = f"its state is {state}" if state else "it has no task instance in the run"
@@ -333,6 +335,16 @@ def _adoption(run: SucceededRun, job_name: str, keys: Any) -> Adoption:
             reason=f"task {keys.task_id!r} did not succeed in run {run.run_id!r} ({why})",
         )
     try:
+        if airflow_task.flag(run.conf, {}, "dry_run"):
+            return Adoption(
+                run,
+                keys.task_id,
+                job_name,
+                None,
+                "refused",
+                reason=f"run {run.run_id!r} is a dry run (conf dry_run): under the contract "
+                "it did not do the work; the date runs under the contract next time",
+            )
         resolved = keys.explain_run_key(
             kind=run.run_type,
             logical_date=run.logical_date,

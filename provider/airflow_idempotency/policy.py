@@ -160,7 +160,7 @@ def key_refusal(dag: Any) -> str | None:
     zone = getattr(parts[0], "_timezone", None) or dag.timezone
     for expression in expressions:
         days = _fire_days(expression, zone)
-        if len(set(days)) < len(days):
+        if len(set(days)) < len(days) or _twice_on_its_first_day(expression, zone):
             return (
                 f"its schedule {expression!r} fires more than once a day, and the policy keys "
                 "runs by day (the day's later runs would be no-ops)"
@@ -186,22 +186,49 @@ def key_refusal(dag: Any) -> str | None:
 
 
 def _fire_days(
-    expression: str, timezone: Any, runs: int | None = 8, span: int = 40
+    expression: str, timezone: Any, runs: int | None = 8, span: int = 40, start: Any = None
 ) -> list[dt.date]:
     """The local days of the cron ``expression``'s first ``runs`` fire times (all, for
-    ``None``) in the ``span`` days from 2026-01-05 (Airflow's own cron timetable, the same
-    on both lines)."""
+    ``None``) in the ``span`` days from ``start`` (2026-01-05) (Airflow's own cron timetable,
+    the same on both lines)."""
     import pendulum
     from airflow.timetables.trigger import CronTriggerTimetable
 
     from airflow_idempotency.planning import timetable_runs
 
-    tz = pendulum.timezone(str(getattr(timezone, "name", None) or timezone or "UTC"))
-    start = pendulum.datetime(2026, 1, 5, tz=tz)
+    tz = _zone(timezone)
+    start = start or pendulum.datetime(2026, 1, 5, tz=tz)
     fired = timetable_runs(
         CronTriggerTimetable(expression, timezone=tz), start, start.add(days=span)
     )
     return [r.logical_date.in_timezone(tz).date() for r in fired[:runs]]
+
+
+def _twice_on_its_first_day(expression: str, timezone: Any) -> bool:
+    """Whether the cron ``expression`` fires twice on the first day it fires within four
+    years of 2026-01-05: a cron firing twice a day only in some months (``0 8,20 * 3-5 *``,
+    ``0 6,18 29 2 *``) has no fire in the days :func:`_fire_days` samples."""
+    import pendulum
+    from airflow.timetables.base import TimeRestriction
+    from airflow.timetables.trigger import CronTriggerTimetable
+
+    tz = _zone(timezone)
+    start = pendulum.datetime(2026, 1, 5, tz=tz)
+    restriction = TimeRestriction(earliest=start, latest=start.add(days=1500), catchup=True)
+    first = CronTriggerTimetable(expression, timezone=tz).next_dagrun_info(
+        last_automated_data_interval=None, restriction=restriction
+    )
+    if first is None or first.logical_date is None:
+        return False
+    day = first.logical_date.in_timezone(tz).start_of("day")
+    days = _fire_days(expression, tz, runs=2, span=1, start=day)
+    return len(set(days)) < len(days)
+
+
+def _zone(timezone: Any) -> Any:
+    import pendulum
+
+    return pendulum.timezone(str(getattr(timezone, "name", None) or timezone or "UTC"))
 
 
 @functools.cache

@@ -8,6 +8,10 @@ Found:
   (``test_a_return_value_jsonb_refuses_does_not_undo_the_completion``);
 - schedules that fire more than once a day were taken: a MultipleCronTriggerTimetable of two
   daily crons and a ``relativedelta(hours=6)`` (``test_more_schedules_firing_twice_a_day_are_refused``);
+- a cron string firing twice a day only outside the 40 days the check sampled from January 5
+  (``'0 8,20 * 3-5 *'``, ``'0 6,18 31 12 *'``) was taken: those days' second runs no-ops
+  (``test_more_schedules_firing_twice_a_day_are_refused``; fixed: the cron's own minute and
+  hour fields are read);
 - a branching operator was put under the contract: on 2.11 its no-op skipped nothing and the
   branch not taken ran on a rerun of the date; on 3.x its skip (DownstreamTasksSkipped)
   recorded its key failed on every run
@@ -125,6 +129,10 @@ REFUSED = {
         "relativedelta(hours=6)",
         "from dateutil.relativedelta import relativedelta",
     ),
+    # Twice a day only in months the parse-time check did not sample (its 40 days from
+    # January 5): the spring quarter, the year's last day.
+    "twice a day in spring": ("'0 8,20 * 3-5 *'", ""),
+    "twice on new year's eve": ("'0 6,18 31 12 *'", ""),
 }
 
 
