@@ -166,3 +166,61 @@ def test_a_deferral_in_the_lease_mode_completes_the_key_once(
         "SELECT details ? 'lease' FROM idempotency.job_run_attempts ORDER BY attempt_id",
     )
     assert details[:2] == [(True,), (True,)], details  # both attempts held the key by lease
+
+
+def test_a_mapped_operator_over_segments_defers_and_completes_each_segment_once(
+    airflow_pg_conn: str, work_log: Path, tmp_path: Path
+) -> None:
+    """IdempotentRunOperator mapped over segments, each instance's ``run`` defers: each
+    resumption is a new attempt of its own segment's key (the key re-resolved from the
+    resumed instance: its map index, its templated segment), never another segment's; the
+    rerun of the day is a no-op for both."""
+    folder = tmp_path / "dags"
+    folder.mkdir()
+    body = textwrap.dedent(
+        """
+        from airflow_idempotency import IdempotentRunOperator
+
+        class Submit(IdempotentRunOperator):
+            def run(self, ctx):
+                note("submit " + ctx.run_key)
+                self.defer(trigger=wait(), method_name="done")
+
+            def done(self, context, event=None):
+                # (dag.test hands the resumption the trigger's event alone, not defer's kwargs)
+                note(f"done {context['ti'].map_index}")
+                return {"map_index": context["ti"].map_index}
+
+        with dag:
+            Submit.partial(task_id="submit").expand(key_segment=["eu", "us"])
+        """
+    )
+    (folder / "deferring.py").write_text(DAG_HEADER + body)
+    bag = load_dag_bag(folder)
+    assert not bag.import_errors, bag.import_errors
+    dag = bag.dags["deferring"]
+    for _ in range(2):
+        run = run_dag(dag, _fire("2026-10-15"))
+        assert run.state == SUCCESS, task_states(run)
+    assert sorted(_lines(work_log)) == [
+        "done 0",
+        "done 1",
+        "submit eu|2026-10-15",
+        "submit us|2026-10-15",
+    ]
+    by_key = rows(
+        airflow_pg_conn,
+        "SELECT run_key, array_agg(outcome ORDER BY attempt_id), "
+        "array_agg(map_index ORDER BY attempt_id) "
+        "FROM idempotency.job_run_attempts GROUP BY run_key ORDER BY run_key",
+    )
+    assert by_key == [
+        ("eu|2026-10-15", ["deferred", "completed", "noop"], [0, 0, 0]),
+        ("us|2026-10-15", ["deferred", "completed", "noop"], [1, 1, 1]),
+    ]
+    assert rows(
+        airflow_pg_conn, "SELECT run_key, details FROM idempotency.job_runs ORDER BY run_key"
+    ) == [
+        ("eu|2026-10-15", {"map_index": 0}),
+        ("us|2026-10-15", {"map_index": 1}),
+    ]
