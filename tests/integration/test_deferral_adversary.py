@@ -224,3 +224,39 @@ def test_a_mapped_operator_over_segments_defers_and_completes_each_segment_once(
         ("eu|2026-10-15", {"map_index": 0}),
         ("us|2026-10-15", {"map_index": 1}),
     ]
+
+
+def test_a_run_that_defers_inside_its_transaction_never_completes_without_its_writes(
+    airflow_pg_conn: str, work_log: Path, tmp_path: Path
+) -> None:
+    """``self.defer()`` inside ``run.transaction()``: Airflow's TaskDeferred leaves the block
+    as an exception, so the block's writes roll back. The resumption must not then complete
+    the key as if the part before the deferral had landed (data never processed, and a rerun
+    is a no-op): the try fails, naming the misuse, and the key is failed."""
+    rows(airflow_pg_conn, "CREATE TABLE IF NOT EXISTS public.loaded (day text)")
+    dag = _dag(
+        tmp_path,
+        """
+        from airflow_idempotency import IdempotentRunOperator
+
+        class Submit(IdempotentRunOperator):
+            def run(self, ctx):
+                note("submit")
+                with ctx.transaction() as cur:
+                    cur.execute("INSERT INTO public.loaded VALUES (%s)", (ctx.run_key,))
+                    self.defer(trigger=wait(), method_name="done")
+
+            def done(self, context, event=None):
+                note("done")
+                return {"rows": 1}
+        """,
+    )
+    run_dag(dag, _fire("2026-10-16"))
+    loaded = rows(airflow_pg_conn, "SELECT day FROM public.loaded")
+    status = rows(airflow_pg_conn, "SELECT status FROM idempotency.job_runs")
+    assert loaded == [] and status == [("failed",)], (loaded, status)
+    assert _lines(work_log) == ["submit"]
+    ((outcome, error),) = rows(
+        airflow_pg_conn, "SELECT outcome, error FROM idempotency.job_run_attempts"
+    )
+    assert outcome == "failed" and "inside run.transaction()" in error, error
