@@ -38,6 +38,7 @@ from airflow_idempotency.exceptions import (
     IdempotencyError,
     InvalidInputError,
     RunLockedError,
+    TransactionMisuseError,
 )
 from airflow_idempotency.locks import ON_LOCKED_ENV
 from airflow_idempotency.metrics import AIRFLOW_METRICS
@@ -293,6 +294,13 @@ def deferrable(work: Work) -> Work:
         try:
             return work(ctx)
         except TaskDeferred as exc:
+            if getattr(ctx, "_rolled_back_by", None) is exc:
+                raise TransactionMisuseError(
+                    "the task deferred inside run.transaction(): the deferral (TaskDeferred) "
+                    "left the block as an exception and rolled its writes back, so resuming "
+                    "would complete the key without them. Call self.defer() after the block "
+                    "ends; this try fails and the key is failed (rerun once fixed)"
+                ) from exc
             raise WorkDeferred(exc) from exc
 
     return deferring

@@ -137,6 +137,9 @@ class RunContext:
         self._fence = Fence(lock, attempt_id, self.schema, self.job_name, self.run_key)
         self._conn = connection
         self._connect = spec.connect
+        # the exception that last left a transaction() block (rolling it back): a deferral
+        # raised inside one lost the block's writes (airflow_task.deferrable refuses it)
+        self._rolled_back_by: BaseException | None = None
 
     @property
     def connection(self) -> psycopg.Connection:
@@ -172,6 +175,9 @@ class RunContext:
                 crash_point("transaction.before_commit")
         except psycopg.Error as exc:
             raise self._fence.translate_error(exc, conn) from exc
+        except BaseException as exc:
+            self._rolled_back_by = exc
+            raise
 
     def fenced_transaction(
         self,

@@ -1024,3 +1024,33 @@ def test_a_dot_path_parameter_is_a_json_404(auth_manager: Any, path: str) -> Non
     assert answer.status_code == 404, (answer.status_code, answer.headers, answer.text[:300])
     assert answer.headers["content-type"] == "application/json", answer.text[:300]
     assert answer.json()["detail"]
+
+
+def test_a_key_whose_task_deferred_is_not_shown_as_a_dead_worker(
+    auth_manager: Any, airflow_pg_conn: str
+) -> None:
+    """A key whose attempt deferred (its task waits for its trigger, docs/policy.md) is
+    started and nobody holds its lock, as a dead worker's is; but its page must not tell the
+    on-call engineer the worker died and that a rerun takes the key over (a rerun now runs the
+    part before the deferral a second time beside the task that will resume): it says the
+    task deferred and that Airflow resumes it as the key's next attempt."""
+    from airflow_idempotency.run_steps import WorkDeferred
+
+    def defer(ctx: RunContext) -> None:
+        raise WorkDeferred(RuntimeError("TaskDeferred"))
+
+    with pytest.raises(WorkDeferred):
+        run_idempotently(
+            connect=lambda: psycopg.connect(airflow_pg_conn),
+            job_name="demo_dag.load",
+            run_key="2026-10-05",
+            work=defer,
+            trigger=Trigger("manual", "alice", "demo_dag", "r5", "t", 1),
+        )
+    client = Client(auth_manager, "viewer")
+    detail = client.json("/api/keys", job="demo_dag.load", run_key="2026-10-05")["key"]
+    assert detail["run"]["state"] == "interrupted"  # started, nobody holds the lock
+    assert detail["run"]["deferred"] is True
+    page = client.get("/keys", job="demo_dag.load", run_key="2026-10-05").text
+    assert "its worker ended without finishing" not in page
+    assert "deferred and waits for its trigger" in page

@@ -387,6 +387,7 @@ class RecordsReader:
         if run is not None:
             run["locked"] = bool(holders) or any(lease["live"] for lease in leases)
             run["state"] = run_state(run)
+            run["deferred"] = _deferred(run, attempts)
         first = attempts[0] if attempts else {}
         total, hidden = int(first.get("visible_total") or 0), int(first.get("hidden_total") or 0)
         for row in attempts:
@@ -404,6 +405,16 @@ class RecordsReader:
             unconfirmed=unconfirmed,
             lease=leases[0] if leases else None,
         )
+
+
+def _deferred(run: Row, attempts: list[Row]) -> bool:
+    """Whether the key is interrupted because its task deferred (docs/policy.md, deferrable
+    operators): the attempt that holds the run (current) ended ``deferred``, and Airflow
+    resumes the task as the key's next attempt; no worker died."""
+    return run["state"] == "interrupted" and any(
+        a["attempt_id"] == run["current_attempt_id"] and a["outcome"] == "deferred"
+        for a in attempts
+    )
 
 
 def _with_segment(found: Calendar, prefix: str, segments: list[str]) -> Calendar:
