@@ -11,6 +11,7 @@ any task of a tagged DAG under the contract), so that both key a run by the same
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import pendulum
+import psycopg
 
+from airflow_idempotency._sql import query_row
 from airflow_idempotency.arguments import unsegmented_mapped_task
 from airflow_idempotency.compat import (
     AIRFLOW_NOT_FOUND,
@@ -45,7 +48,7 @@ from airflow_idempotency.metrics import AIRFLOW_METRICS
 from airflow_idempotency.partitions import dag_partitioning
 from airflow_idempotency.provenance import read_provenance
 from airflow_idempotency.records import RunOptions, Trigger
-from airflow_idempotency.run_context import RunEnvironment
+from airflow_idempotency.run_context import RunEnvironment, autocommit_connection
 from airflow_idempotency.run_key import (
     OVERRIDE_FLAG,
     ResolvedRunKey,
@@ -266,6 +269,8 @@ def run_task(
     )
     # A dry run notifies nothing, even when it fails.
     task.last_run_outcome = RunOutcome.DRY_RUN.value if task_run.options.dry_run else None
+    if task_run.options.force:
+        task_run = honour_force_once(job_database, task_run)
     result = run_idempotently(
         connect=job_database.new_connection,
         job_name=task_run.job_name,
@@ -283,6 +288,43 @@ def run_task(
     )
     task.last_run_outcome = result.outcome.value
     return result
+
+
+def honour_force_once(job_database: JobDatabase, task_run: TaskRun) -> TaskRun:
+    """``task_run`` without ``force`` when this very DAG run (the same task, map index and
+    clear) already completed the key: its force was honoured by an earlier try, and a retry
+    (after a worker lost between the completion and Airflow's success) must not recompute
+    it again. A Clear of the run (a new clear number) or a new forced run recomputes.
+
+    Read before the run's lock: dropping ``force`` can only turn the run into the no-op the
+    locked decision takes for a completed key."""
+    trigger = task_run.trigger
+    params = {
+        "job_name": task_run.job_name,
+        "run_key": task_run.resolved.run_key,
+        "dag_id": trigger.dag_id,
+        "run_id": trigger.run_id,
+        "task_id": trigger.task_id,
+        "map_index": trigger.map_index,
+        "clear_number": trigger.provenance.clear_number,
+    }
+    try:
+        with autocommit_connection(job_database.new_connection) as conn:
+            row = query_row(conn, "completed_by_this_dag_run", task_run.schema, params)
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+        return task_run  # no bookkeeping tables yet (or before migration 11): nothing done
+    if row is None:
+        return task_run
+    task_run.logger.info(
+        "force: try %s of this DAG run already recomputed run_key %s (attempt %s); this "
+        "try does not recompute it again (Clear the DAG run or trigger a new forced run to "
+        "recompute)",
+        row["try_number"],
+        task_run.resolved.run_key,
+        row["attempt_id"],
+    )
+    options = RunOptions(force=False, dry_run=task_run.options.dry_run)
+    return dataclasses.replace(task_run, options=options)
 
 
 def deferrable(work: Work) -> Work:

@@ -2,8 +2,8 @@
 of a forced run, through a real DagBag, Airflow's dag.test() (which retries a task whose
 retry_delay has passed) and a real job database, on both lines.
 
-Found:
-- xfail: a retry of a forced run (conf force=true) whose forced recompute had completed (the
+Found (fixed: airflow_task.honour_force_once):
+- a retry of a forced run (conf force=true) whose forced recompute had completed (the
   try failed in Airflow after the work: here post_execute, in production a worker lost
   between the completion and Airflow's success) recomputes again: every try of the forced
   run does the work, because force is read from the run's conf on every try
@@ -102,12 +102,6 @@ def test_a_task_failing_its_first_try_is_retried_under_one_key(
     assert work_log.read_text().splitlines() == ["load", "load"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="force is read from the run's conf on every try: a retry of a forced run recomputes "
-    "a key its own earlier try completed (fix: a forced attempt no-ops when the key's "
-    "completion came from the same task instance and clear of this DAG run)",
-)
 def test_a_retry_of_a_forced_run_does_not_recompute_again(
     airflow_pg_conn: str, work_log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -121,7 +115,9 @@ def test_a_retry_of_a_forced_run_does_not_recompute_again(
                 note("load")
 
             def post_execute(self, context, result=None):
-                if os.environ.get("ADV_FAIL_AFTER") and tries() == 2:
+                flag = os.environ.get("ADV_FAIL_AFTER")
+                if flag and not os.path.exists(flag):
+                    open(flag, "w").close()  # once: the forced try is lost after its work
                     raise RuntimeError("lost after the work")
 
         with nightly:
@@ -130,7 +126,7 @@ def test_a_retry_of_a_forced_run_does_not_recompute_again(
     )
     date = _fire("2026-10-02")
     assert run_dag(dag, date).state == SUCCESS
-    monkeypatch.setenv("ADV_FAIL_AFTER", "1")
+    monkeypatch.setenv("ADV_FAIL_AFTER", str(tmp_path / "failed-once"))
     forced = run_dag(dag, date, conf={"force": True})
     assert forced.state == SUCCESS, task_states(forced)
     attempts = "SELECT outcome, try_number FROM idempotency.job_run_attempts WHERE run_id = %s"
