@@ -131,12 +131,16 @@ def run_pgbouncer(
         command = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
     else:
         command = []
-    process = subprocess.Popen(
-        [*command, PGBOUNCER, str(folder / "pgbouncer.ini")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    # Its stderr goes to a file, never a pipe: PgBouncer logs every login there as well as to
+    # its logfile, and a pipe nobody reads fills (64 KiB, a few hundred logins) and then blocks
+    # its one thread in write(): every client and server connection of the pooler stalls.
+    with open(folder / "stderr.txt", "wb") as stderr:
+        process = subprocess.Popen(
+            [*command, PGBOUNCER, str(folder / "pgbouncer.ini")],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
     bouncer = PgBouncer(port, folder, pool_mode, upstream, process)
     try:
         _wait_until_ready(bouncer)
@@ -149,8 +153,6 @@ def run_pgbouncer(
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
-        if process.stderr:
-            process.stderr.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -159,11 +161,7 @@ def _wait_until_ready(bouncer: PgBouncer, timeout: float = 20.0) -> None:
     last: Exception | None = None
     while time.monotonic() < deadline:
         if bouncer.process.poll() is not None:
-            err = (
-                bouncer.process.stderr.read().decode(errors="replace")
-                if bouncer.process.stderr
-                else ""
-            )
+            err = (bouncer.folder / "stderr.txt").read_text(errors="replace")
             raise PgBouncerError(
                 f"pgbouncer exited with {bouncer.process.returncode}: {err}\n{bouncer.log_text()}"
             )

@@ -140,6 +140,13 @@ class PoolExhaustedError(IdempotencyError):
     """A connection pooler had no server connection for the run in time: size its pool up."""
 
 
+class ConnectionWaitError(IdempotencyError):
+    """No connection to the job database could be had within ``connect_timeout``: a pooler at
+    its ``max_client_conn`` or with a full listen backlog, a server at its limit, or the
+    network. The message names the sizing rule (docs/deploying.md, pool sizing); a retry
+    converges once connections are free."""
+
+
 class LockWaitError(IdempotencyError):
     """A lock wait of the provider's own statements reached its bound (the message names what
     it waited for): nothing of that transaction was written; a retry converges."""

@@ -10,18 +10,24 @@ heartbeat and released at the end. The start and the work are the advisory mode'
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg
 
-from airflow_idempotency import records
+from airflow_idempotency import metrics, records
 from airflow_idempotency._sql import query_row
 from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
 from airflow_idempotency.fence import Fence
 from airflow_idempotency.key_zone import check_key_zone
-from airflow_idempotency.leases import LeaseHeartbeat, acquire_lease, release_lease
+from airflow_idempotency.leases import (
+    WAIT_NOTICE_SECONDS,
+    LeaseHeartbeat,
+    acquire_lease,
+    release_lease,
+)
 from airflow_idempotency.locks import RunLock
 from airflow_idempotency.records import RunRecord
 from airflow_idempotency.run_context import autocommit_connection
@@ -65,6 +71,7 @@ class LeaseRun(Run):
             schema=self.schema,
             ttl=self.spec.lease_ttl,
             logger=self.spec.environment.logger or log,
+            report=self._database_wait,
         )
         try:
             with heartbeat:
@@ -76,8 +83,25 @@ class LeaseRun(Run):
             self._release(lease)
 
     def _acquire_lease(self, conn: psycopg.Connection) -> RunLock | None:
+        """Take the lease; a run that waited for the database first (behind a pooler, its
+        turn in the queue of a busy pool) says so, and the wait is timed."""
         lock_key, ttl = self.spec.run.lock_key, self.spec.lease_ttl
-        return acquire_lease(conn, lock_key, schema=self.schema, ttl=ttl)
+        began = time.monotonic()
+        try:
+            return acquire_lease(conn, lock_key, schema=self.schema, ttl=ttl)
+        finally:
+            waited = time.monotonic() - began
+            self._database_wait(waited)
+            if waited >= WAIT_NOTICE_SECONDS:
+                self.log.info(
+                    "waited %.1f s for the job database before taking the lease: its "
+                    "connection pool was busy (runs beyond the pool's size wait their turn, "
+                    "up to the pooler's query_wait_timeout; see docs/deploying.md, pool sizing)",
+                    waited,
+                )
+
+    def _database_wait(self, seconds: float) -> None:
+        metrics.run_timing(self.spec.environment.metrics, "database_wait", seconds, self.job_name)
 
     def _read_lease(self, conn: psycopg.Connection) -> RunRecord | None:
         return records.get_run(conn, self.schema, self.job_name, self.run_key)

@@ -50,6 +50,15 @@ LEASE_TTL_DEFAULT = 30.0
 
 _LEASE_PREFIX = "lease:"
 
+RETRY_SECONDS = 1.0
+"""After a renewal failed (the database or its pooler refused or timed out), the heartbeat
+tries again this soon, not a whole interval later: the lease is lost only when no renewal
+succeeded for its whole time to live."""
+
+WAIT_NOTICE_SECONDS = 5.0
+"""A lease taken or renewed after waiting this long for the job database is logged: a
+pooler's queue (its pool busy) or a lock wait; docs/deploying.md, pool sizing."""
+
 
 def check_lock_mode(value: Any, where: str = "lock_mode") -> str:
     """``value`` as a lock mode (``None``: the default), or a :class:`ConfigurationError`
@@ -208,8 +217,10 @@ class LeaseHeartbeat:
         schema: str,
         ttl: float,
         logger: Any = None,
+        report: Callable[[float], None] | None = None,
     ) -> None:
         assert lock.lost is not None
+        self.report = report  # receives each renewal's duration in seconds (a metric)
         self.lock = lock
         self.borrow = borrow
         self.schema = schema
@@ -239,8 +250,27 @@ class LeaseHeartbeat:
         self.stop()
 
     def _renew(self) -> bool:
-        with self.borrow() as conn:
-            return renew_lease(conn, self.lock, schema=self.schema, ttl=self.ttl)
+        began = time.monotonic()
+        try:
+            with self.borrow() as conn:
+                return renew_lease(conn, self.lock, schema=self.schema, ttl=self.ttl)
+        finally:
+            self._waited(time.monotonic() - began)
+
+    def _waited(self, seconds: float) -> None:
+        """Report one renewal's duration; say so when it waited long for the database."""
+        if self.report is not None:
+            self.report(seconds)
+        if seconds >= min(WAIT_NOTICE_SECONDS, self.interval):
+            self.log.warning(
+                "renewing the lease of run lock %s took %.1f s: the job database or its "
+                "pooler's queue was busy. A renewal must land within %g s of the last one "
+                "(lease_ttl); keep the pooler's query_wait_timeout at most half of it (see "
+                "docs/deploying.md, pool sizing)",
+                self.lock.lock_key,
+                seconds,
+                self.ttl,
+            )
 
     def _lost(self, why: str) -> None:
         assert self.lock.lost is not None
@@ -254,7 +284,9 @@ class LeaseHeartbeat:
         )
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        pause = self.interval
+        while not self._stop.wait(pause):
+            pause = self.interval
             try:
                 renewed = self._renew()
             except (psycopg.Error, IdempotencyError, OSError) as exc:
@@ -264,6 +296,7 @@ class LeaseHeartbeat:
                     return
                 key = self.lock.lock_key
                 self.log.warning("could not renew the lease of run lock %s: %s", key, exc)
+                pause = min(self.interval, RETRY_SECONDS)  # try again soon, within the ttl
                 continue
             if not renewed:
                 self._lost("it expired or another worker took the key over")

@@ -46,6 +46,7 @@ import psycopg
 from airflow_idempotency._sql import query
 from airflow_idempotency.exceptions import (
     ConfigurationError,
+    ConnectionWaitError,
     IdempotencyError,
     PoolExhaustedError,
     SharedSessionError,
@@ -170,6 +171,15 @@ class RunLock:
 # client waited query_wait_timeout for a server connection (it then closes the connection).
 _STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
 _POOL_WAIT = "query_wait_timeout"
+# What PgBouncer answers a new client past max_client_conn (it then closes the connection).
+_CLIENT_LIMIT = "no more connections allowed (max_client_conn)"
+_SIZING = "see docs/deploying.md, pool sizing"
+_LEASE_SIZING = (
+    "In lock_mode lease no connection is held for the run: a run needs a server connection "
+    "only while one of its statements or short transactions runs, and runs beyond the pool's "
+    "size wait their turn in the pooler's queue, up to query_wait_timeout (keep it at most "
+    "half the lease_ttl)."
+)
 # What PostgreSQL answers a connection for want of a slot (SQLSTATE 53300 when psycopg knows
 # it; the text when the refusal arrives as a plain connection failure, as at connect): past
 # max_connections; past a role's or a database's CONNECTION LIMIT; and, for a role that is not
@@ -284,8 +294,26 @@ def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
             "connection for its run lock for the whole run, and needs another one, briefly, "
             "for each statement of its work: default_pool_size must be larger than the number "
             "of idempotent tasks that run at once against this database (N tasks need at "
-            "least N + 1; see docs/deploying.md, pool sizing). Nothing was committed by the "
+            f"least N + 1; {_SIZING}). {_LEASE_SIZING} Nothing was committed by the "
             "waiting statement; a retry converges once the pool has room."
+        )
+    if _CLIENT_LIMIT in text:
+        return PoolExhaustedError(
+            f"the connection pooler refused a new client connection (PgBouncer said: {text}): "
+            "its max_client_conn is reached. Every running idempotent task opens up to 3 "
+            "client connections at once (its lock or decision, its work, the outbound "
+            "ledger's) plus a lease heartbeat's in lock_mode lease: max_client_conn must "
+            f"cover 4 per task running at once plus every other client ({_SIZING}). Nothing "
+            "was committed by the refused connection; a retry converges."
+        )
+    if isinstance(exc, psycopg.errors.ConnectionTimeout):
+        return ConnectionWaitError(
+            f"no connection to the job database within its connect_timeout ({text}): the "
+            "server or pooler did not answer in time: a pooler whose listen_backlog or "
+            "max_client_conn is full, a server at its limit, or the network. Size the pooler "
+            f"for every task running at once ({_SIZING}), or raise connect_timeout in the "
+            "connection's extra. Nothing was committed by the waiting connection; a retry "
+            "converges."
         )
     if isinstance(exc, psycopg.errors.TooManyConnections) or any(t in text for t in _TOO_MANY):
         return PoolExhaustedError(
@@ -294,7 +322,8 @@ def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
             "LIMIT). Each running idempotent task holds two connections for its whole run "
             "(its lock transaction's and its work's) and a third while the outbound ledger "
             "exports: max_connections must cover 3 per task running at once plus every other "
-            "client (see docs/deploying.md, pool sizing), or put PgBouncer in front. Nothing "
+            f"client ({_SIZING}), or put PgBouncer in front (with lock_mode lease, which holds "
+            "no connection for the run). Nothing "
             "was committed by the refused connection; a retry converges once slots are free."
         )
     return None

@@ -24,6 +24,8 @@ name                                         meaning
                                              started, the resumed task is a new attempt
 ``idempotency.run.decision_ms`` (timer)      lock + read + decision, before the work
 ``idempotency.run.work_ms`` (timer)          the work itself
+``idempotency.run.database_wait_ms`` (timer) lease mode: taking the lease, and each renewal
+                                             (a busy pool's queue shows here first)
 ``idempotency.ledger.sent``                  effects the remote confirmed now
 ``idempotency.ledger.skipped``               effects skipped: confirmed before
 ``idempotency.ledger.replayed``              confirmations the remote replayed (it had the
@@ -79,7 +81,7 @@ def run_outcome(metrics: Metrics, outcome: str, job_name: str) -> None:
 
 
 def run_timing(metrics: Metrics, what: str, seconds: float, job_name: str) -> None:
-    """Record ``decision`` or ``work`` time of one run."""
+    """Record ``decision``, ``work`` or ``database_wait`` time of one run."""
     metrics.timing(f"{PREFIX}.run.{what}_ms", dt.timedelta(seconds=seconds), tags={"job": job_name})
 
 

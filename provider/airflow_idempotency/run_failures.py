@@ -18,6 +18,7 @@ from airflow_idempotency import metrics
 from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.exceptions import (
     ConfigurationError,
+    ConnectionWaitError,
     IdempotencyError,
     LockLostError,
     LockWaitError,
@@ -75,7 +76,9 @@ def record_refused_start(
     connection), naming the cause; in the lease mode (no ``lock_conn``), on a connection
     borrowed for it."""
     refusal: BaseException | None = None
-    if type(exc) in (PoolExhaustedError, ConfigurationError) or isinstance(exc, LockWaitError):
+    if type(exc) in (PoolExhaustedError, ConnectionWaitError, ConfigurationError) or isinstance(
+        exc, LockWaitError
+    ):
         refusal = exc
     elif isinstance(exc, psycopg.Error):
         refusal = pooler_refusal(exc)

@@ -15,7 +15,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from airflow_idempotency import run_idempotently
-from airflow_idempotency.exceptions import PoolExhaustedError
+from airflow_idempotency.exceptions import ConnectionWaitError, PoolExhaustedError
 from airflow_idempotency.locks import pooler_refusal
 from support.db import rows
 
@@ -76,3 +76,42 @@ def test_every_slot_refusal_is_the_sizing_rule(said: str) -> None:
         f'connection failed: connection to server at "db" failed: {said}'
     )
     assert isinstance(pooler_refusal(exc), PoolExhaustedError)
+
+
+@pytest.mark.parametrize("lock_mode", ["advisory", "lease"])
+def test_a_connection_not_had_within_connect_timeout_names_the_sizing_rule(
+    pg_dsn: str, lock_mode: str
+) -> None:
+    """The run's second connection (its work's) goes to a server that accepts and never
+    answers (a pooler whose queue is full): ConnectionWaitError within connect_timeout, naming
+    the sizing rule and not the DSN's password; the attempt recorded failed with it on a
+    connection had later."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    stalled = make_conninfo(
+        host="127.0.0.1", port=str(port), user="u", password="s3cret-pw", connect_timeout="1"
+    )
+    calls: list[int] = []
+
+    def connect() -> psycopg.Connection:
+        calls.append(1)
+        return psycopg.connect(stalled if len(calls) == 2 else pg_dsn)
+
+    try:
+        with pytest.raises(ConnectionWaitError, match=r"docs/deploying\.md") as raised:
+            run_idempotently(
+                connect=connect, job_name="job", run_key="2026-10-01",
+                work=lambda run: {"done": 1}, lock_mode=lock_mode,
+            )  # fmt: skip
+    finally:
+        silent.close()
+    assert "s3cret-pw" not in str(raised.value)
+    recorded = rows(
+        pg_dsn, "SELECT outcome, error FROM idempotency.job_run_attempts WHERE job_name = 'job'"
+    )
+    assert [outcome for outcome, _ in recorded] == ["failed"], recorded
+    assert "connect_timeout" in recorded[0][1] and "s3cret-pw" not in recorded[0][1]

@@ -348,6 +348,37 @@ def test_a_lost_lease_found_by_the_heartbeat_fails_the_next_fenced_step(lease_db
     assert outcomes(lease_db) == ["lock_lost"]
 
 
+def test_a_renewal_that_timed_out_in_the_poolers_queue_is_retried_within_the_ttl(
+    lease_db: str,
+) -> None:
+    """The heartbeat's first renewal waits 4.5 s for a connection and fails (as PgBouncer's
+    query_wait_timeout ends a client's wait): it is retried a second later, not a whole
+    interval (ttl / 3 = 3 s) later, which would be after the 9 s lease expired. The run, whose
+    work lasts past the first expiry, completes; the long wait is logged."""
+    failed: list[float] = []
+
+    def connect() -> psycopg.Connection[Any]:
+        if threading.current_thread().name.startswith("lease-heartbeat") and not failed:
+            time.sleep(4.5)
+            failed.append(time.monotonic())
+            raise psycopg.OperationalError("query_wait_timeout")
+        return psycopg.connect(lease_db)
+
+    def work(ctx: RunContext) -> dict[str, str]:
+        time.sleep(10.5)  # past 9 s: only a retried renewal keeps the lease
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('slow', %s)", (ctx.run_key,))
+        return {"writer": "slow"}
+
+    result = run_idempotently(
+        connect=connect, job_name=JOB, run_key=KEY, work=work,
+        lock_mode=LockMode("lease", lease_ttl=9),
+    )  # fmt: skip
+    assert failed, "the heartbeat's renewal never ran"
+    assert result.outcome is RunOutcome.COMPLETED
+    assert written(lease_db) == ["slow"]
+
+
 RUNS, POOL = 20, 5
 
 

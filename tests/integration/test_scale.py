@@ -7,8 +7,10 @@ to the accounting service; peak server connections sampled from pg_stat_activity
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 
 from bench.scale import Cell, Scenario, lock_mode_available, run_cell
@@ -83,3 +85,46 @@ def test_lease_mode_through_a_pool_of_10(
     assert cell.all_completed_once, cell.summary()
     assert cell.remote_replays == 0, cell.summary()
     assert cell.peak_server_connections <= POOL, cell.summary()
+
+
+def test_pgbouncer_keeps_answering_after_many_logins(pg_server: PostgresServer) -> None:
+    """The harness's PgBouncer logs every login to stderr as well as to its logfile: 600
+    connections, one after the other, each answer within their connect_timeout. (With its
+    stderr on a pipe nobody read, the pipe filled after a few hundred logins and PgBouncer's
+    one thread blocked writing to it: every connection stalled, which looked like the lease
+    mode's runs stalling at N=100.)"""
+    with (
+        temporary_database(pg_server, "scale_logins") as dsn,
+        pgbouncer.run_pgbouncer(pg_server, "transaction", pool_size=2) as bouncer,
+    ):
+        target = bouncer.dsn(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+        began = time.monotonic()
+        for _ in range(600):
+            with psycopg.connect(target, autocommit=True, connect_timeout=5) as conn:
+                conn.execute("SELECT 1")
+        assert time.monotonic() - began < 40
+
+
+def test_lease_mode_overload_60_runs_through_a_pool_of_5(
+    pg_server: PostgresServer, remote: AccountingService
+) -> None:
+    """Issue 32's overload at CI size: 60 lease-mode runs at once through a pool of 5 (twelve
+    times what the pool serves at once) all complete, each key's work once, every effect
+    once, never more than 5 server connections."""
+    missing = lock_mode_available("lease")
+    if missing:
+        pytest.skip(f"lease mode is not available yet: {missing}")
+    scenario = Scenario(
+        60,
+        "lease",
+        "pgbouncer",
+        pool_size=5,
+        work_seconds=1.0,
+        effects_per_export=3,
+        query_wait_timeout=10,
+        bound_seconds=45,
+    )
+    cell = run_cell(pg_server, remote, scenario)
+    assert cell.all_completed_once, cell.summary()
+    assert cell.remote_replays == 0, cell.summary()
+    assert cell.peak_server_connections <= 5, cell.summary()

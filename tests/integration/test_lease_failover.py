@@ -1,0 +1,110 @@
+"""A failover of the job database under a lease-mode run (issue 32, goal 3): every backend
+ends at once and connections are refused for a few seconds (a dedicated PostgreSQL stopped
+with ``pg_ctl stop -m immediate``, as a writer failover ends every session, then started
+again). The lease, a row, survives; the heartbeat rides the outage (its renewals fail, are
+retried every second, and succeed once the server is back, within the lease's time to live);
+the run's work connection died with its backends, so its next transaction ends the run
+``lock_lost`` cleanly; nothing commits twice, and a rerun converges."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from airflow_idempotency.exceptions import LockLostError
+from airflow_idempotency.leases import LockMode
+from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
+from airflow_idempotency.schema import ensure_schema
+from devtools.postgres import PostgresServer, _as_nobody, dedicated_cluster, system_binaries
+from support.db import rows
+from support.locks import Background, wait_for
+
+OUTAGE_SECONDS = 6.0
+TTL = 15.0  # > the outage: the heartbeat's renewals resume before the lease expires
+
+
+@pytest.fixture
+def cluster() -> Iterator[PostgresServer]:
+    if system_binaries() is None:
+        pytest.skip(
+            "no PostgreSQL binaries to run a dedicated cluster (apt-get install postgresql)"
+        )
+    with dedicated_cluster("failover", {"max_connections": "50"}) as server:
+        with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
+            ensure_schema(conn)
+            conn.execute("CREATE TABLE public.steps (attempt bigint, step text)")
+        yield server
+
+
+def fail_over(server: PostgresServer, seconds: float) -> None:
+    """End every backend at once (an immediate stop: no goodbye to any client), refuse
+    connections for ``seconds``, then start the server again with its own options."""
+    with psycopg.connect(server.admin_dsn) as conn:
+        (data,) = conn.execute("SHOW data_directory").fetchone() or ("",)
+    opts = shlex.split((Path(data) / "postmaster.opts").read_text())[1:]  # after the binary
+    pg_ctl = [*_as_nobody(), str(system_binaries() / "pg_ctl"), "-D", data, "-w", "-t", "60"]  # type: ignore[operator]
+    subprocess.run([*pg_ctl, "-m", "immediate", "stop"], check=True, capture_output=True)
+    time.sleep(seconds)
+    options = shlex.join(o for o in opts if o not in ("-D", data))
+    subprocess.run(
+        [*pg_ctl, "-l", str(Path(data).parent / "server.log"), "-o", options, "start"],
+        check=True, capture_output=True, timeout=90,
+    )  # fmt: skip
+
+
+def test_a_failover_ends_a_lease_run_lock_lost_cleanly_and_a_rerun_converges(
+    cluster: PostgresServer,
+) -> None:
+    dsn = cluster.admin_dsn
+    committed, back = threading.Event(), threading.Event()
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.steps VALUES (%s, 'first')", (ctx.attempt_id,))
+        committed.set()
+        assert back.wait(60)
+        time.sleep(1.5)  # a heartbeat renewal after the restart
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.steps VALUES (%s, 'second')", (ctx.attempt_id,))
+        return {"steps": 2}
+
+    def run() -> object:
+        return run_idempotently(
+            connect=lambda: psycopg.connect(dsn), job_name="failover", run_key="2026-10-01",
+            work=work, lock_mode=LockMode("lease", lease_ttl=TTL),
+        )  # fmt: skip
+
+    first = Background(run)
+    assert committed.wait(30)
+    fail_over(cluster, OUTAGE_SECONDS)
+    ((restarted,),) = rows(dsn, "SELECT clock_timestamp()")
+    (live,) = rows(dsn, "SELECT count(*) FROM idempotency.run_leases WHERE expires_at > now()")[0]
+    assert live == 1, "the lease expired during the outage"
+    wait_for(
+        "the heartbeat to renew the lease after the restart",
+        lambda: rows(dsn, "SELECT renewed_at FROM idempotency.run_leases")[0][0] > restarted,
+        timeout=TTL / 3 + 3,
+    )
+    back.set()
+    assert isinstance(first.join().error, LockLostError), first.error
+    committed.clear()
+    back.set()
+    result = run()
+    assert result.outcome is RunOutcome.COMPLETED  # type: ignore[attr-defined]
+    attempts = rows(
+        dsn, "SELECT attempt_id, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id"
+    )
+    assert [outcome for _, outcome in attempts] == ["lock_lost", "completed"]
+    (old, _), (new, _) = attempts
+    steps = rows(
+        dsn, "SELECT attempt, step, count(*) FROM public.steps GROUP BY 1, 2 ORDER BY 1, 2"
+    )
+    assert steps == [(old, "first", 1), (new, "first", 1), (new, "second", 1)]
+    assert rows(dsn, "SELECT count(*) FROM idempotency.run_leases")[0] == (0,)
