@@ -48,7 +48,9 @@ NOT_MODELLED = {
     "record (adopt_run): no attempt, so nothing of an attempt to fence; a run that holds the "
     "key keeps it (tests/integration/test_adopt.py)",
 }
-_DECIDES = re.compile(r"\{schema\}\.(fence_\w+|run_lock_held_by)\(|pg_try_advisory_xact_lock")
+_DECIDES = re.compile(
+    r"\{schema\}\.(fence_\w+|run_lock_held_by|run_decide)\(|pg_try_advisory_xact_lock"
+)
 _READS_HOLDER = re.compile(r"\{schema\}\.held_run_locks\(")
 _WRITES = re.compile(r"^\s*(WITH\b.*)?\b(UPDATE|INSERT|DELETE)\b", re.MULTILINE | re.DOTALL)
 
