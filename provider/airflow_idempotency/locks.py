@@ -38,6 +38,7 @@ import os
 import select
 import socket
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -320,12 +321,24 @@ def server_keepalive_settings(conn: psycopg.Connection) -> dict[str, str]:
     connection), else :data:`DEAD_PEER_DEFAULTS`; seconds, and ms for ``tcp_user_timeout``."""
     # The connection's own options as libpq holds them (``ConnectionInfo.get_parameters``
     # computes libpq's defaults and the home directory on every call: 113 us, measured; this
-    # reads the same options in 46 us, and a new key reads them twice).
+    # reads the same options in 46 us), once per connection: a pooled connection's options
+    # never change, and a new key reads them twice.
+    known = _keepalive_settings.get(conn)
+    if known is not None:
+        return dict(known)
     given = {option.keyword.decode(): option.val for option in conn.pgconn.info}
-    return {
+    settings = {
         name: (given.get(name) or b"").decode() or str(DEAD_PEER_DEFAULTS[name])
         for name in _DEAD_PEER
     }
+    with contextlib.suppress(TypeError):  # a connection class that takes no weak reference
+        _keepalive_settings[conn] = settings
+    return dict(settings)
+
+
+_keepalive_settings: weakref.WeakKeyDictionary[psycopg.Connection, dict[str, str]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 _DEAD_PEER = ("keepalives_idle", "keepalives_interval", "keepalives_count", "tcp_user_timeout")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import json
 import logging
 import os
@@ -152,9 +153,14 @@ def describe_holder(conn: psycopg.Connection, schema: str, lock_key: int) -> dic
     return holder
 
 
+@functools.cache
+def _application_name_of(pid: int) -> str:
+    return f"airflow-idempotency {socket.gethostname()} pid {pid}"
+
+
 def _application_name() -> str:
     """What pg_stat_activity shows for a run's lock session (Postgres keeps 63 bytes)."""
-    return f"airflow-idempotency {socket.gethostname()} pid {os.getpid()}"
+    return _application_name_of(os.getpid())
 
 
 def format_holder(holder: Mapping[str, Any]) -> str:
@@ -201,6 +207,55 @@ def _privilege_refusal(
             return privilege_refusal(exc, conn, schema, migrating=False, missing=missing)
     except psycopg.Error:
         return None
+
+
+def decide(
+    conn: psycopg.Connection, spec: RunSpec, records: RunRecords, zone_checked: bool = False
+) -> Decision:
+    """Begin the lock transaction on ``conn`` and decide, in one round trip: the zone rule, the
+    run lock, the key's run record, and a completed key's no-op recorded (migration 15's
+    run_decide; the ``decide`` query says why one simple-protocol message). The lock
+    transaction stays open; its COMMIT records a no-op."""
+    run = spec.run
+    session = {
+        "lock_wait_ms": lock_wait_ms(),
+        "application_name": _application_name(),
+        **server_keepalive_settings(conn),
+    }
+    params = records.decision_params(spec.options, session)
+    if zone_checked:
+        params["key_zone"] = None
+    cursor = psycopg.ClientCursor(conn, row_factory=dict_row)
+    cursor.execute(query("decide", spec.environment.schema), params)
+    cursor.nextset()
+    row = cursor.fetchone()
+    assert row is not None
+    decision = row["decision"]
+    if decision == "zone":
+        zone = run.trigger.key_zone
+        assert zone is not None
+        for earlier in row["zone_conflicts"]:
+            if not same_zone(earlier["key_zone"], zone):
+                raise ConfigurationError(
+                    zone_changed_message(run.job_name, run.run_key, zone, earlier)
+                )
+        conn.execute("ROLLBACK")  # the same zone written another way: decide again
+        return decide(conn, spec, records, zone_checked=True)
+    if decision == "shared":
+        raise shared_session_error(row["backend_pid"], run.lock_key)
+    if decision == "locked":
+        return Decision(None, None, None)
+    existing = (
+        RunRecord(
+            job_name=run.job_name,
+            run_key=run.run_key,
+            **{name: row[name] for name in _RUN_COLUMNS},
+        )
+        if row["run_found"]
+        else None
+    )
+    lock = RunLock(run.lock_key, row["backend_pid"], row["holder"])
+    return Decision(lock, existing, row["noop_attempt_id"])
 
 
 def _warn_start_waits(logger: RunLogger) -> None:
@@ -267,7 +322,9 @@ class Run:
         with autocommit_connection(self.spec.connect) as lock_conn:
             ensure_schema(lock_conn, self.schema)
             with lock_transaction(lock_conn):
-                decided = self._bounded("the decision of", self._decide, lock_conn)
+                decided = self._bounded(
+                    "the decision of", decide, lock_conn, self.spec, self.records
+                )
                 if decided.lock is None:
                     refusal = self._bounded(
                         "recording the refusal of", self._record_lock_held, lock_conn
@@ -281,54 +338,6 @@ class Run:
                         return self._noop_result(decided.existing)
                     return self._run(lock_conn, decided.lock, decided.existing)
             raise refusal  # after the lock transaction committed the lock_held attempt
-
-    # -- 0. the decision --------------------------------------------------------------------
-
-    def _decide(self, conn: psycopg.Connection, zone_checked: bool = False) -> Decision:
-        """Begin the lock transaction and decide, in one round trip: the zone rule, the run
-        lock, the key's run record, and a completed key's no-op recorded (migration 15's
-        run_decide; the ``decide`` query says why one simple-protocol message). The lock
-        transaction stays open; its COMMIT records a no-op."""
-        run = self.spec.run
-        session = {
-            "lock_wait_ms": lock_wait_ms(),
-            "application_name": _application_name(),
-            **server_keepalive_settings(conn),
-        }
-        params = self.records.decision_params(self.options, session)
-        if zone_checked:
-            params["key_zone"] = None
-        cursor = psycopg.ClientCursor(conn, row_factory=dict_row)
-        cursor.execute(query("decide", self.schema), params)
-        cursor.nextset()
-        row = cursor.fetchone()
-        assert row is not None
-        decision = row["decision"]
-        if decision == "zone":
-            zone = run.trigger.key_zone
-            assert zone is not None
-            for earlier in row["zone_conflicts"]:
-                if not same_zone(earlier["key_zone"], zone):
-                    raise ConfigurationError(
-                        zone_changed_message(run.job_name, run.run_key, zone, earlier)
-                    )
-            conn.execute("ROLLBACK")  # the same zone written another way: decide again
-            return self._decide(conn, zone_checked=True)
-        if decision == "shared":
-            raise shared_session_error(row["backend_pid"], run.lock_key)
-        if decision == "locked":
-            return Decision(None, None, None)
-        existing = (
-            RunRecord(
-                job_name=run.job_name,
-                run_key=run.run_key,
-                **{name: row[name] for name in _RUN_COLUMNS},
-            )
-            if row["run_found"]
-            else None
-        )
-        lock = RunLock(run.lock_key, row["backend_pid"], row["holder"])
-        return Decision(lock, existing, row["noop_attempt_id"])
 
     # -- 1. lock (when another session holds it) ------------------------------------------
 
