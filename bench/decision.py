@@ -188,8 +188,9 @@ def _goal_rows(
             "x",
             f"<= {FLOOR_FACTOR:g}x" if limit else "",
             at_most(ratio, FLOOR_FACTOR) if limit else None,
-            f"floor {floors[kind]:.2f} ms = {'one' if kind == 'noop' else 'two'} durable "
-            f"commit(s) of a 1-row INSERT ({commit:.2f} ms each, round trip included)",
+            f"floor {floors[kind]:.2f} ms: "
+            f"{'one durable commit' if kind == 'noop' else 'two durable commits'} of a 1-row "
+            f"INSERT ({commit:.2f} ms each, its round trip included)",
         )
     for kind, label in (("noop", "no-op decision"), ("new", "new key, whole call")):
         cpu = median([x for r in rounds for x in r["cpu"][kind]])
