@@ -32,6 +32,7 @@ from airflow_idempotency._sql import query, query_rows
 from airflow_idempotency._transactions import bounded_transaction
 from airflow_idempotency.exceptions import ConfigurationError, InvalidInputError
 from airflow_idempotency.key_zone import check_key_zone
+from airflow_idempotency.leases import lease_is_live
 from airflow_idempotency.locks import run_lock_key
 
 API_URL_ENV = "AIRFLOW_IDEMPOTENCY_API_URL"
@@ -320,6 +321,8 @@ def plan(
 
 
 def _adoption(run: SucceededRun, job_name: str, keys: Any) -> Adoption:
+    from airflow_idempotency import airflow_task
+
     if run.task_states is not None and run.task_states.get(keys.task_id) != "success":
         state = run.task_states.get(keys.task_id)
         why = f"its state is {state}" if state else "it has no task instance in the run"
@@ -332,6 +335,16 @@ def _adoption(run: SucceededRun, job_name: str, keys: Any) -> Adoption:
             reason=f"task {keys.task_id!r} did not succeed in run {run.run_id!r} ({why})",
         )
     try:
+        if airflow_task.flag(run.conf, {}, "dry_run"):
+            return Adoption(
+                run,
+                keys.task_id,
+                job_name,
+                None,
+                "refused",
+                reason=f"run {run.run_id!r} is a dry run (conf dry_run): under the contract "
+                "it did not do the work; the date runs under the contract next time",
+            )
         resolved = keys.explain_run_key(
             kind=run.run_type,
             logical_date=run.logical_date,
@@ -355,36 +368,53 @@ def _states(
 
 def apply(conn: psycopg.Connection, schema: str, dag_id: str, rows: list[Adoption]) -> None:
     """Record every ``adopt`` row as completed, one transaction per key, with the zone its
-    key was made in; a key recorded or locked meanwhile is left alone (its row then says
+    key was made in, under the key's run lock; a key recorded or locked meanwhile (by a
+    run's lock session, or its live lease in the lease mode) is left alone (its row then says
     ``recorded`` or ``locked``), and so is one made in another zone than the job's recorded
-    keys (``refused``: the zone rule, as a run would be refused)."""
-    for row in rows:
-        if row.would != "adopt" or row.run_key is None:
-            continue
-        params = {
-            "job_name": row.job_name,
-            "run_key": row.run_key,
-            "lock_key": run_lock_key(row.job_name, row.run_key),
-            "dag_id": dag_id,
-            "run_id": row.run.run_id,
-            "task_id": row.task_id,
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "details": Jsonb({"adopted_from": row.run.as_details()}),
-            "key_zone": row.key_zone,
-        }
-        with bounded_transaction(conn, schema):
-            (acquired,) = conn.execute(query("adopt_lock", schema), params).fetchone() or (False,)
-            if not acquired:
-                row.would, row.reason = "locked", "another execution holds the key now"
-                continue
-            try:
-                check_key_zone(conn, schema, row.job_name, row.run_key, row.key_zone)
-            except ConfigurationError as exc:
-                row.would, row.reason = "refused", str(exc)
-                continue
-            adopted = conn.execute(query("adopt_run", schema), params).fetchone()
-        if adopted is None:
-            row.would, row.reason = "recorded", "recorded meanwhile"
-        else:
-            row.would = "adopted"
+    keys (``refused``: the zone rule, as a run would be refused).
+
+    Each transaction runs READ COMMITTED whatever the database's default (``conn`` must be
+    idle): what is read after the lock must be read in a snapshot taken after it, so that a
+    run or a lease that released or took the key just before is seen."""
+    previous = conn.isolation_level
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    try:
+        for row in rows:
+            if row.would == "adopt" and row.run_key is not None:
+                _adopt(conn, schema, dag_id, row, row.run_key)
+    finally:
+        conn.isolation_level = previous
+
+
+def _adopt(conn: psycopg.Connection, schema: str, dag_id: str, row: Adoption, run_key: str) -> None:
+    """One key of :func:`apply`, in a transaction of its own under the key's run lock."""
+    lock_key = run_lock_key(row.job_name, run_key)
+    params = {
+        "job_name": row.job_name,
+        "run_key": run_key,
+        "lock_key": lock_key,
+        "dag_id": dag_id,
+        "run_id": row.run.run_id,
+        "task_id": row.task_id,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "details": Jsonb({"adopted_from": row.run.as_details()}),
+        "key_zone": row.key_zone,
+    }
+    with bounded_transaction(conn, schema):
+        (acquired,) = conn.execute(query("adopt_lock", schema), params).fetchone() or (False,)
+        # Held, no lease can be taken (lease_acquire tries this lock): a lease live now,
+        # read by a statement after the lock, is a run of the lease mode working on the key.
+        if not acquired or lease_is_live(conn, lock_key, schema=schema):
+            row.would, row.reason = "locked", "another execution holds the key now"
+            return
+        try:
+            check_key_zone(conn, schema, row.job_name, run_key, row.key_zone)
+        except ConfigurationError as exc:
+            row.would, row.reason = "refused", str(exc)
+            return
+        adopted = conn.execute(query("adopt_run", schema), params).fetchone()
+    if adopted is None:
+        row.would, row.reason = "recorded", "recorded meanwhile"
+    else:
+        row.would = "adopted"

@@ -53,6 +53,7 @@ from airflow_idempotency.run_key import (
     RunKeyRule,
     resolve_run_key,
 )
+from airflow_idempotency.run_steps import WorkDeferred
 from airflow_idempotency.runner import RunOutcome, RunResult, Work, run_idempotently
 
 if TYPE_CHECKING:
@@ -281,6 +282,31 @@ def run_task(
     )
     task.last_run_outcome = result.outcome.value
     return result
+
+
+def deferrable(work: Work) -> Work:
+    """``work`` whose Airflow deferral (``TaskDeferred``) ends its attempt ``deferred``
+    (:class:`~airflow_idempotency.run_steps.WorkDeferred`) instead of failing it."""
+    from airflow_idempotency.compat import TaskDeferred
+
+    def deferring(ctx: Any) -> Mapping[str, Any] | None:
+        try:
+            return work(ctx)
+        except TaskDeferred as exc:
+            raise WorkDeferred(exc) from exc
+
+    return deferring
+
+
+def resumed_lock_failure(exc: RunLockedError, resumed: str) -> BaseException:
+    """The failure of a resumed task (after a deferral, in the method ``resumed``) whose key
+    another execution holds: it does not wait (a resumed task cannot be rescheduled back into
+    its trigger); a retry starts the task again from ``execute``, under the contract."""
+    return AirflowException(
+        f"{exc}; the resumed task ({resumed}) does not wait for it: this try fails, and a "
+        "retry (or a rerun) starts the task again from execute under the contract (a "
+        "no-op once the key is completed)"
+    )
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from airflow.providers.common.compat.sdk import (
     Param,
     Stats,
     TaskDecorator,
+    TaskDeferred,
     task_decorator_factory,
 )
 
@@ -265,6 +266,7 @@ __all__ = [
     "ReschedulingOperator",
     "Stats",
     "TaskDecorator",
+    "TaskDeferred",
     "add_partition_event",
     "airflow_run",
     "run_partition",

@@ -147,9 +147,24 @@ def _has_plain_keys(conn: psycopg.Connection, schema: str, job: str) -> bool:
 
 
 def stale(conn: psycopg.Connection, schema: str, job: str | None = None) -> list[dict[str, Any]]:
-    """Attempts still running whose lock nobody holds, and keys still started with no live
-    attempt: a worker died and nothing retried it yet. Oldest first, with their age."""
-    return query_rows(conn, "stale_runs", schema, {"job": job})
+    """Attempts still running whose lock nobody holds for them (the advisory mode: their lock
+    session ended; the lease mode: their lease expired or is gone), and keys still started
+    with no live attempt: a worker died and nothing retried it yet. Oldest first, with their
+    age and ``lock``: what became of the lock."""
+    found = query_rows(conn, "stale_runs", schema, {"job": job})
+    for row in found:
+        row["lock"] = _lock_gone(row)
+    return found
+
+
+def _lock_gone(row: dict[str, Any]) -> str:
+    if row["attempt_id"] is None:
+        return "nobody holds the lock and no attempt is running"
+    if row["lock_mode"] != "lease":
+        return "nobody holds the lock: its session ended"
+    if row["lease_expires_at"] is None:
+        return "its lease is gone (released or taken over)"
+    return f"its lease expired {row['lease_expires_at']:%Y-%m-%d %H:%M:%S %Z}, free to take over"
 
 
 def problems(
@@ -171,7 +186,7 @@ def problems(
         ]
         found += [
             f"{job} {row['run_key']}: stale since {row['started_at']:%Y-%m-%d %H:%M} (attempt "
-            f"{row['attempt_id']} on {row['hostname']}, nobody holds the lock)"
+            f"{row['attempt_id']} on {row['hostname']}, {row['lock']})"
             for row in stale(conn, schema, job)
         ]
     return found

@@ -25,11 +25,12 @@ from airflow_idempotency.leases import LeaseHeartbeat, acquire_lease, release_le
 from airflow_idempotency.locks import RunLock
 from airflow_idempotency.records import RunRecord
 from airflow_idempotency.run_context import autocommit_connection
-from airflow_idempotency.run_failures import named_failure, record_failure
+from airflow_idempotency.run_failures import named_failure, record_deferral, record_failure
 from airflow_idempotency.run_steps import (
     Run,
     RunOutcome,
     RunResult,
+    WorkDeferred,
     describe_holder,
     format_holder,
     log,
@@ -120,6 +121,11 @@ class LeaseRun(Run):
     def _run_lease(self, lease: RunLock, existing: RunRecord | None) -> RunResult:
         try:
             counts = self._start_and_work(None, lease, existing)
+        except WorkDeferred:
+            assert self.attempt_id is not None  # the work ran: its attempt was started
+            deferred = self._fence(lease)
+            record_deferral(None, self.spec, self.records, self.log, self.attempt_id, deferred)
+            raise
         except BaseException as exc:
             named = named_failure(None, exc, self.spec, lease)
             fence = self._fence(lease) if self.attempt_id is not None else None

@@ -19,6 +19,9 @@ name                                         meaning
 ``idempotency.run.takeover``                 a run took over the key from an attempt whose
                                              worker died (closed as abandoned)
 ``idempotency.run.dry_run``                  a dry run (rolled back)
+``idempotency.run.deferred``                 the work deferred (an Airflow deferrable
+                                             task under the policy): the key stays
+                                             started, the resumed task is a new attempt
 ``idempotency.run.decision_ms`` (timer)      lock + read + decision, before the work
 ``idempotency.run.work_ms`` (timer)          the work itself
 ``idempotency.ledger.sent``                  effects the remote confirmed now
@@ -43,7 +46,7 @@ from functools import cache
 from typing import Any, Protocol
 
 PREFIX = "idempotency"
-RUN_OUTCOMES = ("completed", "noop", "failed", "lock_held", "lock_lost", "dry_run")
+RUN_OUTCOMES = ("completed", "noop", "failed", "lock_held", "lock_lost", "dry_run", "deferred")
 LEDGER_COUNTS = ("sent", "skipped", "replayed", "failed", "pending", "unknown", "invalid")
 
 

@@ -24,12 +24,13 @@ from airflow_idempotency.compat import (
     add_partition_event,
     airflow_run,
 )
-from airflow_idempotency.exceptions import IdempotencyError, InvalidInputError
+from airflow_idempotency.exceptions import IdempotencyError, InvalidInputError, RunLockedError
 from airflow_idempotency.links import LINK_TARGET_ATTRIBUTE, run_key_links
 from airflow_idempotency.partitions import SEGMENT_DELIMITER
 from airflow_idempotency.records import RunOptions
 from airflow_idempotency.run_context import RunContext
 from airflow_idempotency.run_key import ResolvedRunKey, RunKeyRule, check_text
+from airflow_idempotency.run_steps import WorkDeferred
 from airflow_idempotency.runner import RunOutcome, RunResult
 from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
 
@@ -288,13 +289,43 @@ class IdempotentRunOperator(ReschedulingOperator):
         return airflow_task.dag_of(self)
 
     def execute(self, context: Context) -> dict[str, Any] | None:
+        return self._under_contract(context, self.run)
+
+    def resume_execution(
+        self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context
+    ) -> Any:
+        """A deferred task resumed by Airflow (its ``run`` deferred: ``self.defer(...)``): a
+        new attempt of its key whose work is the method ``next_method`` (it returns the
+        counts, as ``run`` does; ``__fail__``, a trigger's failure, raises), a no-op once the
+        key is completed. Resumed into ``execute`` itself: ``run`` again."""
+        if next_method == "execute":
+            return self._under_contract(context, self.run, next_method)
+        resume = super().resume_execution
+        return self._under_contract(
+            context, lambda ctx: resume(next_method, next_kwargs, context), next_method
+        )
+
+    def _under_contract(
+        self, context: Context, work: Callable[[RunContext], Any], resumed: str | None = None
+    ) -> dict[str, Any] | None:
+        """``work`` under the contract; a deferral (``TaskDeferred``) ends the attempt
+        ``deferred`` and goes to Airflow unchanged (docs/policy.md, deferrable operators)."""
         try:
-            return self._execute(context)
+            return self._execute(context, airflow_task.deferrable(work))
+        except WorkDeferred as deferred:
+            self.last_run_outcome: str | None = "deferred"  # notify_once reads it
+            raise deferred.deferral from None
+        except RunLockedError as exc:
+            if resumed is None:
+                raise self.airflow_failure(context, exc) from exc
+            raise airflow_task.resumed_lock_failure(exc, resumed) from exc
         except IdempotencyError as exc:
             raise self.airflow_failure(context, exc) from exc
 
-    def _execute(self, context: Context) -> dict[str, Any] | None:
-        self.last_run_outcome: str | None = None  # read by notify_once callbacks (this process)
+    def _execute(
+        self, context: Context, work: Callable[[RunContext], Any]
+    ) -> dict[str, Any] | None:
+        self.last_run_outcome = None  # read by notify_once callbacks (this process)
         options = self.run_options(context)
         # A dry run notifies nothing, even when it fails, also before its work starts (a key
         # refused, the database down): notify_once reads this.
@@ -314,7 +345,7 @@ class IdempotentRunOperator(ReschedulingOperator):
             self.schema,
             self.log,
         )
-        result = airflow_task.run_task(self.job_database, task_run, self.run, context, self)
+        result = airflow_task.run_task(self.job_database, task_run, work, context, self)
         if result.outcome is RunOutcome.NOOP and self.on_completed == "skip":
             raise AirflowSkipException(
                 f"job={job_name} run_key={resolved.run_key}: already completed, skipping"

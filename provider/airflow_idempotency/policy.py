@@ -14,6 +14,10 @@ the one the policy changed. For such a DAG:
   once completed, ``force`` / ``dry_run`` from the trigger's conf; while it executes, its run
   key and job are in the environment (:data:`RUN_KEY_ENV`, :data:`JOB_ENV`) for what it
   starts (dbt through cosmos: docs/dbt.md);
+- a deferral (``TaskDeferred``) ends the attempt ``deferred`` (the run stays started, the
+  lock is released, Airflow gets the exception unchanged), and ``resume_execution`` runs
+  under the contract too, as a new attempt of the key: a no-op once it is completed, else
+  the resumed method completes it (docs/policy.md, deferrable operators);
 - left alone: tasks with ``params={"idempotency_exempt": True}`` (or :func:`exempt`),
   tasks that are already idempotent (:class:`IdempotentRunOperator`,
   ``@task.idempotent_run``), sensors, branching and short-circuit operators, and mapped
@@ -156,7 +160,7 @@ def key_refusal(dag: Any) -> str | None:
     zone = getattr(parts[0], "_timezone", None) or dag.timezone
     for expression in expressions:
         days = _fire_days(expression, zone)
-        if len(set(days)) < len(days):
+        if len(set(days)) < len(days) or _twice_on_its_first_day(expression, zone):
             return (
                 f"its schedule {expression!r} fires more than once a day, and the policy keys "
                 "runs by day (the day's later runs would be no-ops)"
@@ -182,29 +186,57 @@ def key_refusal(dag: Any) -> str | None:
 
 
 def _fire_days(
-    expression: str, timezone: Any, runs: int | None = 8, span: int = 40
+    expression: str, timezone: Any, runs: int | None = 8, span: int = 40, start: Any = None
 ) -> list[dt.date]:
     """The local days of the cron ``expression``'s first ``runs`` fire times (all, for
-    ``None``) in the ``span`` days from 2026-01-05 (Airflow's own cron timetable, the same
-    on both lines)."""
+    ``None``) in the ``span`` days from ``start`` (2026-01-05) (Airflow's own cron timetable,
+    the same on both lines)."""
     import pendulum
     from airflow.timetables.trigger import CronTriggerTimetable
 
     from airflow_idempotency.planning import timetable_runs
 
-    tz = pendulum.timezone(str(getattr(timezone, "name", None) or timezone or "UTC"))
-    start = pendulum.datetime(2026, 1, 5, tz=tz)
+    tz = _zone(timezone)
+    start = start or pendulum.datetime(2026, 1, 5, tz=tz)
     fired = timetable_runs(
         CronTriggerTimetable(expression, timezone=tz), start, start.add(days=span)
     )
     return [r.logical_date.in_timezone(tz).date() for r in fired[:runs]]
 
 
+def _twice_on_its_first_day(expression: str, timezone: Any) -> bool:
+    """Whether the cron ``expression`` fires twice on the first day it fires within four
+    years of 2026-01-05: a cron firing twice a day only in some months (``0 8,20 * 3-5 *``,
+    ``0 6,18 29 2 *``) has no fire in the days :func:`_fire_days` samples."""
+    import pendulum
+    from airflow.timetables.base import TimeRestriction
+    from airflow.timetables.trigger import CronTriggerTimetable
+
+    tz = _zone(timezone)
+    start = pendulum.datetime(2026, 1, 5, tz=tz)
+    restriction = TimeRestriction(earliest=start, latest=start.add(days=1500), catchup=True)
+    first = CronTriggerTimetable(expression, timezone=tz).next_dagrun_info(
+        last_automated_data_interval=None, restriction=restriction
+    )
+    if first is None or first.logical_date is None:
+        return False
+    day = first.logical_date.in_timezone(tz).start_of("day")
+    days = _fire_days(expression, tz, runs=2, span=1, start=day)
+    return len(set(days)) < len(days)
+
+
+def _zone(timezone: Any) -> Any:
+    import pendulum
+
+    return pendulum.timezone(str(getattr(timezone, "name", None) or timezone or "UTC"))
+
+
 @functools.cache
 def _contract_class(cls: type) -> type:
-    """``cls`` with its ``execute`` under the contract: a subclass of the same name and
-    module. ``execute`` is set after the class is made, so that Airflow's metaclass does not
-    wrap it in a second ExecutorSafeguard (2.x: the original gets the sentinel it passes)."""
+    """``cls`` with its ``execute`` and ``resume_execution`` under the contract: a subclass of
+    the same name and module. ``execute`` is set after the class is made, so that Airflow's
+    metaclass does not wrap it in a second ExecutorSafeguard (2.x: the original gets the
+    sentinel it passes)."""
     sub = type(cls)(
         cls.__name__,
         (cls,),
@@ -216,56 +248,86 @@ def _contract_class(cls: type) -> type:
     )
 
     original = cls.execute  # type: ignore[attr-defined]
+    original_resume = cls.resume_execution  # type: ignore[attr-defined]
 
     def execute(self: Any, context: Any, **kwargs: Any) -> Any:
         return run_under_policy(self, context, lambda: original(self, context, **kwargs))
 
+    def resume_execution(
+        self: Any, next_method: str, next_kwargs: dict[str, Any] | None, context: Any
+    ) -> Any:
+        """A deferred task resumed by Airflow: a new attempt of its key, ``next_method`` (a
+        trigger's failure too: ``__fail__`` raises) its work. Resumed into ``execute``
+        itself: the original one, under this attempt (not a second contract inside it)."""
+        if next_method == "execute":
+            resume = functools.partial(original, self, context, **(next_kwargs or {}))
+        else:
+            resume = functools.partial(original_resume, self, next_method, next_kwargs, context)
+        return run_under_policy(self, context, resume, resumed=next_method)
+
     sub.execute = execute  # type: ignore[attr-defined]
+    sub.resume_execution = resume_execution  # type: ignore[attr-defined]
     return sub
 
 
-def run_under_policy(task: Any, context: Any, original: Any) -> Any:
-    """Run ``original`` (the task's own execute) under the contract for ``task``."""
+def run_under_policy(task: Any, context: Any, original: Any, resumed: str | None = None) -> Any:
+    """Run ``original`` (the task's own execute, or its resumption in the method ``resumed``
+    after a deferral) under the contract for ``task``."""
     from airflow_idempotency import airflow_task
-    from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS, airflow_run
-    from airflow_idempotency.connection import JobDatabase
-    from airflow_idempotency.exceptions import IdempotencyError
-    from airflow_idempotency.run_key import RunKeyRule
+    from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
+    from airflow_idempotency.exceptions import IdempotencyError, RunLockedError
+    from airflow_idempotency.run_steps import WorkDeferred
     from airflow_idempotency.runner import RunOutcome
-    from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
 
-    conn_id = _setting("policy_conn_id", DEFAULT_CONN_ID)
     # 2.x reschedules only tasks made for it (sensors): a locked key fails the try there,
     # and Airflow's retries try again.
     wait = airflow_task.LockWait("reschedule" if AIRFLOW_V_3_0_PLUS else "fail")
     task.last_run_outcome = None  # read by notify_once callbacks (this process)
+    returned: list[Any] = []
     try:
-        options = airflow_task.run_options(context)
-        # A dry run notifies nothing, even when it fails before its work (as the operator).
-        task.last_run_outcome = RunOutcome.DRY_RUN.value if options.dry_run else None
-        _check_not_mapped(task, context)
-        run = airflow_run(context)
-        mapping = airflow_task.KeyMapping(RunKeyRule())
-        resolved = airflow_task.context_run_key(mapping, task.dag, context, run)
-        task_run = airflow_task.TaskRun(
-            job_name=f"{task.dag_id}.{task.task_id}",
-            resolved=resolved,
-            options=options,
-            trigger=airflow_task.trigger(context, run, resolved.zone),
-            schema=_setting("policy_schema", DEFAULT_SCHEMA),
-            logger=task.log,
-        )
-        database = JobDatabase(conn_id)
-        airflow_task.check_connection(database, conn_id, "set [idempotency] policy_conn_id")
-        returned: list[Any] = []
-        result = airflow_task.run_task(
-            database, task_run, functools.partial(_work, task, original, returned), context, task
-        )
+        result = _run_task(task, context, functools.partial(_work, task, original, returned))
+    except WorkDeferred as deferred:
+        task.last_run_outcome = "deferred"
+        raise deferred.deferral from None  # Airflow's TaskDeferred, unchanged
+    except RunLockedError as exc:
+        if resumed is None:
+            raise airflow_task.airflow_failure(context, exc, wait, task.log) from exc
+        raise airflow_task.resumed_lock_failure(exc, resumed) from exc
     except IdempotencyError as exc:
         raise airflow_task.airflow_failure(context, exc, wait, task.log) from exc
     if result.outcome is RunOutcome.COMPLETED:
         return returned[0] if returned else None
     return (result.counts or {}).get("return_value")  # a no-op: what the first run returned
+
+
+def _run_task(task: Any, context: Any, work: Any) -> Any:
+    """The contract for ``task``'s execution of ``context``, ``work`` its work."""
+    from airflow_idempotency import airflow_task
+    from airflow_idempotency.compat import airflow_run
+    from airflow_idempotency.connection import JobDatabase
+    from airflow_idempotency.run_key import RunKeyRule
+    from airflow_idempotency.runner import RunOutcome
+    from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
+
+    conn_id = _setting("policy_conn_id", DEFAULT_CONN_ID)
+    options = airflow_task.run_options(context)
+    # A dry run notifies nothing, even when it fails before its work (as the operator).
+    task.last_run_outcome = RunOutcome.DRY_RUN.value if options.dry_run else None
+    _check_not_mapped(task, context)
+    run = airflow_run(context)
+    mapping = airflow_task.KeyMapping(RunKeyRule())
+    resolved = airflow_task.context_run_key(mapping, task.dag, context, run)
+    task_run = airflow_task.TaskRun(
+        job_name=f"{task.dag_id}.{task.task_id}",
+        resolved=resolved,
+        options=options,
+        trigger=airflow_task.trigger(context, run, resolved.zone),
+        schema=_setting("policy_schema", DEFAULT_SCHEMA),
+        logger=task.log,
+    )
+    database = JobDatabase(conn_id)
+    airflow_task.check_connection(database, conn_id, "set [idempotency] policy_conn_id")
+    return airflow_task.run_task(database, task_run, work, context, task)
 
 
 def _check_not_mapped(task: Any, context: Any) -> None:
@@ -290,8 +352,14 @@ def _work(task: Any, original: Any, returned: list[Any], ctx: Any) -> dict[str, 
     if ctx.dry_run:
         task.log.info("dry run: %s is not executed (the policy cannot roll it back)", task)
         return {}
+    from airflow_idempotency.compat import TaskDeferred
+    from airflow_idempotency.run_steps import WorkDeferred
+
     with _run_environment({RUN_KEY_ENV: ctx.run_key, JOB_ENV: ctx.job_name}):
-        value = original()
+        try:
+            value = original()
+        except TaskDeferred as exc:  # the attempt ends deferred, the key stays started
+            raise WorkDeferred(exc) from exc
     returned.append(value)
     return {"return_value": value} if _replayable(value) else {}
 

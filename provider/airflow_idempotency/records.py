@@ -33,7 +33,15 @@ _HOSTNAME = socket.gethostname()
 
 RunStatus = Literal["started", "completed", "failed"]
 AttemptOutcome = Literal[
-    "running", "completed", "failed", "noop", "lock_held", "dry_run", "lock_lost", "reset"
+    "running",
+    "completed",
+    "failed",
+    "noop",
+    "lock_held",
+    "dry_run",
+    "lock_lost",
+    "reset",
+    "deferred",
 ]
 
 
@@ -170,7 +178,7 @@ class RunRecords:
         )
 
     def decision_params(self, options: RunOptions, session: dict[str, str]) -> dict[str, Any]:
-        """The parameters of the ``decide`` query (migration 15's run_decide): the key, the
+        """The parameters of the ``decide`` query (migration 16's run_decide): the key, the
         switches, the lock transaction's ``session`` settings, and the columns of the no-op
         attempt it may record (as one JSON object)."""
         trigger = self.run.trigger

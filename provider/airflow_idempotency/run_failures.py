@@ -136,6 +136,42 @@ def record_failure(
         if not spec.options.dry_run:
             records.mark_failed(conn, attempt_id, error)
 
+    _end_attempt(lock_conn, spec, log, write, fence)
+
+
+def record_deferral(
+    lock_conn: psycopg.Connection | None,
+    spec: RunSpec,
+    records: RunRecords,
+    log: RunLogger,
+    attempt_id: int,
+    fence: Fence | None = None,
+) -> None:
+    """The work deferred (:class:`~airflow_idempotency.run_steps.WorkDeferred`): mark the
+    attempt ``deferred`` and leave the run ``started`` (its resumption is a new attempt of
+    the key), written as a failure is (:func:`record_failure`), so that the lock is
+    released at the same instant."""
+    log.info(
+        "deferred: this attempt ends here, the run stays started and its lock is released; "
+        "the resumed task runs as a new attempt of the key"
+    )
+    _count(spec, "deferred")
+
+    def write(conn: psycopg.Connection) -> None:
+        records.finish_attempt(conn, attempt_id, "deferred")
+
+    _end_attempt(lock_conn, spec, log, write, fence)
+
+
+def _end_attempt(
+    lock_conn: psycopg.Connection | None,
+    spec: RunSpec,
+    log: RunLogger,
+    write: Callable[[psycopg.Connection], None],
+    fence: Fence | None,
+) -> None:
+    """``write`` the attempt's end: in the lock transaction (advisory mode), in a fenced
+    transaction (lease mode, ``fence``), else from a fresh session."""
     if lock_conn is None:
         if fence is not None and _write_fenced(spec, fence, write):
             return
@@ -193,4 +229,7 @@ def _write_fresh(
         ):
             write(conn)  # READ COMMITTED: autocommit_connection pins it
     except (psycopg.Error, IdempotencyError) as record_exc:
-        log.warning("could not record the failure (%s); job_runs may still say started", record_exc)
+        log.warning(
+            "could not record how the attempt ended (%s); job_runs may still say started",
+            record_exc,
+        )

@@ -61,7 +61,7 @@ from airflow_idempotency.run_context import (
     RunSpec,
     autocommit_connection,
 )
-from airflow_idempotency.run_failures import named_failure, record_failure
+from airflow_idempotency.run_failures import named_failure, record_deferral, record_failure
 from airflow_idempotency.schema import (
     ensure_schema,
     missing_privileges,
@@ -75,6 +75,18 @@ START_WAIT_WARNING = 10
 
 Work = Callable[[RunContext], Mapping[str, Any] | None]
 _T = TypeVar("_T")
+
+
+class WorkDeferred(Exception):
+    """Raised by a work to end its attempt as ``deferred`` instead of failed: the attempt is
+    recorded ``deferred``, the run stays ``started``, the lock is released, and this
+    exception propagates out of :func:`~airflow_idempotency.runner.run_idempotently` with
+    the caller's own exception in :attr:`deferral` (the cluster policy's: Airflow's
+    ``TaskDeferred``, docs/policy.md). The work resumes later as a new attempt of the key."""
+
+    def __init__(self, deferral: BaseException) -> None:
+        super().__init__(f"the work deferred ({type(deferral).__name__})")
+        self.deferral = deferral
 
 
 class RunOutcome(str, enum.Enum):
@@ -213,7 +225,7 @@ def decide(
     conn: psycopg.Connection, spec: RunSpec, records: RunRecords, zone_checked: bool = False
 ) -> Decision:
     """Begin the lock transaction on ``conn`` and decide, in one round trip: the zone rule, the
-    run lock, the key's run record, and a completed key's no-op recorded (migration 15's
+    run lock, the key's run record, and a completed key's no-op recorded (migration 16's
     run_decide; the ``decide`` query says why one simple-protocol message). The lock
     transaction stays open; its COMMIT records a no-op."""
     run = spec.run
@@ -424,6 +436,10 @@ class Run:
     ) -> RunResult:
         try:
             counts = self._start_and_work(lock_conn, lock, existing)
+        except WorkDeferred:
+            assert self.attempt_id is not None  # the work ran: its attempt was started
+            record_deferral(lock_conn, self.spec, self.records, self.log, self.attempt_id)
+            raise
         except BaseException as exc:
             named = named_failure(lock_conn, exc, self.spec)
             record_failure(lock_conn, named, self.spec, self.records, self.log, self.attempt_id)

@@ -10,7 +10,7 @@
    holder and raise :class:`~airflow_idempotency.exceptions.RunLockedError`;
 2. **read** ``job_runs``: a completed key (and no ``force``) records a ``noop`` attempt and
    returns without calling ``work``. In the advisory mode the zone check, the lock, the read
-   and the no-op's record are one call, ``run_decide()`` (migration 15), sent with the lock
+   and the no-op's record are one call, ``run_decide()`` (migration 16), sent with the lock
    transaction's BEGIN (:func:`~airflow_idempotency.run_steps.decide`): a no-op decision takes
    two round trips, a new key four;
 3. **start**: on a new work connection, record the attempt and upsert ``job_runs`` to

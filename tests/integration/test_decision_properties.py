@@ -170,7 +170,7 @@ def test_the_run_decides_as_documented(db: str, steps: list[tuple[str, bool, boo
         assert _running_attempts(db, run_key) == left_running, where
 
 
-# -- the zone rule, decided in run_decide (migration 15) ------------------------------------
+# -- the zone rule, decided in run_decide (migration 16) ------------------------------------
 
 ZONES = ["UTC", "Etc/UTC", "+00:00", "Europe/Amsterdam", "Europe/Kyiv", "Europe/Kiev"]
 

@@ -8,17 +8,20 @@ Found:
   (``test_a_return_value_jsonb_refuses_does_not_undo_the_completion``);
 - schedules that fire more than once a day were taken: a MultipleCronTriggerTimetable of two
   daily crons and a ``relativedelta(hours=6)`` (``test_more_schedules_firing_twice_a_day_are_refused``);
+- a cron string firing twice a day only outside the 40 days the check sampled from January 5
+  (``'0 8,20 * 3-5 *'``, ``'0 6,18 31 12 *'``) was taken: those days' second runs no-ops
+  (``test_more_schedules_firing_twice_a_day_are_refused``; fixed: the cron's own minute and
+  hour fields are read);
 - a branching operator was put under the contract: on 2.11 its no-op skipped nothing and the
   branch not taken ran on a rerun of the date; on 3.x its skip (DownstreamTasksSkipped)
   recorded its key failed on every run
   (``test_a_branch_not_taken_stays_skipped_when_the_date_runs_again``);
-- xfail: a deferring operator's key is recorded failed (TaskDeferred) while Airflow resumes
-  it outside the contract: its first part runs again on every rerun
-  (``test_a_deferring_task_does_its_work_once_per_date``).
+- a deferring operator's key was recorded failed (TaskDeferred) while Airflow resumed it
+  outside the contract: its first part ran again on every rerun
+  (``test_a_deferring_task_does_its_work_once_per_date``; more in test_policy_deferral.py).
 
 Held: without the fix, a return value Airflow 3 itself cannot push (NaN, Infinity: httpx's
-JSON) fails the task in Airflow, not in the contract; the deferring task's run succeeds in
-Airflow (only its key is wrong, above). Read in the code, not driven here: a DAG parsed twice
+JSON) fails the task in Airflow, not in the contract. Read in the code, not driven here: a DAG parsed twice
 in one process is not wrapped twice (``protected()``, one cached subclass per class); tasks
 that are IdempotentRunOperator are left alone; sensors are left alone; a mapped task group's
 instances are refused (tests/integration/test_policy.py).
@@ -126,6 +129,10 @@ REFUSED = {
         "relativedelta(hours=6)",
         "from dateutil.relativedelta import relativedelta",
     ),
+    # Twice a day only in months the parse-time check did not sample (its 40 days from
+    # January 5): the spring quarter, the year's last day.
+    "twice a day in spring": ("'0 8,20 * 3-5 *'", ""),
+    "twice on new year's eve": ("'0 6,18 31 12 *'", ""),
 }
 
 
@@ -154,27 +161,23 @@ def test_more_schedules_firing_twice_a_day_are_refused(case: str, tmp_path: Path
 
 
 @pytest.mark.usefixtures("tagged")
-@pytest.mark.xfail(
-    strict=True,
-    reason="a deferring task leaves its key failed: the contract ends at execute, Airflow "
-    "resumes the task in its method_name outside it (TaskDeferred is recorded as a failure)",
-)
 def test_a_deferring_task_does_its_work_once_per_date(
     airflow_pg_conn: str, work_log: Path, tmp_path: Path
 ) -> None:
     """A deferrable operator (execute does its first part, then defers; Airflow resumes it in
-    another method): under the policy its first part runs again on every rerun of the date,
-    because the key is recorded failed (TaskDeferred) while Airflow records success."""
-    from airflow_idempotency.compat import AIRFLOW_V_3_0_PLUS
-
-    if not AIRFLOW_V_3_0_PLUS:
-        pytest.skip("the standard provider's triggers are Airflow 3's here")
+    another method): under the policy its first part ran again on every rerun of the date,
+    because the key was recorded failed (TaskDeferred) while Airflow recorded success. Now the
+    deferral ends the attempt ``deferred``, the resumption completes the key, and the rerun of
+    the date is a no-op."""
     dag = _inline_dag(
         tmp_path,
         """
         import datetime as dt
         from airflow.providers.common.compat.sdk import BaseOperator
-        from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
+        try:
+            from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
+        except ImportError:  # Airflow 2.11: core's
+            from airflow.triggers.temporal import TimeDeltaTrigger
 
         class Submit(BaseOperator):
             def execute(self, context):
@@ -194,6 +197,10 @@ def test_a_deferring_task_does_its_work_once_per_date(
         run = run_dag(dag, date)
         assert run.state == SUCCESS, task_states(run)
     assert _lines(work_log) == ["submit", "done"]
+    assert rows(airflow_pg_conn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
+    assert rows(
+        airflow_pg_conn, "SELECT outcome FROM idempotency.job_run_attempts ORDER BY attempt_id"
+    ) == [("deferred",), ("completed",), ("noop",)]
 
 
 @pytest.mark.usefixtures("tagged")

@@ -652,6 +652,29 @@ def test_locks_page_names_each_holder_and_its_age(auth_manager: Any, seeded: str
     assert 'id="no-locks"' in Client(auth_manager, "viewer").get("/locks").text
 
 
+def test_a_lease_is_shown_as_a_lock_held_on_every_page(auth_manager: Any, seeded: str) -> None:
+    """A run of the lease mode working now: its key is running (not interrupted) in the
+    overview and the calendar, listed among the locks with its lease (token, expiry), and its
+    key's page names the lease."""
+    with key_held(seeded, "demo_dag.load", "2026-10-08", scheduled("r8"), lock_mode="lease"):
+        client = Client(auth_manager, "viewer")
+        locks = client.json("/api/locks")["locks"]
+        page = client.get("/locks").text
+        overview = client.get("/").text
+        key_page = client.get("/keys", job="demo_dag.load", run_key="2026-10-08").text
+        key = client.json("/api/keys", job="demo_dag.load", run_key="2026-10-08")["key"]
+        ((token,),) = rows(seeded, "SELECT token FROM idempotency.run_leases")
+    (lock,) = locks
+    assert (lock["run_key"], lock["lock_mode"], lock["lease_token"]) == (
+        "2026-10-08",
+        "lease",
+        token,
+    )
+    assert f"lease token {token} of " in page and f"lease token {token}," in overview
+    assert "Lease held now" in key_page and f"token {token} of " in key_page
+    assert key["run"]["state"] == "running" and key["lease"]["live"]
+
+
 def test_overview_totals_unconfirmed_effects_per_remote_system(
     auth_manager: Any, seeded: str
 ) -> None:

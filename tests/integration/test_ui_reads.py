@@ -117,6 +117,7 @@ STATEMENTS: dict[str, dict[str, Any]] = {
     "ui_dag_keys": {"jobs": ["job_1", "job_4"], "before_key": None, "limit": 31},
     "ui_run_attempts": {"dag_id": "dag_1", "run_id": "scheduled__5", "task_id": None, "limit": 500},
     "ui_key_attempts": {"job": "job_1", "run_key": "2020-01-05", "limit": 200},
+    "ui_key_lease": {"lock_key": 1},
     "ui_jobs": {"limit": 200},
     "ui_open_by_job": {},
     "ui_job_bounds": {"job": "job_1"},

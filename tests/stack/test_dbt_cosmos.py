@@ -254,3 +254,43 @@ def test_dbt_models_under_the_contract_build_once_per_day_without_duplicates(
         f"dbt_shop: first run {first:.1f} s, no-op {again:.1f} s, crashed worker {crashed:.1f} s,"
         f" retry {retry:.1f} s, force {forced:.1f} s"
     )
+
+
+def test_a_failed_dbt_test_then_a_rerun_keeps_the_built_day_until_forced(
+    shop_env: dict[str, str], shop_dsn: str, dbt_executable: str
+) -> None:
+    """Adversary (issue 34): a day whose build fails its dbt test (a duplicate order in the
+    source). The model's run completed, so after the source is fixed a plain rerun of the day
+    does not rebuild it: the test fails again on the same build (docs/dbt.md: the model's day
+    is completed; force rebuilds it). The run key's environment is gone after a failed task as
+    after a passed one, and each model's task has its own job with the day's key."""
+    from airflow_idempotency.policy import JOB_ENV, RUN_KEY_ENV
+
+    bag = load_dag_bag(DBT_DAGS)
+    assert not bag.import_errors, bag.import_errors
+    dag = bag.dags["dbt_shop"]
+    rows(shop_dsn, "ALTER TABLE shop.raw_orders DROP CONSTRAINT raw_orders_pkey")
+    rows(shop_dsn, "INSERT INTO shop.raw_orders VALUES (9, 1, 5, '2026-10-03')")  # a duplicate
+    failed = run_dag(dag, _fire("2026-10-03"))
+    states = task_states(failed)
+    assert states["orders_daily.run"] == "success" and states["orders_daily.test"] == "failed"
+    assert RUN_KEY_ENV not in os.environ and JOB_ENV not in os.environ
+    assert _orders_per_day(shop_dsn) == {"2026-10-03": (2, 1)}
+
+    rows(shop_dsn, "DELETE FROM shop.raw_orders WHERE order_id = 9 AND amount = 5")  # fixed
+    rerun = run_dag(dag, _fire("2026-10-03"))
+    assert task_states(rerun)["orders_daily.test"] == "failed"  # the same build tested again
+    assert _builds(shop_dsn)[("orders_daily", "2026-10-03")] == 1
+
+    _run(dag, "2026-10-03", force=True)
+    assert _orders_per_day(shop_dsn) == {"2026-10-03": (1, 1)}
+    assert _builds(shop_dsn)[("orders_daily", "2026-10-03")] == 2
+    keys = rows(
+        shop_dsn,
+        "SELECT job_name, run_key, status FROM idempotency.job_runs ORDER BY 1",
+    )
+    assert keys == [
+        (f"dbt_shop.{m}.{s}", "2026-10-03", "completed")
+        for m in sorted(MODELS)
+        for s in ("run", "test")
+    ]

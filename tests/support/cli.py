@@ -34,12 +34,13 @@ def record(dsn: str, job: str, key: str, fail: bool = False) -> None:
         run_idempotently(connect=lambda: psycopg.connect(dsn), job_name=job, run_key=key, work=work)
 
 
-def abandon(dsn: str, job: str, key: str) -> None:
-    """A worker killed after its run started: the key says started, its attempt running."""
+def abandon(dsn: str, job: str, key: str, lock_mode: str = "advisory") -> None:
+    """A worker killed after its run started: the key says started, its attempt running. In
+    the lease mode its lease stays live until it expires (the default time to live, 30 s)."""
     code = (
         "import psycopg; from airflow_idempotency import run_idempotently;"
         f"run_idempotently(connect=lambda: psycopg.connect({dsn!r}), job_name={job!r},"
-        f" run_key={key!r}, work=lambda ctx: None)"
+        f" run_key={key!r}, work=lambda ctx: None, lock_mode={lock_mode!r})"
     )
     env = {**os.environ, "AIRFLOW_IDEMPOTENCY_CRASH_AT": "runner.after_started"}
     assert (

@@ -64,9 +64,16 @@ def lock_held_attempts(dsn: str) -> int:
 
 
 @contextlib.contextmanager
-def key_held(dsn: str, job: str, run_key: str, trigger: Trigger | None = None) -> Iterator[None]:
-    """A run of (job, run_key) in another thread, holding the key's lock while the block runs
-    (its work waits, at most 60 s); then the run completes and its thread is joined."""
+def key_held(
+    dsn: str,
+    job: str,
+    run_key: str,
+    trigger: Trigger | None = None,
+    lock_mode: str = "advisory",
+) -> Iterator[None]:
+    """A run of (job, run_key) in another thread, holding the key's lock (``lock_mode``
+    ``lease``: its lease) while the block runs (its work waits, at most 60 s); then the run
+    completes and its thread is joined."""
     started, release = threading.Event(), threading.Event()
 
     def slow(ctx: RunContext) -> None:
@@ -74,7 +81,8 @@ def key_held(dsn: str, job: str, run_key: str, trigger: Trigger | None = None) -
         release.wait(60)
 
     run: dict[str, Any] = {"connect": lambda: psycopg.connect(dsn), "job_name": job}
-    run.update(run_key=run_key, work=slow, **({"trigger": trigger} if trigger else {}))
+    run.update(run_key=run_key, work=slow, lock_mode=lock_mode)
+    run.update({"trigger": trigger} if trigger else {})
     worker = threading.Thread(target=run_idempotently, kwargs=run)
     worker.start()
     try:

@@ -46,7 +46,8 @@ NOT_MODELLED = {
     "and the model checks commits (tests/integration/test_ledger.py checks the calls)",
     "adopt_lock": "`adopt --apply` only tries the run lock and only writes a key without any "
     "record (adopt_run): no attempt, so nothing of an attempt to fence; a run that holds the "
-    "key keeps it (tests/integration/test_adopt.py)",
+    "key keeps it, by its lock or, after the lock, its live lease (lease_live; "
+    "tests/integration/test_adopt.py, test_lease_visibility.py)",
 }
 _DECIDES = re.compile(
     r"\{schema\}\.(fence_\w+|run_lock_held_by|run_decide)\(|pg_try_advisory_xact_lock"

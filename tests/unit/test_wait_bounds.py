@@ -52,7 +52,7 @@ SITES: dict[tuple[str, str, str], str] = {
     ("ledger/pipeline.py", "_write_intents", "bounded_transaction"): _BOUNDED,
     ("effects/notifications.py", "fenced_transaction", "bounded_transaction"): _BOUNDED,
     ("retention.py", "prune_attempts", "bounded_transaction"): _BOUNDED,
-    ("adoption.py", "apply", "bounded_transaction"): _BOUNDED + "; the key's run lock is "
+    ("adoption.py", "_adopt", "bounded_transaction"): _BOUNDED + "; the key's run lock is "
     "only tried (adopt_lock)",
     ("ui/reads.py", "snapshot", "BEGIN"): "statement_timeout for the page's transaction",
     ("ui/database.py", "pool", "ConnectionPool"): "the pool's timeout (pool_timeout) and "

@@ -57,9 +57,12 @@ def emit(
         return
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     cells = [[str(_plain(row.get(c))) for c in columns] for row in rows]
-    table = Table(title=title, title_justify="left")
+    # Text, not str: rich would read markup in what the rows hold (a task's error text, a run
+    # id, a user name): "[/data/x]" fails to print, "[link=...]" writes a terminal hyperlink.
+    table = Table(title=Text(title), title_justify="left")
     whole = 1  # the width the columns need, borders and padding included
     for index, column in enumerate(columns):
         widest = max([len(column), *(len(line[index]) for line in cells)])
@@ -70,10 +73,10 @@ def emit(
             table.add_column(column, overflow="fold", min_width=widest)
         whole += widest + 3
     for line in cells:
-        table.add_row(*line)
+        table.add_row(*(Text(cell) for cell in line))
     # Wider than the terminal rather than cut (rich shortens even no_wrap columns to fit).
     terminal = os.get_terminal_size().columns if sys.stdout.isatty() else 160
-    Console(width=max(120, terminal, whole)).print(table if rows else f"{title}: none")
+    Console(width=max(120, terminal, whole)).print(table if rows else Text(f"{title}: none"))
 
 
 def age(value: dt.timedelta) -> str:

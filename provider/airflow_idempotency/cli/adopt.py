@@ -75,6 +75,12 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.to_date < args.from_date:
         raise CommandError(f"--from {args.from_date} is after --to {args.to_date}", EXIT_USAGE)
+    if args.to_date == dt.date.max.isoformat():  # its day ends past Python's last date
+        raise CommandError(
+            f"--to {args.to_date} is the last day a date can hold, whose end cannot be "
+            "written: give a day before it (no DAG runs that late)",
+            EXIT_USAGE,
+        )
     first = dt.datetime.fromisoformat(args.from_date).replace(tzinfo=dt.timezone.utc)
     last = dt.datetime.fromisoformat(args.to_date).replace(tzinfo=dt.timezone.utc)
     dag = _dags.load_dag(args)

@@ -1,4 +1,7 @@
-"""``locks``: the run keys locked right now, and by whom."""
+"""``locks``: the run keys locked right now, and by whom.
+
+By a session's advisory lock, or by a worker's lease (the lease mode), live or expired (free
+to take over)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ def register(commands: Subcommands, common: argparse.ArgumentParser) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    """The run locks held now: the key, its status, the session and the worker holding it."""
+    """The run locks held now: the key, its status, the session (advisory mode) or the lease
+    (lease mode: its token, worker and expiry; an expired one is free to take over) and the
+    worker holding it."""
     with connect_read(args) as conn:
         rows = query_rows(conn, "cli_locks", args.schema)
     emit(
@@ -32,8 +37,13 @@ def handle(args: argparse.Namespace) -> int:
             "job_name",
             "run_key",
             "status",
+            "lock_mode",
+            "state",
             "backend_pid",
             "client",
+            "lease_token",
+            "lease_holder",
+            "lease_expires_at",
             "worker_host",
             "worker_pid",
             "attempt_started_at",

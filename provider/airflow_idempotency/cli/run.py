@@ -153,8 +153,10 @@ def run_dags_test(
 def judge(code: int, outcomes: Collection[str], *, dry_run: bool) -> Verdict:
     """The verdict on a run from Airflow's exit ``code`` and the ``outcomes`` of the attempts
     it recorded: locked elsewhere wins (exit 75); no attempt, a failed or lost one, or a
-    failing Airflow is a failure; only no-ops is a no-op; anything else completed."""
-    found = set(outcomes)
+    failing Airflow is a failure; only no-ops is a no-op; anything else completed. A
+    ``deferred`` attempt decides nothing (its resumption is another attempt): a run that only
+    deferred is not completed."""
+    found = set(outcomes) - {"deferred"}
     if "lock_held" in found:
         return Verdict("locked elsewhere", EXIT_LOCKED)
     if code != 0 or not found or found & {"failed", "lock_lost"}:

@@ -116,6 +116,16 @@ def stale(args: argparse.Namespace) -> int:
         args,
         "stale: running or started, nobody holds the lock",
         rows,
-        ["job_name", "run_key", "status", "attempt_id", "hostname", "pid", "started_at", "age"],
+        [
+            "job_name",
+            "run_key",
+            "status",
+            "attempt_id",
+            "hostname",
+            "pid",
+            "started_at",
+            "age",
+            "lock",
+        ],
     )
     return EXIT_FAILED if rows else EXIT_OK

@@ -44,7 +44,7 @@ FROM before;
 
 -- name: decide
 -- The first round trip of a run's lock transaction (the advisory mode, run_steps.Run._decide):
--- its BEGIN and run_decide() (migration 15: zone check, run lock, read, the no-op's record)
+-- its BEGIN and run_decide() (migration 16: zone check, run lock, read, the no-op's record)
 -- in ONE simple-protocol message, values bound by psycopg's client-side cursor. One message,
 -- not a pipeline: a connection pooler that refuses the transaction (statement mode) or gives
 -- up waiting for a server connection (query_wait_timeout) then closes the connection with
@@ -597,15 +597,22 @@ WHERE job_name = %(job)s AND run_key = %(run_key)s
 ORDER BY attempt_id;
 
 -- name: cli_locks
--- Advisory locks held right now in this database, matched to the run they protect.
-SELECT r.job_name, r.run_key, r.status, a.pid AS backend_pid, a.application_name,
+-- Run locks held right now in this database, matched to the run they protect: advisory locks
+-- (lock_mode advisory: the session holding each) and leases (lock_mode lease, migration 14:
+-- the worker, token and expiry of each). A lease that expired without being released (its
+-- worker stopped renewing it) is listed too, state 'expired, free to take over': the next run
+-- of the key takes it over; a live one is 'held'.
+SELECT r.job_name, r.run_key, r.status, 'advisory' AS lock_mode, 'held' AS state,
+       a.pid AS backend_pid, a.application_name,
        -- PostgreSQL shows another role's client only to pg_read_all_stats: NULL then, as
        -- for a Unix socket, whose client_port is -1
        coalesce(a.client_hostname, host(a.client_addr),
                 CASE a.client_port WHEN -1 THEN 'local socket' ELSE 'not shown to this role' END)
            AS client,
-       a.backend_start, att.hostname AS worker_host, att.pid AS worker_pid,
-       att.started_at AS attempt_started_at, att.dag_id, att.run_id
+       a.backend_start, NULL::bigint AS lease_token, NULL::text AS lease_holder,
+       NULL::timestamptz AS lease_expires_at, att.hostname AS worker_host, att.pid AS worker_pid,
+       att.started_at AS attempt_started_at, att.dag_id, att.run_id,
+       a.backend_start AS since
 FROM {schema}.held_run_locks() AS h
 JOIN pg_stat_activity AS a ON a.pid = h.pid
 LEFT JOIN {schema}.job_runs AS r ON r.lock_key = h.lock_key
@@ -616,7 +623,22 @@ LEFT JOIN LATERAL (
     ORDER BY attempt_id DESC
     LIMIT 1
 ) AS att ON true
-ORDER BY a.backend_start;
+UNION ALL
+SELECT r.job_name, r.run_key, r.status, 'lease',
+       CASE WHEN l.expires_at > clock_timestamp() THEN 'held'
+            ELSE 'expired, free to take over' END,
+       NULL, NULL, NULL, NULL, l.token, l.holder, l.expires_at, att.hostname, att.pid,
+       att.started_at, att.dag_id, att.run_id, l.acquired_at
+FROM {schema}.run_leases AS l
+LEFT JOIN {schema}.job_runs AS r ON r.lock_key = l.lock_key
+LEFT JOIN LATERAL (
+    SELECT hostname, pid, started_at, dag_id, run_id
+    FROM {schema}.job_run_attempts
+    WHERE lock_key = l.lock_key AND outcome = 'running' AND details->>'lease' = 'lease:' || l.token
+    ORDER BY attempt_id DESC
+    LIMIT 1
+) AS att ON true
+ORDER BY since;
 
 -- name: cli_ledger_summary
 -- Effects of every kind per job, key, remote and status; the unknown ones first.
@@ -678,7 +700,9 @@ ORDER BY attempt_id;
 -- Run keys of every job, newest key first, a page at a time: keyset pagination on
 -- (run_key, job_name), the order of job_runs_run_key_idx (migration 5).
 WITH held AS MATERIALIZED (
-    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+    SELECT h.lock_key FROM {schema}.held_run_locks() AS h
+    UNION  -- a live lease holds its key too (the lease mode, migration 14)
+    SELECT l.lock_key FROM {schema}.run_leases AS l WHERE l.expires_at > clock_timestamp()
 )
 SELECT r.job_name, r.run_key, r.status, r.triggered_by, r.triggering_user, r.dag_id, r.run_id,
        r.task_id, r.attempt_count, r.started_at, r.completed_at, r.updated_at, r.details,
@@ -699,7 +723,9 @@ LIMIT %(limit)s;
 -- locked, i.e. the worker died), last changed first: the newest of each status through
 -- job_runs_status_idx, never all of them.
 WITH held AS MATERIALIZED (
-    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+    SELECT h.lock_key FROM {schema}.held_run_locks() AS h
+    UNION  -- a live lease holds its key too (the lease mode, migration 14)
+    SELECT l.lock_key FROM {schema}.run_leases AS l WHERE l.expires_at > clock_timestamp()
 )
 SELECT o.*, o.lock_key IN (SELECT held.lock_key FROM held) AS locked
 FROM (
@@ -716,9 +742,11 @@ LIMIT %(limit)s;
 
 -- name: ui_locks
 -- Run locks held right now, by the attempt that holds each (job_run_attempts_running_idx),
--- with the holder's lock transaction start (held since) and its age.
+-- with the holder's lock transaction start (held since) and its age: advisory locks
+-- (lock_mode advisory: the session) and live leases (lock_mode lease, migration 14: the
+-- worker, token and expiry; held since the lease was taken).
 -- A lock taken a moment ago whose attempt is not recorded yet is not shown.
-SELECT att.job_name, att.run_key, r.status, a.pid AS backend_pid,
+SELECT att.job_name, att.run_key, r.status, 'advisory' AS lock_mode, a.pid AS backend_pid,
        -- PostgreSQL shows another role's client only to pg_read_all_stats: NULL then, as
        -- for a Unix socket, whose client_port is -1
        coalesce(a.client_hostname, host(a.client_addr),
@@ -726,6 +754,8 @@ SELECT att.job_name, att.run_key, r.status, a.pid AS backend_pid,
            AS client,
        a.backend_start, a.xact_start AS held_since,
        statement_timestamp() - coalesce(a.xact_start, att.started_at) AS age,
+       NULL::bigint AS lease_token, NULL::text AS lease_holder,
+       NULL::timestamptz AS lease_expires_at,
        att.attempt_id, att.hostname AS worker_host, att.pid AS worker_pid,
        att.started_at AS attempt_started_at, att.dag_id, att.run_id, att.task_id,
        att.map_index, att.try_number, att.triggered_by, att.triggering_user
@@ -741,7 +771,24 @@ JOIN LATERAL (
 ) AS att ON true
 LEFT JOIN {schema}.job_runs AS r ON r.job_name = att.job_name AND r.run_key = att.run_key
 WHERE %(all_dags)s OR att.dag_id = ANY(%(dag_ids)s::text[])
-ORDER BY att.started_at;
+UNION ALL
+SELECT att.job_name, att.run_key, r.status, 'lease', NULL, NULL, NULL, l.acquired_at,
+       statement_timestamp() - l.acquired_at, l.token, l.holder, l.expires_at,
+       att.attempt_id, att.hostname, att.pid, att.started_at, att.dag_id, att.run_id,
+       att.task_id, att.map_index, att.try_number, att.triggered_by, att.triggering_user
+FROM {schema}.run_leases AS l
+JOIN LATERAL (
+    SELECT attempt_id, job_name, run_key, hostname, pid, started_at, dag_id, run_id, task_id,
+           map_index, try_number, triggered_by, triggering_user
+    FROM {schema}.job_run_attempts
+    WHERE lock_key = l.lock_key AND outcome = 'running' AND details->>'lease' = 'lease:' || l.token
+    ORDER BY attempt_id DESC
+    LIMIT 1
+) AS att ON true
+LEFT JOIN {schema}.job_runs AS r ON r.job_name = att.job_name AND r.run_key = att.run_key
+WHERE l.expires_at > clock_timestamp()
+  AND (%(all_dags)s OR att.dag_id = ANY(%(dag_ids)s::text[]))
+ORDER BY attempt_started_at;
 
 -- name: ui_unconfirmed
 -- Run keys with external effects not confirmed by the remote (unknown, pending or failed), per
@@ -831,7 +878,9 @@ WITH keys AS (
     LIMIT %(limit)s
 ),
 held AS MATERIALIZED (
-    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+    SELECT h.lock_key FROM {schema}.held_run_locks() AS h
+    UNION  -- a live lease holds its key too (the lease mode, migration 14)
+    SELECT l.lock_key FROM {schema}.run_leases AS l WHERE l.expires_at > clock_timestamp()
 )
 SELECT r.run_key, r.job_name, r.status, r.triggered_by, r.triggering_user, r.dag_id,
        r.run_id, r.task_id, r.attempt_count, r.started_at, r.completed_at, r.updated_at,
@@ -901,7 +950,9 @@ LIMIT %(limit)s;
 -- How many runs of each job are failed, running now and interrupted (job_runs_status_idx:
 -- only the runs not completed are read).
 WITH held AS MATERIALIZED (
-    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+    SELECT h.lock_key FROM {schema}.held_run_locks() AS h
+    UNION  -- a live lease holds its key too (the lease mode, migration 14)
+    SELECT l.lock_key FROM {schema}.run_leases AS l WHERE l.expires_at > clock_timestamp()
 )
 SELECT r.job_name,
        count(*) FILTER (WHERE r.status = 'failed') AS failed,
@@ -949,7 +1000,9 @@ LIMIT 50;
 -- The visible job_runs rows of one job from from_key to to_key (a range of its primary key),
 -- each with whether its run lock is held now.
 WITH held AS MATERIALIZED (
-    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+    SELECT h.lock_key FROM {schema}.held_run_locks() AS h
+    UNION  -- a live lease holds its key too (the lease mode, migration 14)
+    SELECT l.lock_key FROM {schema}.run_leases AS l WHERE l.expires_at > clock_timestamp()
 )
 SELECT r.run_key, r.status, r.dag_id, r.run_id, r.attempt_count, r.updated_at, r.details,
        r.lock_key IN (SELECT held.lock_key FROM held) AS locked
@@ -963,7 +1016,9 @@ LIMIT %(limit)s;
 -- What one DAG run's tasks did (job_run_attempts_dag_run_idx), each with its key's
 -- current record when that is visible.
 WITH held AS MATERIALIZED (
-    SELECT DISTINCT h.lock_key FROM {schema}.held_run_locks() AS h
+    SELECT h.lock_key FROM {schema}.held_run_locks() AS h
+    UNION  -- a live lease holds its key too (the lease mode, migration 14)
+    SELECT l.lock_key FROM {schema}.run_leases AS l WHERE l.expires_at > clock_timestamp()
 )
 SELECT a.attempt_id, a.job_name, a.run_key, a.outcome, a.task_id, a.map_index, a.try_number,
        a.triggered_by, a.triggering_user, a.ti_id, a.run_type, a.clear_number, a.dag_version_id,
@@ -998,6 +1053,25 @@ WHERE a.visible
 ORDER BY a.attempt_id DESC
 LIMIT %(limit)s;
 
+-- name: ui_key_lease
+-- The lease of one key (the lease mode, migration 14), live or expired (an expired lease
+-- stays until the key's next run takes it over): the worker, its token, since and until when,
+-- and the running attempt it belongs to (when the reader may see that attempt's DAG).
+SELECT l.token, l.holder, l.acquired_at, l.renewed_at, l.expires_at,
+       l.expires_at > clock_timestamp() AS live,
+       att.attempt_id, att.hostname AS worker_host, att.pid AS worker_pid,
+       att.started_at AS attempt_started_at, att.dag_id, att.run_id, att.task_id
+FROM {schema}.run_leases AS l
+LEFT JOIN LATERAL (
+    SELECT attempt_id, hostname, pid, started_at, dag_id, run_id, task_id
+    FROM {schema}.job_run_attempts
+    WHERE lock_key = l.lock_key AND outcome = 'running' AND details->>'lease' = 'lease:' || l.token
+      AND (%(all_dags)s OR dag_id = ANY(%(dag_ids)s::text[]))
+    ORDER BY attempt_id DESC
+    LIMIT 1
+) AS att ON true
+WHERE l.lock_key = %(lock_key)s;
+
 -- name: job_known
 SELECT EXISTS (SELECT 1 FROM {schema}.job_runs WHERE job_name = %(job)s)
     OR EXISTS (SELECT 1 FROM {schema}.job_run_attempts WHERE job_name = %(job)s) AS known;
@@ -1025,12 +1099,24 @@ SELECT EXISTS (
 ) AS found;
 
 -- name: stale_runs
--- Work that nobody is doing: attempts still 'running' whose lock their session no longer
--- holds, and keys still 'started' with no live attempt (a worker died and nothing took the
--- key over yet). Running attempts come from the partial index of migration 3.
-WITH held AS MATERIALIZED (SELECT lock_key, pid FROM {schema}.held_run_locks())
+-- Work that nobody is doing: attempts still 'running' whose lock nobody holds for them (the
+-- advisory mode: their lock session no longer holds it; the lease mode: their lease, named
+-- in details.lease, is gone or expired), and keys still 'started' with no live attempt and no
+-- holder (a worker died and nothing took the key over yet); a key whose attempt deferred waits
+-- for Airflow to resume it (migration 15). Running attempts come from the partial index of
+-- migration 3. lease_expires_at: when an attempt's lease expired (NULL: the
+-- lease is gone, or the attempt is of the advisory mode).
+WITH held AS MATERIALIZED (SELECT lock_key, pid FROM {schema}.held_run_locks()),
+leased AS MATERIALIZED (
+    SELECT l.lock_key, 'lease:' || l.token AS holder, l.expires_at,
+           l.expires_at > clock_timestamp() AS live
+    FROM {schema}.run_leases AS l
+)
 SELECT a.job_name, a.run_key, r.status, a.attempt_id, a.hostname, a.pid, a.dag_id, a.run_id,
-       a.started_at, statement_timestamp() - a.started_at AS age
+       a.started_at, statement_timestamp() - a.started_at AS age,
+       CASE WHEN a.details ? 'lease' THEN 'lease' ELSE 'advisory' END AS lock_mode,
+       (SELECT le.expires_at FROM leased AS le
+        WHERE le.lock_key = a.lock_key AND le.holder = a.details->>'lease') AS lease_expires_at
 FROM {schema}.job_run_attempts AS a
 LEFT JOIN {schema}.job_runs AS r ON r.job_name = a.job_name AND r.run_key = a.run_key
 WHERE a.outcome = 'running'
@@ -1038,16 +1124,21 @@ WHERE a.outcome = 'running'
   AND NOT EXISTS (
       SELECT 1 FROM held AS h WHERE h.lock_key = a.lock_key AND h.pid = a.lock_backend_pid
   )
+  AND NOT EXISTS (
+      SELECT 1 FROM leased AS le
+      WHERE le.lock_key = a.lock_key AND le.live AND le.holder = a.details->>'lease'
+  )
 UNION ALL
 SELECT r.job_name, r.run_key, r.status, NULL, NULL, NULL, r.dag_id, r.run_id, r.started_at,
-       statement_timestamp() - r.started_at
+       statement_timestamp() - r.started_at, NULL, NULL
 FROM {schema}.job_runs AS r
 WHERE r.status = 'started'
   AND (%(job)s::text IS NULL OR r.job_name = %(job)s)
   AND NOT EXISTS (SELECT 1 FROM held AS h WHERE h.lock_key = r.lock_key)
+  AND NOT EXISTS (SELECT 1 FROM leased AS le WHERE le.lock_key = r.lock_key AND le.live)
   AND NOT EXISTS (
       SELECT 1 FROM {schema}.job_run_attempts AS a
-      WHERE a.attempt_id = r.current_attempt_id AND a.outcome = 'running'
+      WHERE a.attempt_id = r.current_attempt_id AND a.outcome IN ('running', 'deferred')
   )
 ORDER BY started_at;
 
@@ -1078,7 +1169,11 @@ FROM doomed;
 
 -- name: plan_states
 -- The state of (job, run key) pairs a backfill would run, and whether each is locked now.
-WITH held AS MATERIALIZED (SELECT lock_key FROM {schema}.held_run_locks())
+WITH held AS MATERIALIZED (
+    SELECT h.lock_key FROM {schema}.held_run_locks() AS h
+    UNION  -- a live lease holds its key too (the lease mode, migration 14)
+    SELECT l.lock_key FROM {schema}.run_leases AS l WHERE l.expires_at > clock_timestamp()
+)
 SELECT p.job_name, p.run_key, r.status,
        EXISTS (SELECT 1 FROM held AS h WHERE h.lock_key = p.lock_key) AS locked
 FROM unnest(%(jobs)s::text[], %(keys)s::text[], %(lock_keys)s::bigint[])

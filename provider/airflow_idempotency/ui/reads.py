@@ -114,7 +114,8 @@ class RunAttempts:
 
 @dataclass
 class KeyDetail:
-    """One (job, run key): its record, who holds its lock now, its attempts and effects."""
+    """One (job, run key): its record, who holds its lock now (a session, or a lease), its
+    attempts and effects."""
 
     job_name: str
     run_key: str
@@ -125,6 +126,8 @@ class KeyDetail:
     attempts_hidden: int
     effects: list[Row]
     unconfirmed: list[Row] = field(default_factory=list)
+    lease: Row | None = None
+    """The key's lease (the lease mode), live or expired (``live``), or None."""
 
 
 @dataclass
@@ -376,11 +379,13 @@ class RecordsReader:
                 return None
             if run is None and not attempts:
                 return None
-            holders = self._rows("run_lock_holder", lock_key=run_lock_key(job_name, run_key))
+            lock_key = run_lock_key(job_name, run_key)
+            holders = self._rows("run_lock_holder", lock_key=lock_key)
+            leases = self._rows("ui_key_lease", lock_key=lock_key)
             effects = self._rows("cli_ledger_summary", all=True, **params)
             unconfirmed = self._rows("cli_ledger_problems", limit=KEY_EFFECTS_LIMIT, **params)
         if run is not None:
-            run["locked"] = bool(holders)
+            run["locked"] = bool(holders) or any(lease["live"] for lease in leases)
             run["state"] = run_state(run)
         first = attempts[0] if attempts else {}
         total, hidden = int(first.get("visible_total") or 0), int(first.get("hidden_total") or 0)
@@ -397,6 +402,7 @@ class RecordsReader:
             attempts_hidden=hidden,
             effects=effects,
             unconfirmed=unconfirmed,
+            lease=leases[0] if leases else None,
         )
 
 

@@ -1,4 +1,4 @@
--- Version 16: the start trigger of migration 13 skips what the four-argument take-over already
+-- Version 17: the start trigger of migration 13 skips what the four-argument take-over already
 -- checked (issue 32, goal 4: a cheaper decision).
 --
 -- Migration 13's trigger (fence_at_start) reads pg_locks twice for every start: whether the

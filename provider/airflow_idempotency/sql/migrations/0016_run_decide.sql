@@ -1,4 +1,4 @@
--- Version 15: the decision of a run in one call (issue 32, goal 4: a cheaper decision).
+-- Version 16: the decision of a run in one call (issue 32, goal 4: a cheaper decision).
 --
 -- run_decide() is the first statement of a run's lock transaction (the advisory mode), sent
 -- with its BEGIN in one round trip (run_steps.Run._decide). In that one call it does what the
