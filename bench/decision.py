@@ -160,6 +160,61 @@ def _compare(steadies: dict[tuple[str, str], list[list[str]]]) -> str:
     )
 
 
+FLOOR_FACTOR = 2.0  # issue 32, goal 4: each decision within 2x its physical floor
+CPU_LIMIT_MS = 0.3  # the provider's own CPU per decision
+THROUGHPUT_RATIO = 0.1  # no-op decisions per second through a pool / a SELECT 1 loop
+ROUND_TRIPS = {"noop": 2, "new": 4}  # goal 4's round trips (the advisory mode)
+
+
+def _goal_rows(
+    result: BenchResult,
+    v: Variant,
+    rounds: list[dict[str, Any]],
+    new_ms: float,
+    noop_ms: float,
+    limit: bool,
+) -> None:
+    """Issue 32's goal 4, measured in the same processes: each decision against its physical
+    floor (a no-op: one round trip and one durable commit; a new key: two of each), this
+    process's CPU per call, and no-op decisions per second through a pool against a SELECT 1
+    loop on the same pool's connections."""
+    commit = median([x for r in rounds for x in r["samples"]["commit"]])
+    floors = {"noop": commit, "new": 2 * commit}  # a durable commit includes its round trip
+    for kind, wall, label in (("noop", noop_ms, "no-op decision"), ("new", new_ms, "new key")):
+        ratio = wall / floors[kind]
+        result.add(
+            f"{v.name}: {label} / its floor",
+            ratio,
+            "x",
+            f"<= {FLOOR_FACTOR:g}x" if limit else "",
+            at_most(ratio, FLOOR_FACTOR) if limit else None,
+            f"floor {floors[kind]:.2f} ms: "
+            f"{'one durable commit' if kind == 'noop' else 'two durable commits'} of a 1-row "
+            f"INSERT ({commit:.2f} ms each, its round trip included)",
+        )
+    for kind, label in (("noop", "no-op decision"), ("new", "new key, whole call")):
+        cpu = median([x for r in rounds for x in r["cpu"][kind]])
+        result.add(
+            f"{v.name}: client CPU per {label}, median",
+            cpu,
+            "ms",
+            f"<= {CPU_LIMIT_MS:g} ms" if limit else "",
+            at_most(cpu, CPU_LIMIT_MS) if limit else None,
+            "this thread's CPU time (the provider, psycopg and the pool)",
+        )
+    noops = median([r["throughput"]["noop_per_s"] for r in rounds])
+    select = median([r["throughput"]["select_1_per_s"] for r in rounds])
+    ratio = noops / select
+    result.add(
+        f"{v.name}: no-op/s through pool vs SELECT 1 loop",
+        ratio,
+        "x",
+        f">= {THROUGHPUT_RATIO:g}" if limit else "",
+        ratio >= THROUGHPUT_RATIO if limit else None,
+        f"{noops:.0f} no-op decisions/s, {select:.0f} SELECT 1/s; 8 threads, a pool of 8",
+    )
+
+
 def run(size: Size, server: PostgresServer) -> BenchResult:
     result = BenchResult("decision", TITLE)
     found, missing = variants()
@@ -223,6 +278,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         )
         result.add(f"{v.name}: round trips, new key", new_trips, "", note=new_spread)
         result.add(f"{v.name}: round trips, no-op decision", noop_trips, "", note=noop_spread)
+        if "commit" in out[v.name][0]["samples"]:  # this checkout's child (module doc)
+            _goal_rows(result, v, out[v.name], median(new), median(noop), limit)
 
     def ratio(a: str, b: str, kind: str, label: str) -> None:
         value = figures[a][kind] / figures[b][kind]

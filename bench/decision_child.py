@@ -227,6 +227,65 @@ def _distinct(seqs: list[list[list[str]]]) -> list[dict[str, Any]]:
     return [{"calls": n, "round_trips": json.loads(key)} for key, n in ordered]
 
 
+THREADS = 8
+SPAN_S = 1.5
+
+
+def _loop(threads: int, seconds: float, step: Callable[[int, int], None]) -> float:
+    """Calls of ``step(thread, i)`` per second, ``threads`` threads for ``seconds``."""
+    done = [0] * threads
+    stop = time.monotonic() + seconds
+
+    def worker(t: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            step(t, i)
+            i += 1
+        done[t] = i
+
+    started = time.monotonic()
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return sum(done) / (time.monotonic() - started)
+
+
+def _throughput(dsn: str, call: Callable[..., float], round_no: int) -> dict[str, float]:
+    """No-op decisions per second through a pool of THREADS connections, THREADS threads,
+    against a SELECT 1 loop on the same pool's connections (issue 32, goal 4)."""
+    keys = [f"r{round_no}-tp-{t}" for t in range(THREADS)]
+    with ConnectionPool(dsn, min_size=THREADS, max_size=THREADS, open=True, name="tp") as pool:
+        pool.wait()
+        for key in keys:
+            call(pool.connection, key, _completed())
+
+        def select_1(t: int, i: int) -> None:
+            with pool.connection() as c:
+                c.autocommit = True
+                c.execute("SELECT 1").fetchone()
+
+        def decision(t: int, i: int) -> None:
+            call(pool.connection, keys[(t + i) % THREADS], _noop_outcome())
+
+        select = _loop(THREADS, SPAN_S, select_1)
+        noops = _loop(THREADS, SPAN_S, decision)
+    return {"select_1_per_s": select, "noop_per_s": noops}
+
+
+def _completed() -> Any:
+    from airflow_idempotency.runner import RunOutcome
+
+    return RunOutcome.COMPLETED
+
+
+def _noop_outcome() -> Any:
+    from airflow_idempotency.runner import RunOutcome
+
+    return RunOutcome.NOOP
+
+
 def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]:
     from airflow_idempotency.runner import RunOutcome, run_idempotently
     from airflow_idempotency.schema import ensure_schema
@@ -234,17 +293,24 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
     def noop(_run: object) -> None:
         return None
 
+    cpu: dict[str, list[float]] = {"new": [], "noop": []}
+
     def call(connect: Callable[[], Any], key: str, expect: RunOutcome) -> float:
+        c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         res = run_idempotently(connect=connect, job_name=JOB, run_key=key, work=noop)
         wall = (time.perf_counter_ns() - t0) / 1e6
+        cpu["new" if expect is RunOutcome.COMPLETED else "noop"].append(
+            (time.thread_time_ns() - c0) / 1e6
+        )
         if res.outcome is not expect:
             raise AssertionError(f"{key}: {res.outcome} instead of {expect}")
         return wall
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         ensure_schema(conn)
-    samples: dict[str, list[float]] = {"new": [], "noop": [], "rtt": []}
+        conn.execute("CREATE TABLE IF NOT EXISTS public.bench_commit_probe (id bigserial)")
+    samples: dict[str, list[float]] = {"new": [], "noop": [], "rtt": [], "commit": []}
     warmup = min(30, max(3, calls // 4))
     with ConnectionPool(dsn, min_size=2, max_size=2, open=True, name="latency") as pool:
         for i in range(-warmup, calls):
@@ -256,10 +322,19 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
                 t0 = time.perf_counter_ns()
                 c.execute("SELECT 1").fetchone()
                 rtt = (time.perf_counter_ns() - t0) / 1e6
+                t0 = time.perf_counter_ns()  # a durable commit: one round trip and a WAL flush
+                c.execute("INSERT INTO public.bench_commit_probe DEFAULT VALUES")
+                commit = (time.perf_counter_ns() - t0) / 1e6
             if i >= 0:
                 samples["new"].append(new)
                 samples["noop"].append(noop_ms)
                 samples["rtt"].append(rtt)
+                samples["commit"].append(commit)
+            else:
+                cpu["new"].clear()
+                cpu["noop"].clear()
+    cpu_samples = {kind: list(values) for kind, values in cpu.items()}
+    throughput = _throughput(dsn, call, round_no)
 
     params = conninfo_to_dict(dsn)
     proxy = CountingProxy(str(params.get("host", "127.0.0.1")), int(str(params.get("port", 5432))))
@@ -310,6 +385,8 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
     return {
         "latency": {k: stats(v) for k, v in samples.items()},
         "samples": samples,
+        "cpu": cpu_samples,
+        "throughput": throughput,
         "trips": trips,
         "server_ms": {
             kind: {trip: statistics.median(v) for trip, v in by.items()}

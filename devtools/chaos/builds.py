@@ -86,8 +86,15 @@ COMPLETED_CHECK_OFF = Build(
     "completed-check-off",
     "a completed key is run again: the runner no longer no-ops on a completed key",
     patches=(
+        # The advisory mode decides in SQL (migration 0016's run_decide) ...
         Patch(
-            "run_steps.py",
+            "sql/migrations/0016_run_decide.sql",
+            "IF r.status IS DISTINCT FROM 'completed' OR p_force THEN",
+            "IF true THEN  -- broken build: completed-check-off",
+        ),
+        # ... the lease mode in Python.
+        Patch(
+            "lease_run.py",
             'if existing and existing.status == "completed" and not self.options.force:',
             "if False:  # broken build: completed-check-off",
         ),

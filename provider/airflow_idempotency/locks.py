@@ -38,6 +38,7 @@ import os
 import select
 import socket
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -225,11 +226,19 @@ def hold_run_lock(
     statement mode) and a :class:`PoolExhaustedError` when the pooler had no server
     connection for it (:func:`pooler_refusal`).
     """
+    with lock_transaction(conn):
+        yield _begin_and_try(conn, lock_key, schema=schema, application_name=application_name)
+
+
+@contextlib.contextmanager
+def lock_transaction(conn: psycopg.Connection) -> Iterator[None]:
+    """The span of a lock transaction on ``conn`` (an idle connection in autocommit mode,
+    dedicated to it): the block begins it with its first statement; leaving the block
+    normally commits it (unless the block ended it), an exception rolls it back."""
     if not conn.autocommit or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-        raise ValueError("hold_run_lock needs an idle connection in autocommit mode")
-    lock = _begin_and_try(conn, lock_key, schema=schema, application_name=application_name)
+        raise ValueError("a lock transaction needs an idle connection in autocommit mode")
     try:
-        yield lock
+        yield
     except BaseException:
         _end(conn, "ROLLBACK")
         raise
@@ -263,14 +272,20 @@ def _begin_and_try(
     already_held, acquired, backend_pid, holder = row[:4]
     if already_held:
         _end(conn, "ROLLBACK")
-        raise SharedSessionError(
-            f"server session {backend_pid} already held run lock {lock_key} before this run "
-            "tried it: the connection to the job database is shared with another client that "
-            "took the lock at session level (e.g. an older version of this provider behind a "
-            "pooler in transaction mode). Taking it again would exclude no one. Point that "
-            "client at a direct connection or pool_mode = session, or upgrade it."
-        )
+        raise shared_session_error(backend_pid, lock_key)
     return RunLock(lock_key, backend_pid, holder) if acquired else None
+
+
+def shared_session_error(backend_pid: int, lock_key: int) -> SharedSessionError:
+    """The error when the session already held run lock ``lock_key`` before this run tried
+    it (a session-level lock of another client of a pooled server connection)."""
+    return SharedSessionError(
+        f"server session {backend_pid} already held run lock {lock_key} before this run "
+        "tried it: the connection to the job database is shared with another client that "
+        "took the lock at session level (e.g. an older version of this provider behind a "
+        "pooler in transaction mode). Taking it again would exclude no one. Point that "
+        "client at a direct connection or pool_mode = session, or upgrade it."
+    )
 
 
 def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
@@ -335,12 +350,24 @@ def server_keepalive_settings(conn: psycopg.Connection) -> dict[str, str]:
     connection), else :data:`DEAD_PEER_DEFAULTS`; seconds, and ms for ``tcp_user_timeout``."""
     # The connection's own options as libpq holds them (``ConnectionInfo.get_parameters``
     # computes libpq's defaults and the home directory on every call: 113 us, measured; this
-    # reads the same options in 46 us, and a new key reads them twice).
+    # reads the same options in 46 us), once per connection: a pooled connection's options
+    # never change, and a new key reads them twice.
+    known = _keepalive_settings.get(conn)
+    if known is not None:
+        return dict(known)
     given = {option.keyword.decode(): option.val for option in conn.pgconn.info}
-    return {
+    settings = {
         name: (given.get(name) or b"").decode() or str(DEAD_PEER_DEFAULTS[name])
         for name in _DEAD_PEER
     }
+    with contextlib.suppress(TypeError):  # a connection class that takes no weak reference
+        _keepalive_settings[conn] = settings
+    return dict(settings)
+
+
+_keepalive_settings: weakref.WeakKeyDictionary[psycopg.Connection, dict[str, str]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 _DEAD_PEER = ("keepalives_idle", "keepalives_interval", "keepalives_count", "tcp_user_timeout")

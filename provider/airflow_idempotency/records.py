@@ -119,6 +119,10 @@ def get_run(conn: psycopg.Connection, schema: str, job_name: str, run_key: str) 
     return run_record(query_row(conn, "get_run", schema, params))
 
 
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
 def run_record(row: dict[str, Any] | None) -> RunRecord | None:
     """A row of the ``get_run`` query (a dict row) as a :class:`RunRecord`."""
     return RunRecord(**row) if row else None
@@ -158,16 +162,50 @@ class RunRecords:
             "map_index": trigger.map_index,
             **trigger.provenance.params,
             # Facts of the trigger that have no column: the attempt's details from its start.
-            "trigger_details": Jsonb(
-                ({"partition_key": trigger.partition_key} if trigger.partition_key else {})
-                | ({"lease": lock.holder} if lock and lock.is_lease else {})
-            ),
+            "trigger_details": Jsonb(self._trigger_details(lock)),
             "key_zone": trigger.key_zone,
             "hostname": _HOSTNAME,
             "pid": os.getpid(),
             # a lease has no lock session (the lease mode: its holder is in the details)
             "lock_backend_pid": lock.backend_pid if lock and not lock.is_lease else None,
             "force": options.force,
+        }
+
+    def _trigger_details(self, lock: RunLock | None) -> dict[str, Any]:
+        trigger = self.run.trigger
+        return ({"partition_key": trigger.partition_key} if trigger.partition_key else {}) | (
+            {"lease": lock.holder} if lock and lock.is_lease else {}
+        )
+
+    def decision_params(self, options: RunOptions, session: dict[str, str]) -> dict[str, Any]:
+        """The parameters of the ``decide`` query (migration 16's run_decide): the key, the
+        switches, the lock transaction's ``session`` settings, and the columns of the no-op
+        attempt it may record (as one JSON object)."""
+        trigger = self.run.trigger
+        provenance = trigger.provenance
+        attempt = {
+            "triggered_by": trigger.triggered_by,
+            "triggering_user": trigger.triggering_user,
+            "dag_id": trigger.dag_id,
+            "run_id": trigger.run_id,
+            "task_id": trigger.task_id,
+            "try_number": trigger.try_number,
+            "map_index": trigger.map_index,
+            "hostname": _HOSTNAME,
+            "pid": os.getpid(),
+            "dry_run": options.dry_run,
+            "trigger_details": self._trigger_details(None),
+            "ti_id": _text(provenance.ti_id),
+            "run_type": provenance.run_type,
+            "clear_number": provenance.clear_number,
+            "dag_version_id": _text(provenance.dag_version_id),
+        }
+        return {
+            **self.run.key_params,
+            "force": options.force,
+            "key_zone": trigger.key_zone,
+            "session": Jsonb(session),
+            "attempt": Jsonb(attempt),
         }
 
     def insert_attempt(

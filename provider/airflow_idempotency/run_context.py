@@ -47,6 +47,9 @@ class RunLogger:
         self.attempt: int | None = None
 
     def _emit(self, level: int, msg: str, args: tuple[Any, ...]) -> None:
+        enabled = getattr(self._logger, "isEnabledFor", None)
+        if enabled is not None and not enabled(level):
+            return  # a stdlib logger that drops the line: nothing to format
         text = msg % args if args else msg
         prefix = f"job={self._job_name} run_key={self._run_key} attempt={self.attempt or '-'}"
         self._logger.log(level, "%s %s", prefix, text)

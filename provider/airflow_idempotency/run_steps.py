@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import json
 import logging
 import os
@@ -22,10 +23,11 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.rows import dict_row
 
-from airflow_idempotency import metrics, records
+from airflow_idempotency import metrics
 from airflow_idempotency._sql import query, query_row
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
+    ConfigurationError,
     IdempotencyError,
     LockLostError,
     LockWaitError,
@@ -38,8 +40,15 @@ from airflow_idempotency.fence import (
     fence_sqlstate,
     lock_wait_refusal,
 )
-from airflow_idempotency.key_zone import check_key_zone
-from airflow_idempotency.locks import RunLock, hold_run_lock, pooler_refusal
+from airflow_idempotency.key_zone import same_zone, zone_changed_message
+from airflow_idempotency.locks import (
+    RunLock,
+    lock_transaction,
+    lock_wait_ms,
+    pooler_refusal,
+    server_keepalive_settings,
+    shared_session_error,
+)
 from airflow_idempotency.records import (
     RunOptions,
     RunRecord,
@@ -110,6 +119,33 @@ class RunResult:
         }
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the decision found: the run lock (``None``: another session holds it), the key's
+    run record, and the no-op attempt it recorded (a completed key, not forced)."""
+
+    lock: RunLock | None
+    existing: RunRecord | None
+    noop_attempt_id: int | None
+
+
+_RUN_COLUMNS = (
+    "status",
+    "triggered_by",
+    "triggering_user",
+    "dag_id",
+    "run_id",
+    "task_id",
+    "attempt_count",
+    "current_attempt_id",
+    "started_at",
+    "completed_at",
+    "updated_at",
+    "details",
+    "completed_counts",
+)
+
+
 def replayed(existing: RunRecord) -> dict[str, Any]:
     """The counts a no-op passes on: those the completing attempt's work returned (details
     also keeps what failed attempts and resets added); details if that attempt was pruned."""
@@ -129,9 +165,14 @@ def describe_holder(conn: psycopg.Connection, schema: str, lock_key: int) -> dic
     return holder
 
 
+@functools.cache
+def _application_name_of(pid: int) -> str:
+    return f"airflow-idempotency {socket.gethostname()} pid {pid}"
+
+
 def _application_name() -> str:
     """What pg_stat_activity shows for a run's lock session (Postgres keeps 63 bytes)."""
-    return f"airflow-idempotency {socket.gethostname()} pid {os.getpid()}"
+    return _application_name_of(os.getpid())
 
 
 def format_holder(holder: Mapping[str, Any]) -> str:
@@ -178,6 +219,55 @@ def _privilege_refusal(
             return privilege_refusal(exc, conn, schema, migrating=False, missing=missing)
     except psycopg.Error:
         return None
+
+
+def decide(
+    conn: psycopg.Connection, spec: RunSpec, records: RunRecords, zone_checked: bool = False
+) -> Decision:
+    """Begin the lock transaction on ``conn`` and decide, in one round trip: the zone rule, the
+    run lock, the key's run record, and a completed key's no-op recorded (migration 16's
+    run_decide; the ``decide`` query says why one simple-protocol message). The lock
+    transaction stays open; its COMMIT records a no-op."""
+    run = spec.run
+    session = {
+        "lock_wait_ms": lock_wait_ms(),
+        "application_name": _application_name(),
+        **server_keepalive_settings(conn),
+    }
+    params = records.decision_params(spec.options, session)
+    if zone_checked:
+        params["key_zone"] = None
+    cursor = psycopg.ClientCursor(conn, row_factory=dict_row)
+    cursor.execute(query("decide", spec.environment.schema), params)
+    cursor.nextset()
+    row = cursor.fetchone()
+    assert row is not None
+    decision = row["decision"]
+    if decision == "zone":
+        zone = run.trigger.key_zone
+        assert zone is not None
+        for earlier in row["zone_conflicts"]:
+            if not same_zone(earlier["key_zone"], zone):
+                raise ConfigurationError(
+                    zone_changed_message(run.job_name, run.run_key, zone, earlier)
+                )
+        conn.execute("ROLLBACK")  # the same zone written another way: decide again
+        return decide(conn, spec, records, zone_checked=True)
+    if decision == "shared":
+        raise shared_session_error(row["backend_pid"], run.lock_key)
+    if decision == "locked":
+        return Decision(None, None, None)
+    existing = (
+        RunRecord(
+            job_name=run.job_name,
+            run_key=run.run_key,
+            **{name: row[name] for name in _RUN_COLUMNS},
+        )
+        if row["run_found"]
+        else None
+    )
+    lock = RunLock(run.lock_key, row["backend_pid"], row["holder"])
+    return Decision(lock, existing, row["noop_attempt_id"])
 
 
 def _warn_start_waits(logger: RunLogger) -> None:
@@ -243,27 +333,22 @@ class Run:
     def _execute(self) -> RunResult:
         with autocommit_connection(self.spec.connect) as lock_conn:
             ensure_schema(lock_conn, self.schema)
-            run = self.spec.run
-            check_key_zone(lock_conn, self.schema, run.job_name, run.run_key, run.trigger.key_zone)
-            with hold_run_lock(
-                lock_conn,
-                self.spec.run.lock_key,
-                schema=self.schema,
-                application_name=_application_name(),
-            ) as lock:
-                if lock is None:
+            with lock_transaction(lock_conn):
+                decided = self._bounded(
+                    "the decision of", decide, lock_conn, self.spec, self.records
+                )
+                if decided.lock is None:
                     refusal = self._bounded(
                         "recording the refusal of", self._record_lock_held, lock_conn
                     )
                 else:
                     crash_point("runner.after_lock")
-                    existing = self._bounded("reading the run record of", self._read, lock_conn)
-                    if existing and existing.status == "completed" and not self.options.force:
-                        noop, commit = self._noop, True
-                        return self._bounded(
-                            "recording the no-op of", noop, lock_conn, lock, existing, commit
-                        )
-                    return self._run(lock_conn, lock, existing)
+                    if decided.noop_attempt_id is not None:
+                        assert decided.existing is not None
+                        lock_conn.execute("COMMIT")  # the noop attempt and the lock's release
+                        self.attempt_id = decided.noop_attempt_id
+                        return self._noop_result(decided.existing)
+                    return self._run(lock_conn, decided.lock, decided.existing)
             raise refusal  # after the lock transaction committed the lock_held attempt
 
     # -- 1. lock (when another session holds it) ------------------------------------------
@@ -300,24 +385,7 @@ class Run:
         self._count("lock_held")
         return RunLockedError(message, holder=holder)
 
-    # -- 2. read ----------------------------------------------------------------------------
-
-    def _read(self, conn: psycopg.Connection) -> RunRecord | None:
-        """The key's ``job_runs`` row, read in a savepoint that is rolled back at once.
-
-        Rolling back the savepoint drops the table lock (AccessShareLock) the read took,
-        which would otherwise last as long as the lock transaction: a migration's ALTER
-        TABLE would wait behind every running job, and every query behind that migration.
-        One round trip for the three statements.
-        """
-        params = {"job_name": self.job_name, "run_key": self.run_key}
-        with conn.pipeline():
-            conn.execute("SAVEPOINT read_run")
-            cursor = conn.cursor(row_factory=dict_row).execute(
-                query("get_run", self.schema), params
-            )
-            conn.execute("ROLLBACK TO SAVEPOINT read_run")
-        return records.run_record(cursor.fetchone())
+    # -- 2. the no-op (the lease mode records it itself) -----------------------------------
 
     def _noop(
         self, conn: psycopg.Connection, lock: RunLock, existing: RunRecord, and_commit: bool
@@ -332,6 +400,12 @@ class Run:
             details={"completed_at": completed_at},
             and_commit=and_commit,
         )
+        return self._noop_result(existing)
+
+    def _noop_result(self, existing: RunRecord) -> RunResult:
+        """The no-op is recorded (``self.attempt_id``): log and count it; pass the completed
+        run's counts on."""
+        assert self.attempt_id is not None
         self.log.attempt = self.attempt_id
         self._decided()
         self._count("noop")

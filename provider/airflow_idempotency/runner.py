@@ -6,11 +6,13 @@
 1. **lock**: validate the job name and run key, and the zone the key was made in against
    the job's earlier keys (:mod:`~airflow_idempotency.key_zone`; nothing is written when
    they are refused), then take the run lock in a transaction held open on a dedicated connection
-   (:func:`~airflow_idempotency.locks.hold_run_lock`) for the whole run. If another session
-   holds it, record a ``lock_held`` attempt naming the holder and raise
-   :class:`~airflow_idempotency.exceptions.RunLockedError`;
+   for the whole run. If another session holds it, record a ``lock_held`` attempt naming the
+   holder and raise :class:`~airflow_idempotency.exceptions.RunLockedError`;
 2. **read** ``job_runs``: a completed key (and no ``force``) records a ``noop`` attempt and
-   returns without calling ``work``;
+   returns without calling ``work``. In the advisory mode the zone check, the lock, the read
+   and the no-op's record are one call, ``run_decide()`` (migration 16), sent with the lock
+   transaction's BEGIN (:func:`~airflow_idempotency.run_steps.decide`): a no-op decision takes
+   two round trips, a new key four;
 3. **start**: on a new work connection, record the attempt and upsert ``job_runs`` to
    ``started`` (committed at once, so everyone sees the run in progress);
 4. **work**: call ``work`` with a :class:`~airflow_idempotency.run_context.RunContext`;

@@ -170,6 +170,66 @@ def test_the_run_decides_as_documented(db: str, steps: list[tuple[str, bool, boo
         assert _running_attempts(db, run_key) == left_running, where
 
 
+# -- the zone rule, decided in run_decide (migration 16) ------------------------------------
+
+ZONES = ["UTC", "Etc/UTC", "+00:00", "Europe/Amsterdam", "Europe/Kyiv", "Europe/Kiev"]
+
+
+def _attempts(dsn: str, job: str) -> int:
+    sql = "SELECT count(*) FROM idempotency.job_run_attempts WHERE job_name = %s"
+    return int(rows(dsn, sql, (job,))[0][0])
+
+
+@settings(_SETTINGS, max_examples=30)
+@given(
+    first=st.sampled_from(ZONES),
+    then=st.sampled_from(ZONES),
+    same_key=st.booleans(),
+    force=st.booleans(),
+)
+@example(first="UTC", then="Etc/UTC", same_key=True, force=False)
+@example(first="Europe/Kyiv", then="Europe/Kiev", same_key=False, force=False)
+@example(first="UTC", then="Europe/Amsterdam", same_key=True, force=False)
+def test_the_zone_rule_refuses_only_another_zone(
+    db: str, first: str, then: str, same_key: bool, force: bool
+) -> None:
+    """A job's key made in one zone, then a run of it (the same key or another) made in a
+    zone written any way: refused before anything is written (no attempt, no lock tried)
+    exactly when the zones differ (key_zone.same_zone); otherwise decided as any run (a
+    completed key not forced is a no-op)."""
+    from airflow_idempotency import ConfigurationError
+    from airflow_idempotency.key_zone import same_zone
+    from airflow_idempotency.records import Trigger
+
+    job = _fresh("zones")
+    keys = ["2026-10-01", "2026-10-01" if same_key else "2026-10-02"]
+    run: dict[str, Any] = {"connect": lambda: psycopg.connect(db), "job_name": job}
+    done = run_idempotently(
+        **run, run_key=keys[0], work=lambda ctx: None, trigger=Trigger(key_zone=first)
+    )
+    assert done.outcome is RunOutcome.COMPLETED
+    before = _attempts(db, job)
+    calls: list[int] = []
+    try:
+        result: Any = run_idempotently(
+            **run,
+            run_key=keys[1],
+            work=lambda ctx: calls.append(1),
+            trigger=Trigger(key_zone=then),
+            options=RunOptions(force=force),
+        )
+    except ConfigurationError as exc:
+        result = exc
+    if not same_zone(first, then):
+        assert isinstance(result, ConfigurationError) and first in str(result), result
+        assert calls == [] and _attempts(db, job) == before, result
+    elif same_key and not force:
+        assert result.outcome is RunOutcome.NOOP and calls == [], result
+        assert _attempts(db, job) == before + 1
+    else:
+        assert result.outcome is RunOutcome.COMPLETED and calls == [1], result
+
+
 # -- the ledger's claim ---------------------------------------------------------------------
 
 STORED = st.sampled_from(["absent", "pending", "failed", "succeeded", "unknown"])

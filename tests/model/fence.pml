@@ -11,7 +11,7 @@
  * provider/airflow_idempotency/sql/queries.sql (the test checks that each exists and that every
  * fence statement is modelled). The checksum below is that of the fence's SQL (the fence_*
  * queries, acquire_run_lock, start_attempt, complete_attempt and every migration that defines
- * a fence function: 0006, 0008, 0010, 0012, 0013, 0014): when the SQL changes, the test fails until the model is
+ * a fence function: 0006, 0008, 0010, 0012, 0013, 0014, 0017): when the SQL changes, the test fails until the model is
  * reviewed and the checksum updated. Reviewed for 0010 (the commit-time check runs at COMMIT
  * or refuses: the model's check and commit are one step) and 0011 (start_attempt records the
  * attempt's provenance: no fence change) and 0012 (the start's check of its own lock, modelled
@@ -24,9 +24,15 @@
  * (the token is the holder's identity, as the vxid is: every acquisition draws a new one, so
  * held_by(a) compares it; the pid plays no part), and the advisory path is unchanged; the
  * start trigger also refuses an advisory-mode start while a lease is live (the two modes on one
- * key: not modelled, the model's attempts are of one mode).
+ * key: not modelled, the model's attempts are of one mode). Reviewed for 0016 (issue 32: the
+ * decision in one call, sql: decide, whose run_decide() tries the run lock as acquire_run_lock
+ * does: the lock step below stands for both; its read and the no-op's record write nothing the
+ * model checks) and 0017 (the four-argument take-over marks its transaction once its check
+ * passed, and the start trigger of 0013 skips its pg_locks reads for a marked start: the
+ * model's start step is that check, made once under the exclusive fence key; an old worker's
+ * start sets no mark and is checked by the trigger as before, the -DPID_ONLY variant's start).
  *
- * fence-sql-sha256: 27b2944a739e2f1f1ba074583abf555eb7f402bcb49f5bdbf4abbb14f74706b2
+ * fence-sql-sha256: 1f4369990a5ebba12064d98bcb59cc10562d82961b47636c10b9d337311b9262
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
@@ -129,7 +135,7 @@ proctype Attempt(byte me) {
     bool held_at_commit;
     bool ok;
 
-    /* sql: acquire_run_lock (the lock transaction); -DLEASE: sql: lease_acquire */
+    /* sql: acquire_run_lock or sql: decide (the lock transaction); -DLEASE: sql: lease_acquire */
     atomic {
         if
         :: !run_locked ->

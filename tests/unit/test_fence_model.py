@@ -49,7 +49,9 @@ NOT_MODELLED = {
     "key keeps it, by its lock or, after the lock, its live lease (lease_live; "
     "tests/integration/test_adopt.py, test_lease_visibility.py)",
 }
-_DECIDES = re.compile(r"\{schema\}\.(fence_\w+|run_lock_held_by)\(|pg_try_advisory_xact_lock")
+_DECIDES = re.compile(
+    r"\{schema\}\.(fence_\w+|run_lock_held_by|run_decide)\(|pg_try_advisory_xact_lock"
+)
 _READS_HOLDER = re.compile(r"\{schema\}\.held_run_locks\(")
 _WRITES = re.compile(r"^\s*(WITH\b.*)?\b(UPDATE|INSERT|DELETE)\b", re.MULTILINE | re.DOTALL)
 

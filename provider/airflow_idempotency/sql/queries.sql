@@ -42,6 +42,18 @@ SELECT before.already_held,
                                 %(keepalives_count)s, %(tcp_user_timeout)s) AS dead_peer
 FROM before;
 
+-- name: decide
+-- The first round trip of a run's lock transaction (the advisory mode, run_steps.Run._decide):
+-- its BEGIN and run_decide() (migration 16: zone check, run lock, read, the no-op's record)
+-- in ONE simple-protocol message, values bound by psycopg's client-side cursor. One message,
+-- not a pipeline: a connection pooler that refuses the transaction (statement mode) or gives
+-- up waiting for a server connection (query_wait_timeout) then closes the connection with
+-- nothing of the client's left unread, so its error reaches the client (pipelined statements
+-- after the BEGIN would reset the connection, and the pooler's words would be lost).
+BEGIN ISOLATION LEVEL READ COMMITTED;
+SELECT * FROM {schema}.run_decide(%(lock_key)s, %(job_name)s, %(run_key)s, %(force)s,
+                                  %(key_zone)s, %(session)s, %(attempt)s);
+
 -- name: run_lock_holder
 -- Who holds a run lock, in one round trip: the session (from pg_stat_activity) and the
 -- attempt it runs, as recorded by that attempt itself (host and pid of the worker).
