@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections.abc import Mapping
 from types import SimpleNamespace
+from typing import Any
 
 import psycopg
 import pytest
@@ -30,20 +32,20 @@ SAME = {"run_id": "r1", "task_id": "load", "map_index": None, "clear_number": 0}
 OTHER = {"run_id": "r2", "task_id": "other", "map_index": 3, "clear_number": 1}
 
 
-def _trigger(fields: dict[str, object], try_number: int) -> Trigger:
+def _trigger(fields: Mapping[str, Any], try_number: int) -> Trigger:
     return Trigger(
         triggered_by="manual",
         dag_id="d",
         run_id=str(fields["run_id"]),
         task_id=str(fields["task_id"]),
         try_number=try_number,
-        map_index=fields["map_index"],  # type: ignore[arg-type]
-        provenance=Provenance(clear_number=fields["clear_number"]),  # type: ignore[arg-type]
+        map_index=fields["map_index"],
+        provenance=Provenance(clear_number=fields["clear_number"]),
     )
 
 
 def _task_run(run_key: str, trigger: Trigger) -> TaskRun:
-    resolved = ResolvedRunKey(run_key, "conf", "from the test")  # type: ignore[arg-type]
+    resolved = ResolvedRunKey(run_key, "conf", "from the test")
     options = RunOptions(force=True, dry_run=False)
     logger = logging.getLogger("test")
     return TaskRun(JOB, resolved, options, trigger, "idempotency", logger)

@@ -169,7 +169,7 @@ def test_adopt_apply_sees_a_lease_taken_just_before_its_lock_whatever_the_isolat
                 "ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'"
             ).format(sql.Identifier(conn.info.dbname))
         )
-    real_query = adoption.query
+    real_query = adoption.query  # type: ignore[attr-defined]
 
     def lease_taken_first(name: str, schema: str) -> Any:
         if name == "adopt_lock":  # the key's transaction began: a worker takes the lease now

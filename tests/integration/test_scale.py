@@ -97,7 +97,7 @@ def test_pgbouncer_keeps_answering_after_many_logins(pg_server: PostgresServer) 
         temporary_database(pg_server, "scale_logins") as dsn,
         pgbouncer.run_pgbouncer(pg_server, "transaction", pool_size=2) as bouncer,
     ):
-        target = bouncer.dsn(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+        target = bouncer.dsn(str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]))
         began = time.monotonic()
         for _ in range(600):
             with psycopg.connect(target, autocommit=True, connect_timeout=5) as conn:
