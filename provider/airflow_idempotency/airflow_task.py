@@ -291,8 +291,8 @@ def run_task(
 
 
 def honour_force_once(job_database: JobDatabase, task_run: TaskRun) -> TaskRun:
-    """``task_run`` without ``force`` when this very DAG run (the same task, map index and
-    clear) already completed the key: its force was honoured by an earlier try, and a retry
+    """``task_run`` without ``force`` when an earlier try of this very DAG run (the same task,
+    map index and clear) already completed the key: its force was honoured, and a retry
     (after a worker lost between the completion and Airflow's success) must not recompute
     it again. A Clear of the run (a new clear number) or a new forced run recomputes.
 
@@ -307,6 +307,7 @@ def honour_force_once(job_database: JobDatabase, task_run: TaskRun) -> TaskRun:
         "task_id": trigger.task_id,
         "map_index": trigger.map_index,
         "clear_number": trigger.provenance.clear_number,
+        "try_number": trigger.try_number,
     }
     try:
         with autocommit_connection(job_database.new_connection) as conn:

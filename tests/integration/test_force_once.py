@@ -60,10 +60,13 @@ def _task_run(run_key: str, trigger: Trigger) -> TaskRun:
 @given(
     differs=st.sets(st.sampled_from(sorted(SAME))),
     completed=st.booleans(),
+    later_try=st.booleans(),
 )
-def test_force_is_dropped_only_for_a_key_this_very_dag_run_completed(
-    pg_dsn: str, differs: set[str], completed: bool
+def test_force_is_dropped_only_for_a_key_an_earlier_try_of_this_dag_run_completed(
+    pg_dsn: str, differs: set[str], completed: bool, later_try: bool
 ) -> None:
+    """``later_try`` False: the asking try is try 1 again, as in a DAG run deleted and
+    triggered again for its logical date (the same run id and clear number)."""
     run_key = f"2026-10-{next(_serial):04d}"
     first = {**SAME, **{name: OTHER[name] for name in differs}}
 
@@ -82,10 +85,10 @@ def test_force_is_dropped_only_for_a_key_this_very_dag_run_completed(
             trigger=_trigger(first, 1),
         )
     database = SimpleNamespace(new_connection=lambda: psycopg.connect(pg_dsn))
-    asked = _task_run(run_key, _trigger(SAME, 2))
+    asked = _task_run(run_key, _trigger(SAME, 2 if later_try else 1))
     decided = honour_force_once(database, asked)  # type: ignore[arg-type]
-    expected_force = not (completed and not differs)
-    assert decided.options.force is expected_force, (differs, completed)
+    expected_force = not (completed and not differs and later_try)
+    assert decided.options.force is expected_force, (differs, completed, later_try)
     assert decided.options.dry_run is False
 
 

@@ -231,14 +231,17 @@ ORDER BY l.pid, c.relname;
 
 -- name: completed_by_this_dag_run
 -- The attempt that completed the key, when it ran in this very DAG run, task, map index and
--- clear: a retry of a forced run reads it (its force was honoured by an earlier try).
+-- clear, in an earlier try: a retry of a forced run reads it (its force was honoured by an
+-- earlier try). An earlier try, not the same one: a DAG run deleted and triggered again for
+-- its logical date has the same run id and clear number, and starts again at try 1.
 SELECT a.attempt_id, a.try_number
 FROM {schema}.job_runs AS r
 JOIN {schema}.job_run_attempts AS a ON a.attempt_id = r.current_attempt_id
 WHERE r.job_name = %(job_name)s AND r.run_key = %(run_key)s AND r.status = 'completed'
   AND a.outcome = 'completed' AND a.dag_id = %(dag_id)s AND a.run_id = %(run_id)s
   AND a.task_id = %(task_id)s AND a.map_index IS NOT DISTINCT FROM %(map_index)s::integer
-  AND a.clear_number IS NOT DISTINCT FROM %(clear_number)s::integer;
+  AND a.clear_number IS NOT DISTINCT FROM %(clear_number)s::integer
+  AND a.try_number < %(try_number)s::integer;
 
 -- name: get_run
 -- completed_counts: what the completing attempt's work returned (details also keeps what
