@@ -153,13 +153,7 @@ class RunRecords:
         trigger = self.run.trigger
         return {
             **self.run.key_params,
-            "triggered_by": trigger.triggered_by,
-            "triggering_user": trigger.triggering_user,
-            "dag_id": trigger.dag_id,
-            "run_id": trigger.run_id,
-            "task_id": trigger.task_id,
-            "try_number": trigger.try_number,
-            "map_index": trigger.map_index,
+            **self._trigger_columns(),
             **trigger.provenance.params,
             # Facts of the trigger that have no column: the attempt's details from its start.
             "trigger_details": Jsonb(self._trigger_details(lock)),
@@ -169,6 +163,20 @@ class RunRecords:
             # a lease has no lock session (the lease mode: its holder is in the details)
             "lock_backend_pid": lock.backend_pid if lock and not lock.is_lease else None,
             "force": options.force,
+        }
+
+    def _trigger_columns(self) -> dict[str, Any]:
+        """Who triggered the attempt and the Airflow ids it ran under: columns of every
+        attempt row, whichever statement writes it."""
+        trigger = self.run.trigger
+        return {
+            "triggered_by": trigger.triggered_by,
+            "triggering_user": trigger.triggering_user,
+            "dag_id": trigger.dag_id,
+            "run_id": trigger.run_id,
+            "task_id": trigger.task_id,
+            "try_number": trigger.try_number,
+            "map_index": trigger.map_index,
         }
 
     def _trigger_details(self, lock: RunLock | None) -> dict[str, Any]:
@@ -184,13 +192,7 @@ class RunRecords:
         trigger = self.run.trigger
         provenance = trigger.provenance
         attempt = {
-            "triggered_by": trigger.triggered_by,
-            "triggering_user": trigger.triggering_user,
-            "dag_id": trigger.dag_id,
-            "run_id": trigger.run_id,
-            "task_id": trigger.task_id,
-            "try_number": trigger.try_number,
-            "map_index": trigger.map_index,
+            **self._trigger_columns(),
             "hostname": _HOSTNAME,
             "pid": os.getpid(),
             "dry_run": options.dry_run,
