@@ -25,7 +25,7 @@ from bench.common import (
     say,
     settled_load_average,
 )
-from bench.report import render_markdown, render_table
+from bench.report import merge_markdown, render_markdown, render_table
 from devtools.postgres import find_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,6 +77,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "100 500 1000)",
     )
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace these benchmarks' rows and sections in BENCHMARKS.md (or --output), "
+        "leaving every other benchmark's as it is, and say when and at what load they were "
+        "re-measured",
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in args.names if name not in BENCHMARKS]
     if unknown:
@@ -129,11 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Only a complete run at the target size replaces BENCHMARKS.md by default.
     complete = size.name == "full" and not args.only
-    output = args.output or (ROOT / "BENCHMARKS.md" if complete else None)
+    output = args.output or (ROOT / "BENCHMARKS.md" if complete or args.merge else None)
     if output and not args.no_write:
-        output.write_text(
-            render_markdown(results, size, machine, command, started), encoding="utf-8"
-        )
+        if args.merge:
+            existing = output.read_text(encoding="utf-8")
+            text = merge_markdown(existing, results, machine, command, started)
+        else:
+            text = render_markdown(results, size, machine, command, started)
+        output.write_text(text, encoding="utf-8")
         say(f"wrote {output}")
     return 1 if any(r.error for r in results) else 0
 

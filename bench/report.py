@@ -142,3 +142,83 @@ def render_markdown(
         "",
     ]
     return "\n".join(out)
+
+
+def merge_markdown(
+    existing: str,
+    results: Sequence[BenchResult],
+    machine: dict[str, str],
+    command: str,
+    started: dt.datetime,
+) -> str:
+    """BENCHMARKS.md with the rows and sections of ``results`` replaced by this run's (added
+    where new), a line saying which benchmarks were re-measured, when, how and at what load,
+    and the targets' count redone; every other benchmark's rows and sections are left as
+    they were."""
+    lines = existing.split("\n")
+    names = {r.name for r in results}
+    table = [i for i, line in enumerate(lines) if line.startswith("| ") and _bench_of(line)]
+    first = next((i for i in table if _bench_of(lines[i]) in names), None)
+    kept = [i for i in table if _bench_of(lines[i]) not in names]
+    new_rows = [
+        "| " + " | ".join(_md_escape(c) for c in cells) + " |" for cells in _all_rows(results)
+    ]
+    at = first if first is not None else (table[-1] + 1 if table else len(lines))
+    body = [lines[i] for i in kept if i < at] + new_rows + [lines[i] for i in kept if i >= at]
+    out = lines[: table[0]] + body + lines[table[-1] + 1 :] if table else lines + body
+    minutes = sum(r.seconds for r in results) / 60
+    said = (
+        f"- Re-measured on {started.strftime('%Y-%m-%d %H:%M UTC')} ({minutes:.1f} min): "
+        + ", ".join(f"`{r.name}`" for r in results)
+        + f", by `{command}` on the same machine, load average {machine['load average']} at the "
+        f"start and {machine['load average (end)']} at the end; their rows and sections below "
+        "are from that run, every other row from the runs above."
+    )
+    last_said = max(
+        i for i, line in enumerate(out) if line.startswith(("- Date:", "- Re-measured"))
+    )
+    out.insert(last_said + 1, said)
+    for result in results:
+        out = _replace_section(out, result)
+    return _recount_targets("\n".join(out))
+
+
+def _bench_of(line: str) -> str | None:
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) < len(COLUMNS) or cells[0] in ("benchmark", "---") or cells[0].startswith("-"):
+        return None
+    return cells[0]
+
+
+def _replace_section(lines: list[str], result: BenchResult) -> list[str]:
+    section = [
+        f"## {result.title}",
+        "",
+        f"Wall time of this benchmark: {result.seconds:.0f} s.",
+        "",
+    ]
+    if result.error:
+        section += [f"**FAILED**: `{result.error}`", ""]
+    for note in result.notes:
+        section += [note, ""]
+    heads = [i for i, line in enumerate(lines) if line.startswith("## ")]
+    start = next((i for i in heads if lines[i] == f"## {result.title}"), None)
+    if start is None:
+        where = next(i for i in heads if lines[i] == "## What these benchmarks changed")
+        return lines[:where] + section + lines[where:]
+    end = next((i for i in heads if i > start), len(lines))
+    return lines[:start] + section + lines[end:]
+
+
+def _recount_targets(text: str) -> str:
+    verdicts = [line.split("|")[6].strip() for line in text.split("\n") if _table_row(line)]
+    met, missed = verdicts.count("ok"), verdicts.count("MISSED")
+    out = [
+        f"Targets: {met} met, {missed} missed." if line.startswith("Targets: ") else line
+        for line in text.split("\n")
+    ]
+    return "\n".join(out)
+
+
+def _table_row(line: str) -> bool:
+    return line.startswith("| ") and _bench_of(line) is not None and line.count("|") >= 8
