@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ from airflow_idempotency.run_context import (
     RunContext,
     RunLogger,
     RunSpec,
+    SlowStepWatch,
     autocommit_connection,
 )
 from airflow_idempotency.run_failures import named_failure, record_deferral, record_failure
@@ -244,6 +244,10 @@ def decide(
     existing = decided_run(run.job_name, run.run_key, row) if row["run_found"] else None
     lock = RunLock(run.lock_key, row["backend_pid"], row["holder"])
     return Decision(lock, existing, row["noop_attempt_id"])
+
+
+_START_WATCH = SlowStepWatch(START_WAIT_WARNING)
+os.register_at_fork(after_in_child=_START_WATCH.reset)
 
 
 def _warn_start_waits(logger: RunLogger) -> None:
@@ -479,15 +483,10 @@ class Run:
         The start takes the key over from the fence first: it waits until no transaction of
         an earlier attempt is still open (records.start_attempt).
         """
-        waiting = threading.Timer(START_WAIT_WARNING, _warn_start_waits, (self.log,))
-        waiting.daemon = True
-        waiting.start()
-        try:
+        with _START_WATCH.watching(functools.partial(_warn_start_waits, self.log)):
             self.attempt_id, count, abandoned = self._bounded(
                 "the start of", self.records.start_attempt, conn, lock, self.options
             )
-        finally:
-            waiting.cancel()
         self.log.attempt = self.attempt_id
         if self.options.dry_run:
             self.log.info(
