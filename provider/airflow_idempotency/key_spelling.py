@@ -77,6 +77,8 @@ def check_text(value: object, what: str) -> str:
         raise InvalidInputError(f"{what} {value!r} is empty or has leading/trailing blanks")
     if len(value) > MAX_KEY_LENGTH:
         raise InvalidInputError(f"{what} is {len(value)} characters long; at most {MAX_KEY_LENGTH}")
+    if value.isascii() and value.isprintable():
+        return value  # printable ASCII: no refused character, no combining mark, NFC already
     bad = [c for c in value if _refused(c)]
     if bad:
         names = ", ".join(f"U+{ord(c):04X} {unicodedata.name(c, '(unnamed)')}" for c in bad[:5])
@@ -110,6 +112,8 @@ def _refused(char: str) -> bool:
 def folded(text: str) -> str:
     """``text`` with compatibility forms folded (NFKC: a fullwidth digit two or hyphen to
     ``2`` and ``-``) and every decimal digit written in ASCII (Arabic-Indic two to ``2``)."""
+    if text.isascii():
+        return text  # ASCII is its own NFKC form, its digits ASCII already
     text = unicodedata.normalize("NFKC", text)
     return "".join(
         str(unicodedata.decimal(c))

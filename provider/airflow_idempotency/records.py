@@ -119,6 +119,32 @@ def get_run(conn: psycopg.Connection, schema: str, job_name: str, run_key: str) 
     return run_record(query_row(conn, "get_run", schema, params))
 
 
+_DECIDED_COLUMNS = (
+    "status",
+    "triggered_by",
+    "triggering_user",
+    "dag_id",
+    "run_id",
+    "task_id",
+    "attempt_count",
+    "current_attempt_id",
+    "details",
+    "completed_counts",
+)
+_DECIDED_TIMES = ("started_at", "completed_at", "updated_at")
+
+
+def decided_run(job_name: str, run_key: str, row: dict[str, Any]) -> RunRecord:
+    """The ``job_runs`` row that run_decide read, from the ``decide`` query's JSON object
+    (its timestamps are ISO 8601 text there)."""
+    times: dict[str, Any] = {
+        name: None if row[name] is None else dt.datetime.fromisoformat(row[name])
+        for name in _DECIDED_TIMES
+    }
+    columns = {name: row[name] for name in _DECIDED_COLUMNS}
+    return RunRecord(job_name=job_name, run_key=run_key, **columns, **times)
+
+
 def _text(value: object) -> str | None:
     return None if value is None else str(value)
 

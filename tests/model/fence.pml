@@ -31,8 +31,11 @@
  * passed, and the start trigger of 0013 skips its pg_locks reads for a marked start: the
  * model's start step is that check, made once under the exclusive fence key; an old worker's
  * start sets no mark and is checked by the trigger as before, the -DPID_ONLY variant's start).
+ * Reviewed for sql: decide returning run_decide()'s row as one JSON text (row_to_json, issue
+ * 32's client CPU): the same call with the same arguments in the same message after the same
+ * BEGIN, so the lock step below stands for it unchanged; only the row's form changed.
  *
- * fence-sql-sha256: 1f4369990a5ebba12064d98bcb59cc10562d82961b47636c10b9d337311b9262
+ * fence-sql-sha256: 5b2a26d16742ea7ce2d4193b2f17db224a7f9d1ebc2dc911e3805f96d6dab764
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
