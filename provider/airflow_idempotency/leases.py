@@ -10,9 +10,11 @@ renewed by a heartbeat thread every ``ttl / 3`` on a connection borrowed for eac
 (:func:`release_lease`). Nothing is held between those statements.
 
 The fence is the same protocol in both modes (docs/fence.md): only the answer to "is the lock
-still held by this attempt" changes, to "the key's lease has this attempt's token and has not
-expired" (``run_lock_held_by`` with the holder ``'lease:<token>'``). The trade-off: a worker
-that dies frees its key when its lease expires (within ``ttl``), not at once.
+still held by this attempt" changes, to "the key's lease still has this attempt's token"
+(``run_lock_held_by`` with the holder ``'lease:<token>'``; migration 18). Expiry only allows
+another run to take the key over (a new token): a worker whose heartbeat was late, and whose
+key nobody took meanwhile, goes on. The trade-off: a worker that dies frees its key when its
+lease expires (within ``ttl``), not at once.
 """
 
 from __future__ import annotations
@@ -158,8 +160,9 @@ def acquire_lease(
 
 
 def renew_lease(conn: psycopg.Connection, lock: RunLock, *, schema: str, ttl: float) -> bool:
-    """Extend the lease ``lock`` by ``ttl`` seconds, in a short transaction; ``False`` when it
-    is lost (expired, or taken over): it is never extended again."""
+    """Extend the lease ``lock`` by ``ttl`` seconds, in a short transaction, expired or not;
+    ``False`` when it is lost (the key was taken over or released): it is never extended
+    again."""
     params = {
         "lock_key": lock.lock_key,
         "token": lease_token(lock),
@@ -203,10 +206,12 @@ class LeaseHeartbeat:
     """Renews a lease every ``ttl / 3`` seconds from a thread of the worker, each time on a
     connection borrowed for that renewal only (``borrow``).
 
-    A renewal that finds the lease lost (no row updated: it expired or was taken over), or no
-    renewal succeeding for ``ttl`` seconds (the database unreachable), sets ``lock.lost``: the
-    run's next fenced step then raises :class:`~airflow_idempotency.exceptions.LockLostError`
-    before it begins (the database refuses it anyway once the lease expired).
+    A renewal that finds the lease lost (no row updated: another run took the key over) sets
+    ``lock.lost``: the run's next fenced step then raises
+    :class:`~airflow_idempotency.exceptions.LockLostError` before it begins (the database
+    refuses it anyway). No renewal succeeding for ``ttl`` seconds (the database or its pooler
+    unreachable or busy) is said, and the renewals go on: the lease has expired, so another
+    run may take the key over, but until one does this run still holds it (migration 18).
     """
 
     def __init__(
@@ -290,15 +295,26 @@ class LeaseHeartbeat:
             try:
                 renewed = self._renew()
             except (psycopg.Error, IdempotencyError, OSError) as exc:
-                silent = time.monotonic() - self._renewed
-                if silent >= self.ttl:
-                    self._lost(f"no renewal succeeded for {silent:.0f} s (last error: {exc})")
-                    return
-                key = self.lock.lock_key
-                self.log.warning("could not renew the lease of run lock %s: %s", key, exc)
+                self._failed(exc)
                 pause = min(self.interval, RETRY_SECONDS)  # try again soon, within the ttl
                 continue
             if not renewed:
-                self._lost("it expired or another worker took the key over")
+                self._lost("another worker took the key over, or it was released")
                 return
             self._renewed = time.monotonic()
+
+    def _failed(self, exc: BaseException) -> None:
+        """A renewal failed: say so, and whether the lease has expired meanwhile."""
+        silent = time.monotonic() - self._renewed
+        key = self.lock.lock_key
+        if silent < self.ttl:
+            self.log.warning("could not renew the lease of run lock %s: %s", key, exc)
+            return
+        self.log.warning(
+            "no renewal of the lease of run lock %s succeeded for %.0f s (last error: %s): "
+            "it has expired, so another run may take the key over (this run's next fenced "
+            "step is then refused); renewing goes on",
+            key,
+            silent,
+            exc,
+        )

@@ -21,6 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import IsolationLevel
 
 from airflow_idempotency import leases
 from airflow_idempotency.connection import connect_kwargs, lock_options
@@ -88,16 +89,21 @@ def outcomes(dsn: str) -> list[str]:
 def test_a_lease_is_taken_only_when_free_or_expired_with_a_new_token_each_time(
     lease_db: str,
 ) -> None:
-    """Taken when free; refused while live; renewed while live; never renewed once expired;
-    taken over after it expired with a larger token; released only by its own token."""
+    """Taken when free; refused while live; renewed while live; renewed once expired while
+    nobody took it over (migration 18); taken over after it expired with a larger token, and
+    never renewed again then; released only by its own token."""
+    expire = "UPDATE idempotency.run_leases SET expires_at = clock_timestamp()"
     with psycopg.connect(lease_db, autocommit=True) as conn:
         first = acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30)
         assert first is not None and first.is_lease and first.backend_pid == 0
         assert acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30) is None
         assert renew_lease(conn, first, schema="idempotency", ttl=30)
-        rows(lease_db, "UPDATE idempotency.run_leases SET expires_at = clock_timestamp()")
-        assert not renew_lease(conn, first, schema="idempotency", ttl=30)  # never revived
+        rows(lease_db, expire)
+        assert renew_lease(conn, first, schema="idempotency", ttl=30)  # still its token
+        assert acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30) is None
+        rows(lease_db, expire)
         second = acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30)
+        assert not renew_lease(conn, first, schema="idempotency", ttl=30)  # taken over
         assert second is not None
         assert leases.lease_token(second) > leases.lease_token(first)
         assert not release_lease(conn, first, schema="idempotency")  # not the holder now
@@ -426,3 +432,118 @@ def test_twenty_runs_at_once_through_a_transaction_pooler_of_five(
     assert per_key == [(f"key-{i:02d}", 1) for i in range(RUNS)]
     assert servers[0][0] <= POOL + 1  # the pool's connections, and this query's own
     print(f"{RUNS} runs through a pool of {POOL}: {elapsed:.1f} s")
+
+
+# A lease is held until another run takes its key over, not until it expires (migration 18):
+# a run whose heartbeat was late goes on when nobody took its key; whatever takes an expired
+# key over leaves its old holder unable to commit again.
+
+SHORT = LockMode("lease", lease_ttl=1)
+
+
+def expired(dsn: str) -> bool:
+    found = rows(
+        dsn,
+        "SELECT expires_at <= clock_timestamp() FROM idempotency.run_leases WHERE lock_key = %s",
+        (LOCK_KEY,),
+    )
+    return bool(found and found[0][0])
+
+
+def wait_until_expired(dsn: str) -> None:
+    deadline = time.monotonic() + 10
+    while not expired(dsn):
+        assert time.monotonic() < deadline, "the lease did not expire within 10 s"
+        time.sleep(0.1)
+
+
+def test_a_run_whose_lease_expired_unclaimed_goes_on_and_completes(
+    lease_db: str, frozen_heartbeats: set[int]
+) -> None:
+    """The heartbeat is late (frozen) past the lease's expiry and nobody wants the key: the
+    run's next transactions and its completion commit (before migration 18: LockLostError),
+    and a heartbeat that comes back renews the expired lease."""
+    frozen_heartbeats.add(LOCK_KEY)
+
+    def work(ctx: RunContext) -> dict[str, str]:
+        wait_until_expired(lease_db)
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('late', %s)", (ctx.run_key,))
+        frozen_heartbeats.clear()
+        assert ctx.lock_is_held()
+        return {}
+
+    result = run_in(lease_db, work, SHORT)
+    assert result.outcome is RunOutcome.COMPLETED
+    assert written(lease_db) == ["late"]
+    assert outcomes(lease_db) == ["completed"]
+    assert rows(lease_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]  # released
+
+
+def test_a_repeatable_read_transaction_still_needs_an_unexpired_lease(
+    lease_db: str, frozen_heartbeats: set[int]
+) -> None:
+    """A REPEATABLE READ transaction reads the lease through its snapshot (which may predate a
+    take-over): begun before the expiry, its COMMIT after it is refused, nothing of it lands;
+    READ COMMITTED in the same run commits."""
+    frozen_heartbeats.add(LOCK_KEY)
+
+    def work(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('committed', %s)", (ctx.run_key,))
+        with ctx.transaction(isolation_level=IsolationLevel.REPEATABLE_READ) as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('repeatable', %s)", (ctx.run_key,))
+            wait_until_expired(lease_db)
+
+    with pytest.raises(LockLostError):
+        run_in(lease_db, work, SHORT)
+    assert written(lease_db) == ["committed"]
+
+
+def test_an_advisory_start_takes_an_expired_lease_over_for_good(
+    lease_db: str, frozen_heartbeats: set[int]
+) -> None:
+    """A run of the advisory mode takes the key whose lease expired (workers disagreeing on
+    lock_mode): its start removes the lease, so the old holder's next transaction is refused
+    (without the removal the old token would still be found and it would commit)."""
+    frozen_heartbeats.add(LOCK_KEY)
+    go = threading.Event()
+
+    def old_work(ctx: RunContext) -> None:
+        assert go.wait(30)  # the key's lease expires (frozen), then is taken over
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('old', %s)", (ctx.run_key,))
+
+    old = Background(lambda: run_in(lease_db, old_work, SHORT))
+    wait_until_expired(lease_db)
+    new = run_idempotently(
+        connect=connect_to(lease_db), job_name=JOB, run_key=KEY, work=writer("advisory")
+    )
+    assert new.outcome is RunOutcome.COMPLETED
+    go.set()
+    assert isinstance(old.join().error, LockLostError), old.error
+    assert written(lease_db) == ["advisory"]
+
+
+def test_the_clis_reset_takes_an_expired_lease_over(
+    lease_db: str, frozen_heartbeats: set[int]
+) -> None:
+    """`reset` of a key whose lease expired (a stuck worker) resets it and removes the lease:
+    the stuck worker's next transaction is refused."""
+    from airflow_idempotency.cli import main
+
+    frozen_heartbeats.add(LOCK_KEY)
+    go = threading.Event()
+
+    def stuck(ctx: RunContext) -> None:
+        assert go.wait(30)  # the key's lease expires (frozen), then is taken over
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('stuck', %s)", (ctx.run_key,))
+
+    old = Background(lambda: run_in(lease_db, stuck, SHORT))
+    wait_until_expired(lease_db)
+    assert main(["reset", JOB, KEY, "--reason", "stuck", "--dsn", lease_db]) == 0
+    assert rows(lease_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
+    go.set()
+    assert isinstance(old.join().error, LockLostError), old.error
+    assert written(lease_db) == []

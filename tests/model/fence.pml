@@ -11,7 +11,7 @@
  * provider/airflow_idempotency/sql/queries.sql (the test checks that each exists and that every
  * fence statement is modelled). The checksum below is that of the fence's SQL (the fence_*
  * queries, acquire_run_lock, start_attempt, complete_attempt and every migration that defines
- * a fence function: 0006, 0008, 0010, 0012, 0013, 0014, 0017): when the SQL changes, the test fails until the model is
+ * a fence function: 0006, 0008, 0010, 0012, 0013, 0014, 0017, 0018): when the SQL changes, the test fails until the model is
  * reviewed and the checksum updated. Reviewed for 0010 (the commit-time check runs at COMMIT
  * or refuses: the model's check and commit are one step) and 0011 (start_attempt records the
  * attempt's provenance: no fence change) and 0012 (the start's check of its own lock, modelled
@@ -34,8 +34,15 @@
  * Reviewed for sql: decide returning run_decide()'s row as one JSON text (row_to_json, issue
  * 32's client CPU): the same call with the same arguments in the same message after the same
  * BEGIN, so the lock step below stands for it unchanged; only the row's form changed.
+ * Reviewed for 0018 (issue 32: a lease is held until taken over): run_lock_held_by answers a
+ * lease from its token alone under READ COMMITTED (the model's checks are live reads, as they
+ * are there), expiry only allows a take-over, a renewal revives an expired lease still the
+ * holder's (-DLEASE below: LockLoss expires the lease instead of ending it); a REPEATABLE READ
+ * transaction still needs the lease unexpired (its snapshot: not modelled); the start trigger
+ * deletes an expired lease when an advisory-mode start takes its key (two modes on one key:
+ * not modelled).
  *
- * fence-sql-sha256: 5b2a26d16742ea7ce2d4193b2f17db224a7f9d1ebc2dc911e3805f96d6dab764
+ * fence-sql-sha256: d05cb9c3df35061ebbc35c182d77e3525716416ca1b5948696d244d22b519a54
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
@@ -57,13 +64,16 @@
  *
  * -DLEASE   the lease mode (docs/locks.md): the run lock is a lease, taken only when free or
  *             expired (sql: lease_acquire, the acquisition step: a new token is the new vxid),
- *             lost when it expires (LockLoss: an expired lease is never renewed, lease_renew),
+ *             held until then (LockLoss expires it; its holder may renew it while nobody took
+ *             it over, sql: lease_renew; lost only when a successor's acquisition draws a token),
  *             and the completion is not written in a lock transaction but in one more fenced
  *             transaction (sql: complete_attempt_lease: fence_enter at its BEGIN, the check at
  *             its COMMIT, the fence key shared in between), after which the lease is released
  *             (sql: lease_release). Every property must hold; with
  *             -DLEASE_COMPLETION_UNFENCED (the completion's COMMIT unchecked, as if it were
- *             written outside the fence) a completion commits after its lease was lost.
+ *             written outside the fence) a completion commits after its lease was lost; with
+ *             -DLEASE_RENEW_UNCHECKED (a renewal that does not compare the token) an expired
+ *             holder takes its key back from the successor that took it over.
  *
  * -DSTART_UNCHECKED the start does not check, under the fence key it holds exclusively, that
  *             its attempt still holds the run lock (main before migration 0012): an attempt whose
@@ -80,6 +90,7 @@ byte lock_owner;                 /* the attempt whose lock transaction holds it 
 byte lock_pid;                   /* pg_locks.pid of the holder */
 byte lock_vxid;                  /* pg_locks.virtualtransaction of the holder */
 byte next_vxid = 1;
+bool lease_expired;              /* -DLEASE: the lease expired; a successor may take it over */
 bool session_alive[3];           /* [attempt] its lock session is still open */
 byte session_pid[3];             /* [attempt] its lock session's pid */
 byte rec_pid[3];                 /* [attempt] the holder it recorded (RunLock.params) */
@@ -114,18 +125,26 @@ byte open_shared[3];             /* [attempt] fence locks held by its open trans
 #define end_session(a) \
     session_alive[a] = false; \
     if \
-    :: run_locked && lock_owner == a -> run_locked = false; lock_owner = 0 \
+    :: run_locked && lock_owner == a -> run_locked = false; lock_owner = 0; lease_expired = false \
     :: else -> skip \
     fi
 
 active proctype LockLoss() {
     byte lost = 0;
     do
+#ifdef LEASE
+    :: atomic {                  /* nobody renewed it for lease_ttl: it expires, still held */
+           (lost < 2 && run_locked && !lease_expired) ->
+           lease_expired = true;
+           lost++
+       }
+#else
     :: atomic {
            (lost < 2 && run_locked && session_alive[lock_owner]) ->
            end_session(lock_owner);
            lost++
        }
+#endif
     :: break
     od
 }
@@ -141,7 +160,16 @@ proctype Attempt(byte me) {
     /* sql: acquire_run_lock or sql: decide (the lock transaction); -DLEASE: sql: lease_acquire */
     atomic {
         if
+#ifdef LEASE
+        :: !run_locked || lease_expired ->
+            if                   /* a take-over: the expired holder's lease is gone */
+            :: run_locked -> session_alive[lock_owner] = false
+            :: else -> skip
+            fi;
+            lease_expired = false;
+#else
         :: !run_locked ->
+#endif
             run_locked = true;
             lock_owner = me;
             if                       /* a pid no live session has: the OS reuses them */
@@ -274,6 +302,16 @@ proctype Attempt(byte me) {
         atomic {
             fence_shared--; open_shared[me]--; armed[depth] = false; own[depth] = false; depth--
         }
+#ifdef LEASE
+#ifdef LEASE_RENEW_UNCHECKED
+    :: atomic {                  /* a renewal by key alone: it takes the lease back */
+           run_locked && (lease_expired || !held_by(me)) ->
+           lease_expired = false; lock_owner = me; lock_vxid = rec_vxid[me]
+       }
+#else
+    :: atomic { lease_expired && held_by(me) -> lease_expired = false }   /* sql: lease_renew */
+#endif
+#endif
     :: depth == 0 -> break
     od;
 

@@ -119,6 +119,20 @@ def expire_lease(dsn: str, job: str, run_key: str) -> int:
     return int(found[0][0])
 
 
+def take_over_lease(dsn: str, job: str, run_key: str) -> int:
+    """Take (job, run_key)'s live lease over as a successor would (a new token: its holder has
+    lost the key; an expired lease alone is still its holder's, migration 18), the successor
+    gone at once (the lease left expired, free to take); return the old token."""
+    token = expire_lease(dsn, job, run_key)
+    rows(
+        dsn,
+        "UPDATE idempotency.run_leases SET token = nextval('idempotency.run_lease_tokens')"
+        " WHERE lock_key = %s",
+        (run_lock_key(job, run_key),),
+    )
+    return token
+
+
 def lease_mode_in_use(dsn: str) -> bool:
     """Whether the bookkeeping schema has a lease table with a live lease (the lease mode)."""
     found = rows(dsn, "SELECT to_regclass('idempotency.run_leases')")
@@ -131,11 +145,11 @@ def lease_mode_in_use(dsn: str) -> bool:
 def terminate_lock_session(dsn: str, job: str, run_key: str) -> int:
     """Terminate the session holding (job, run_key)'s lock and wait until it is gone; return
     its pid. Without the wait, a fencing check racing the dying backend still sees the lock.
-    In the lease mode (no session holds the key), the lease is made to expire instead
-    (:func:`expire_lease`; 0 is returned)."""
+    In the lease mode (no session holds the key), the lease is taken over instead
+    (:func:`take_over_lease`; 0 is returned)."""
     pid = run_lock_holder(dsn, job, run_key)
     if pid is None and lease_mode_in_use(dsn):
-        expire_lease(dsn, job, run_key)
+        take_over_lease(dsn, job, run_key)
         return 0
     assert pid is not None, f"expected one holder of {job!r} {run_key!r}, found none"
     with psycopg.connect(dsn, autocommit=True) as conn:

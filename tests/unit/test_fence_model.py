@@ -141,6 +141,9 @@ def test_the_fence_holds_in_every_interleaving(tmp_path: Path) -> None:
         (["-DPID_ONLY"], "assertion violated"),
         # the lease mode's completion committed without the fence's check at COMMIT
         (["-DLEASE", "-DLEASE_COMPLETION_UNFENCED"], "assertion violated"),
+        # a renewal that does not compare the token: an expired holder takes its key back
+        # from the successor that took it over (migration 18 renews by token only)
+        (["-DLEASE", "-DLEASE_RENEW_UNCHECKED"], "assertion violated"),
     ],
     ids=[
         "defect1-cycle",
@@ -148,6 +151,7 @@ def test_the_fence_holds_in_every_interleaving(tmp_path: Path) -> None:
         "defect2-commit-after-loss",
         "pid-reuse",
         "lease-completion-unfenced",
+        "lease-renewal-unchecked",
     ],
 )
 def test_a_reintroduced_defect_is_found(tmp_path: Path, flags: list[str], violation: str) -> None:
@@ -158,7 +162,8 @@ def test_a_reintroduced_defect_is_found(tmp_path: Path, flags: list[str], violat
 
 def test_the_lease_mode_holds_in_every_interleaving(tmp_path: Path) -> None:
     """The lease mode (migration 0014, -DLEASE): the same properties, with the completion in a
-    fenced transaction of its own and the lease released after it."""
+    fenced transaction of its own and the lease released after it; a lease held until a
+    successor takes it over, renewed by its holder while expired (migration 0018)."""
     out = verify(tmp_path, "-DLEASE")
     assert _errors(out) == 0, out
     assert "Search not completed" not in out and "max search depth too small" not in out, out

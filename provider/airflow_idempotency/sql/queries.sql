@@ -157,13 +157,14 @@ SELECT advisory.already_held, advisory.free, taken.token, taken.expires_at
 FROM advisory LEFT JOIN taken ON true;
 
 -- name: lease_renew
--- The heartbeat of a lease (a short transaction on a borrowed connection): extends it only
--- while it is still this acquisition's (its token) and has not expired. No row back: the
--- lease is lost, for good (an expired lease is never revived, even if nobody took it over).
+-- The heartbeat of a lease (a short transaction on a borrowed connection): extends it while it
+-- is still this acquisition's (its token), expired or not (migration 18: a lease is held until
+-- another run takes the key over; expiry only allows that). No row back: the key was taken
+-- over or released, and the lease is lost for good.
 UPDATE {schema}.run_leases
 SET renewed_at = clock_timestamp(),
     expires_at = greatest(expires_at, clock_timestamp() + make_interval(secs => %(ttl)s))
-WHERE lock_key = %(lock_key)s AND token = %(token)s AND expires_at > clock_timestamp()
+WHERE lock_key = %(lock_key)s AND token = %(token)s
 RETURNING expires_at;
 
 -- name: lease_release
@@ -178,12 +179,20 @@ WHERE lock_key = %(lock_key)s AND token = %(token)s
 RETURNING token;
 
 -- name: lease_live
--- Whether a key has a live lease (the lease mode): the CLI's reset and an operator's
--- resolution of an effect, which hold the key's advisory run lock for their transaction (so no
+-- Whether a key has a live lease (the lease mode): the CLI's reset, an operator's resolution
+-- of an effect and adopt, which hold the key's advisory run lock for their transaction (so no
 -- lease can be taken meanwhile: lease_acquire tries that lock), are refused while one is live.
+-- An expired lease is taken over by them: its row goes, so that its holder, whose lease is
+-- held until taken over (migration 18), can never commit again.
+WITH now AS MATERIALIZED (SELECT clock_timestamp() AS at),
+broken AS (
+    DELETE FROM {schema}.run_leases AS l
+    USING now
+    WHERE l.lock_key = %(lock_key)s AND l.expires_at <= now.at
+)
 SELECT EXISTS (
-    SELECT 1 FROM {schema}.run_leases
-    WHERE lock_key = %(lock_key)s AND expires_at > clock_timestamp()
+    SELECT 1 FROM {schema}.run_leases AS l, now
+    WHERE l.lock_key = %(lock_key)s AND l.expires_at > now.at
 ) AS live;
 
 -- name: lease_holder
