@@ -11,7 +11,7 @@
  * provider/airflow_idempotency/sql/queries.sql (the test checks that each exists and that every
  * fence statement is modelled). The checksum below is that of the fence's SQL (the fence_*
  * queries, acquire_run_lock, start_attempt, complete_attempt and every migration that defines
- * a fence function: 0006, 0008, 0010, 0012, 0013, 0014, 0017): when the SQL changes, the test fails until the model is
+ * a fence function: 0006, 0008, 0010, 0012, 0013, 0014, 0017, 0018): when the SQL changes, the test fails until the model is
  * reviewed and the checksum updated. Reviewed for 0010 (the commit-time check runs at COMMIT
  * or refuses: the model's check and commit are one step) and 0011 (start_attempt records the
  * attempt's provenance: no fence change) and 0012 (the start's check of its own lock, modelled
@@ -31,8 +31,18 @@
  * passed, and the start trigger of 0013 skips its pg_locks reads for a marked start: the
  * model's start step is that check, made once under the exclusive fence key; an old worker's
  * start sets no mark and is checked by the trigger as before, the -DPID_ONLY variant's start).
+ * Reviewed for 0018 (issue 32: the lease mode's decision in one call, sql: decide_lease, whose
+ * run_decide_lease() tries the key's advisory run lock, refuses a live lease and takes the
+ * lease as lease_acquire does, in a transaction committed in the same message: the lock step
+ * below stands for it; a completed key's no-op is recorded there WITHOUT a lease, under the
+ * advisory run lock that every acquisition must take, with no lease live: the model's attempts
+ * do work, and a no-op writes nothing the model checks. The completion (-DLEASE) now releases
+ * the lease at its own COMMIT, by a deferred trigger queued after the fence's check
+ * (sql: lease_release_at_commit): the release moves into the step where the completion lands,
+ * after the check at COMMIT, instead of a step of its own after it; every property still
+ * holds, and -DLEASE_COMPLETION_UNFENCED still fails).
  *
- * fence-sql-sha256: 1f4369990a5ebba12064d98bcb59cc10562d82961b47636c10b9d337311b9262
+ * fence-sql-sha256: f27283e7779d16817141c5bad5df2ee0147a769827be08d7b26deee67d0ffe9e
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
@@ -57,8 +67,9 @@
  *             lost when it expires (LockLoss: an expired lease is never renewed, lease_renew),
  *             and the completion is not written in a lock transaction but in one more fenced
  *             transaction (sql: complete_attempt_lease: fence_enter at its BEGIN, the check at
- *             its COMMIT, the fence key shared in between), after which the lease is released
- *             (sql: lease_release). Every property must hold; with
+ *             its COMMIT, the fence key shared in between), which releases the lease
+ *             at its COMMIT, after the check (sql: lease_release_at_commit; a failed
+ *             attempt's by sql: lease_release). Every property must hold; with
  *             -DLEASE_COMPLETION_UNFENCED (the completion's COMMIT unchecked, as if it were
  *             written outside the fence) a completion commits after its lease was lost.
  *
@@ -135,7 +146,8 @@ proctype Attempt(byte me) {
     bool held_at_commit;
     bool ok;
 
-    /* sql: acquire_run_lock or sql: decide (the lock transaction); -DLEASE: sql: lease_acquire */
+    /* sql: acquire_run_lock or sql: decide (the lock transaction); -DLEASE: sql: lease_acquire
+       or sql: decide_lease (the lease taken in a transaction of its own, committed at once) */
     atomic {
         if
         :: !run_locked ->
@@ -293,16 +305,16 @@ proctype Attempt(byte me) {
         :: else -> skip
         fi
     }
-    atomic {                  /* the completion lands, and its fence lock goes */
+    atomic {                  /* the completion lands, and its fence lock goes; sql:
+                                 lease_release_at_commit: the lease is released at that COMMIT,
+                                 after the check (a later deferred trigger), if it is still
+                                 this token's (one that expired meanwhile stays expired, or
+                                 is a successor's) */
         assert(held_at_commit);
         assert(!successor_started(me));
         fence_shared--;
         open_shared[me]--;
-        held_at_commit = false
-    }
-    /* sql: lease_release, once the completion committed (a lease that expired meanwhile is
-       released by nobody: it stays expired) */
-    atomic {
+        held_at_commit = false;
         if
         :: held_by(me) && session_alive[me] -> end_session(me)
         :: else -> skip
@@ -319,7 +331,8 @@ proctype Attempt(byte me) {
 #endif
     goto done;
 
-failed:                       /* every open transaction rolls back; the failure is recorded */
+failed:                       /* every open transaction rolls back; the failure is recorded
+                                 (-DLEASE: then sql: lease_release) */
     atomic {
         fence_shared = fence_shared - open_shared[me];
         open_shared[me] = 0;

@@ -27,9 +27,12 @@ SQL = ROOT / "provider" / "airflow_idempotency" / "sql"
 
 
 def _fence_migrations() -> tuple[str, ...]:
-    """Every migration that defines a function of the fence (fence_*, run_lock_held_by): a
+    """Every migration that defines a function of the fence (fence_*, run_lock_held_by, the lease
+    mode's decision and release at commit: run_decide_lease, lease_*): a
     new one that redefines the fence changes the checksum the model records."""
-    defines = re.compile(r"CREATE (OR REPLACE )?FUNCTION (fence_\w+|run_lock_held_by)\(")
+    defines = re.compile(
+        r"CREATE (OR REPLACE )?FUNCTION (fence_\w+|run_lock_held_by|run_decide_lease|lease_\w+)\("
+    )
     return tuple(
         path.name
         for path in sorted((SQL / "migrations").glob("*.sql"))
@@ -50,7 +53,8 @@ NOT_MODELLED = {
     "tests/integration/test_adopt.py, test_lease_visibility.py)",
 }
 _DECIDES = re.compile(
-    r"\{schema\}\.(fence_\w+|run_lock_held_by|run_decide)\(|pg_try_advisory_xact_lock"
+    r"\{schema\}\.(fence_\w+|run_lock_held_by|run_decide\w*)\(|pg_try_advisory_xact_lock"
+    r"|\{schema\}\.lease_releases\b"
 )
 _READS_HOLDER = re.compile(r"\{schema\}\.held_run_locks\(")
 _WRITES = re.compile(r"^\s*(WITH\b.*)?\b(UPDATE|INSERT|DELETE)\b", re.MULTILINE | re.DOTALL)
