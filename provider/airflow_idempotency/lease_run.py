@@ -22,7 +22,6 @@ from psycopg.types.json import Jsonb
 from airflow_idempotency import metrics
 from airflow_idempotency._sql import query, query_row
 from airflow_idempotency._transactions import (
-    READ_COMMITTED,
     bounded_transaction,
     pipelined,
     rollback_quietly,
@@ -269,7 +268,7 @@ class LeaseRun(Run):
         self._heartbeat.releasing()
         try:
             with pipelined(conn):
-                conn.execute(READ_COMMITTED)
+                conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
                 cursors = [conn.execute(query(name, self.schema), params) for name in names]
                 conn.execute("COMMIT")
         except BaseException:
