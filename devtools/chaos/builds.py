@@ -92,11 +92,11 @@ COMPLETED_CHECK_OFF = Build(
             "IF r.status IS DISTINCT FROM 'completed' OR p_force THEN",
             "IF true THEN  -- broken build: completed-check-off",
         ),
-        # ... the lease mode in Python.
+        # ... and so does the lease mode (migration 0019's run_decide_lease).
         Patch(
-            "lease_run.py",
-            'if existing and existing.status == "completed" and not self.options.force:',
-            "if False:  # broken build: completed-check-off",
+            "sql/migrations/0019_lease_decide.sql",
+            "IF r.status IS NOT DISTINCT FROM 'completed' AND NOT p_force THEN",
+            "IF false THEN  -- broken build: completed-check-off",
         ),
     ),
     caught_by=(

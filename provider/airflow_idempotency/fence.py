@@ -153,13 +153,8 @@ class Fence:
         Raises psycopg errors; :meth:`translate_error` names them (the fence's refusal is
         SQLSTATE ``IF001``).
         """
-        if self.lock.known_lost:  # the lease's heartbeat found it lost: refuse before BEGIN
-            raise LockLostError(
-                f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
-                f"attempt {self.attempt_id} ({self.lock.describe()}), so it may not begin another "
-                "transaction. A rerun will pick the key up again."
-            )
-        params = self._params(conn)
+        self.refuse_if_known_lost()
+        params = self.params(conn)
         first = [(query("fence_enter", self.schema), params)]
         if bound_locks:
             first.append((query("bound_lock_waits", self.schema), params))
@@ -192,7 +187,18 @@ class Fence:
             "savepoints (connection.transaction()) inside it."
         )
 
-    def _params(self, conn: psycopg.Connection) -> dict[str, Any]:
+    def refuse_if_known_lost(self) -> None:
+        """Raise :class:`LockLostError` when the lease's heartbeat found it lost: a fenced
+        transaction is refused before its BEGIN."""
+        if self.lock.known_lost:
+            raise LockLostError(
+                f"the lock of job {self.job_name!r} run_key {self.run_key!r} is no longer held by "
+                f"attempt {self.attempt_id} ({self.lock.describe()}), so it may not begin another "
+                "transaction. A rerun will pick the key up again."
+            )
+
+    def params(self, conn: psycopg.Connection) -> dict[str, Any]:
+        """The parameters of the fence's statements (fence_enter, fence_arm) on ``conn``."""
         return {
             **self.lock.params,
             "attempt_id": self.attempt_id,

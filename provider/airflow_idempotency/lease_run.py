@@ -10,27 +10,42 @@ heartbeat and released at the end. The start and the work are the advisory mode'
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
-from airflow_idempotency import metrics, records
-from airflow_idempotency._sql import query_row
-from airflow_idempotency._transactions import bounded_transaction
+from airflow_idempotency import metrics
+from airflow_idempotency._sql import query, query_row
+from airflow_idempotency._transactions import (
+    bounded_transaction,
+    pipelined,
+    rollback_quietly,
+)
 from airflow_idempotency.crashpoints import crash_point
-from airflow_idempotency.exceptions import IdempotencyError, LockLostError, RunLockedError
+from airflow_idempotency.exceptions import (
+    ConfigurationError,
+    IdempotencyError,
+    LockLostError,
+    RunLockedError,
+)
 from airflow_idempotency.fence import Fence
-from airflow_idempotency.key_zone import check_key_zone
+from airflow_idempotency.key_zone import same_zone, zone_changed_message
 from airflow_idempotency.leases import (
     WAIT_NOTICE_SECONDS,
     LeaseHeartbeat,
-    acquire_lease,
+    lease_token,
     release_lease,
+    shared_session_error,
+    worker_name,
 )
-from airflow_idempotency.locks import RunLock
-from airflow_idempotency.records import RunRecord
-from airflow_idempotency.run_context import autocommit_connection
+from airflow_idempotency.locks import RunLock, lock_wait_ms
+from airflow_idempotency.records import RunRecord, RunRecords
+from airflow_idempotency.run_context import RunSpec, autocommit_connection
 from airflow_idempotency.run_failures import named_failure, record_deferral, record_failure
 from airflow_idempotency.run_steps import (
     Run,
@@ -44,51 +59,114 @@ from airflow_idempotency.run_steps import (
 from airflow_idempotency.schema import ensure_schema
 
 
+@dataclasses.dataclass(frozen=True)
+class LeaseDecision:
+    """What the lease mode's decision found: ``outcome`` (``run``: the lease taken; ``noop``:
+    a completed key, its no-op recorded without a lease; ``locked``: another worker's lease or
+    an advisory lock holds the key), the lease, the key's run record, the no-op's attempt."""
+
+    outcome: str
+    lease: RunLock | None = None
+    existing: RunRecord | None = None
+    noop_attempt_id: int | None = None
+
+
+_RECORD_FIELDS = tuple(
+    f.name for f in dataclasses.fields(RunRecord) if f.name not in ("job_name", "run_key")
+)
+
+
+def decide_lease(
+    conn: psycopg.Connection, spec: RunSpec, records: RunRecords, zone_checked: bool = False
+) -> LeaseDecision:
+    """Decide in one round trip on the idle autocommit ``conn``: the zone rule, the lease taken
+    or refused, the key's run record, a completed key's no-op recorded (without a lease), in
+    one transaction committed in the same message (migration 19's run_decide_lease)."""
+    run = spec.run
+    lease = {"holder": worker_name(), "ttl": str(spec.lease_ttl), "lock_wait_ms": lock_wait_ms()}
+    params = records.decision_params(spec.options, lease)
+    if zone_checked:
+        params["key_zone"] = None
+    cursor = psycopg.ClientCursor(conn, row_factory=dict_row)
+    try:
+        cursor.execute(query("decide_lease", spec.environment.schema), params)
+        cursor.nextset()
+        row = cursor.fetchone()
+    except BaseException:
+        rollback_quietly(conn)
+        raise
+    assert row is not None
+    decision = row["decision"]
+    if decision == "zone":
+        zone = run.trigger.key_zone
+        assert zone is not None
+        for earlier in row["zone_conflicts"]:
+            if not same_zone(earlier["key_zone"], zone):
+                raise ConfigurationError(
+                    zone_changed_message(run.job_name, run.run_key, zone, earlier)
+                )
+        return decide_lease(conn, spec, records, zone_checked=True)  # the same zone, spelled
+    if decision == "shared":
+        raise shared_session_error(run.lock_key)
+    if decision == "locked":
+        return LeaseDecision("locked")
+    existing = (
+        RunRecord(run.job_name, run.run_key, **{name: row[name] for name in _RECORD_FIELDS})
+        if row["run_found"]
+        else None
+    )
+    if decision == "noop":
+        return LeaseDecision("noop", existing=existing, noop_attempt_id=row["noop_attempt_id"])
+    lease_lock = RunLock(run.lock_key, 0, f"lease:{row['token']}", lost=threading.Event())
+    return LeaseDecision("run", lease_lock, existing)
+
+
 class LeaseRun(Run):
     """One call of :func:`~airflow_idempotency.runner.run_idempotently` in the lease mode."""
 
+    _released = False  # the completion released the lease at its COMMIT
+    _heartbeat: LeaseHeartbeat | None = None
+
     def _execute(self) -> RunResult:
-        """The steps in the lease mode: the lease taken (or the refusal recorded) and the run
-        read on a connection borrowed for the decision; the start, the work's transactions,
-        the completion or the failure each on a connection of its own, fenced by the lease;
-        the lease renewed meanwhile by a heartbeat, released at the end."""
-        run = self.spec.run
+        """The steps in the lease mode: the decision in one round trip on a connection
+        borrowed for it (the lease taken, or the refusal recorded, or a completed key's no-op
+        recorded without a lease); the start, the work's transactions, the completion (which
+        releases the lease at its COMMIT) or the failure each on a connection of its own,
+        fenced by the lease; the lease renewed meanwhile by a heartbeat."""
         with autocommit_connection(self.spec.connect) as conn:
             ensure_schema(conn, self.schema)
-            check_key_zone(conn, self.schema, run.job_name, run.run_key, run.trigger.key_zone)
-            lease = self._bounded("taking the lease of", self._acquire_lease, conn)
-            if lease is None:
+            decided = self._bounded("the decision of", self._decide, conn)
+            if decided.outcome == "locked":
                 raise self._bounded("recording the refusal of", self._record_lease_held, conn)
-            try:
-                crash_point("runner.after_lock")
-                existing = self._bounded("reading the run record of", self._read_lease, conn)
-            except BaseException:
-                self._release(lease)
-                raise
-        heartbeat = LeaseHeartbeat(
-            lease,
-            lambda: autocommit_connection(self.spec.connect),
-            schema=self.schema,
-            ttl=self.spec.lease_ttl,
-            logger=self.spec.environment.logger or log,
-            report=self._database_wait,
-        )
+        if decided.outcome == "noop":
+            assert decided.existing is not None and decided.noop_attempt_id is not None
+            self.attempt_id = decided.noop_attempt_id
+            crash_point("runner.after_lock")
+            return self._noop_result(decided.existing)
+        lease = decided.lease
+        assert lease is not None
         try:
-            with heartbeat:
-                if existing and existing.status == "completed" and not self.options.force:
-                    noop = self._noop_lease
-                    return self._bounded("recording the no-op of", noop, lease, existing)
-                return self._run_lease(lease, existing)
+            crash_point("runner.after_lock")
+            self._heartbeat = LeaseHeartbeat(
+                lease,
+                lambda: autocommit_connection(self.spec.connect),
+                schema=self.schema,
+                ttl=self.spec.lease_ttl,
+                logger=self.spec.environment.logger or log,
+                report=self._database_wait,
+            )
+            with self._heartbeat:
+                return self._run_lease(lease, decided.existing)
         finally:
-            self._release(lease)
+            if not self._released:
+                self._release(lease)
 
-    def _acquire_lease(self, conn: psycopg.Connection) -> RunLock | None:
-        """Take the lease; a run that waited for the database first (behind a pooler, its
-        turn in the queue of a busy pool) says so, and the wait is timed."""
-        lock_key, ttl = self.spec.run.lock_key, self.spec.lease_ttl
+    def _decide(self, conn: psycopg.Connection) -> LeaseDecision:
+        """Decide (:func:`decide_lease`); a run that waited for the database first (behind a
+        pooler, its turn in the queue of a busy pool) says so, and the wait is timed."""
         began = time.monotonic()
         try:
-            return acquire_lease(conn, lock_key, schema=self.schema, ttl=ttl)
+            return decide_lease(conn, self.spec, self.records)
         finally:
             waited = time.monotonic() - began
             self._database_wait(waited)
@@ -102,9 +180,6 @@ class LeaseRun(Run):
 
     def _database_wait(self, seconds: float) -> None:
         metrics.run_timing(self.spec.environment.metrics, "database_wait", seconds, self.job_name)
-
-    def _read_lease(self, conn: psycopg.Connection) -> RunRecord | None:
-        return records.get_run(conn, self.schema, self.job_name, self.run_key)
 
     def _record_lease_held(self, conn: psycopg.Connection) -> RunLockedError:
         """A lease refused: the holder is a lease of another worker, or an advisory lock."""
@@ -133,10 +208,6 @@ class LeaseRun(Run):
             holder = describe_holder(conn, self.schema, self.spec.run.lock_key)
             described = format_holder(holder)
         return self._refuse(conn, holder, described, and_commit=False)
-
-    def _noop_lease(self, lease: RunLock, existing: RunRecord) -> RunResult:
-        with autocommit_connection(self.spec.connect) as conn:
-            return self._noop(conn, lease, existing, False)
 
     def _fence(self, lease: RunLock) -> Fence:
         assert self.attempt_id is not None
@@ -170,23 +241,57 @@ class LeaseRun(Run):
         crash_point("runner.before_completion")
         return self._complete_lease(lease, counts)
 
+    def _complete_and_release(
+        self, conn: psycopg.Connection, fence: Fence, counts: dict[str, Any]
+    ) -> bool:
+        """Mark the run completed in a fenced transaction (fence_enter at its BEGIN, the
+        fence's check at its COMMIT) that releases the lease at that COMMIT, after the check
+        (migration 19), its statements pipelined: one round trip. (Pipelined, not one
+        simple-protocol message: the fence's check must see its COMMIT as the statement it
+        runs in, migration 10.) ``False`` (nothing written, the lease kept) when this attempt
+        no longer owns the run."""
+        assert self.attempt_id is not None and self._heartbeat is not None
+        fence.refuse_if_known_lost()
+        params = {
+            **fence.params(conn),
+            **self.spec.run.key_params,
+            "details": Jsonb(counts),
+            "token": lease_token(fence.lock),
+        }
+        names = (
+            "fence_enter",
+            "bound_lock_waits",
+            "complete_attempt_lease",
+            "fence_arm",
+            "lease_release_at_commit",
+        )
+        self._heartbeat.releasing()
+        try:
+            with pipelined(conn):
+                conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+                cursors = [conn.execute(query(name, self.schema), params) for name in names]
+                conn.execute("COMMIT")
+        except BaseException:
+            rollback_quietly(conn)
+            raise
+        self._released = cursors[2].fetchone() is not None
+        return self._released
+
     def _complete_lease(self, lease: RunLock, counts: dict[str, Any]) -> RunResult:
         """Mark the run completed in a fenced transaction (checked at BEGIN and at COMMIT
-        against the lease); the lease is released after it commits."""
+        against the lease), which releases the lease at its COMMIT."""
         assert self.attempt_id is not None
         fence = self._fence(lease)
         try:
             with autocommit_connection(self.spec.connect) as conn:
                 try:
-                    with fence.transaction(conn, bound_locks=True):
-                        done = self.records.complete_attempt_lease(conn, self.attempt_id, counts)
-                        if not done:
-                            raise LockLostError(
-                                f"job {self.job_name!r} run_key {self.run_key!r}: attempt "
-                                f"{self.attempt_id} finished its work but no longer owns the "
-                                "run, so it may not mark it completed. Another attempt took "
-                                "over; rerun to converge."
-                            )
+                    if not self._complete_and_release(conn, fence, counts):
+                        raise LockLostError(
+                            f"job {self.job_name!r} run_key {self.run_key!r}: attempt "
+                            f"{self.attempt_id} finished its work but no longer owns the "
+                            "run, so it may not mark it completed. Another attempt took "
+                            "over; rerun to converge."
+                        )
                 except psycopg.Error as exc:
                     translated = fence.translate_error(exc, conn)
                     if isinstance(exc, psycopg.errors.LockNotAvailable):

@@ -125,8 +125,21 @@ def lease_token(lock: RunLock) -> int:
     return int(lock.holder.removeprefix(_LEASE_PREFIX))
 
 
-def _worker() -> str:
+def worker_name() -> str:
+    """The holder a lease records: this worker's host and pid (for the refusal message)."""
     return f"{socket.gethostname()} pid {os.getpid()}"
+
+
+def shared_session_error(lock_key: int) -> SharedSessionError:
+    """The error for a server session that already held ``lock_key``'s advisory lock before
+    this run tried its lease."""
+    return SharedSessionError(
+        f"the server session already held run lock {lock_key} before this run tried its "
+        "lease: the connection to the job database is shared with another client that took "
+        "the lock at session level (e.g. an older version of this provider behind a pooler "
+        "in transaction mode). Point that client at a direct connection or pool_mode = "
+        "session, or upgrade it."
+    )
 
 
 def acquire_lease(
@@ -138,7 +151,12 @@ def acquire_lease(
     live or an advisory-mode run holds the key. Raises :class:`SharedSessionError` when the
     server session already held the key's advisory lock (as :func:`~airflow_idempotency.
     locks.hold_run_lock` does)."""
-    params = {"lock_key": lock_key, "holder": _worker(), "ttl": ttl, "lock_wait_ms": lock_wait_ms()}
+    params = {
+        "lock_key": lock_key,
+        "holder": worker_name(),
+        "ttl": ttl,
+        "lock_wait_ms": lock_wait_ms(),
+    }
     _, cursor = in_one_transaction(
         conn,
         [(query("bound_lock_waits", schema), params), (query("lease_acquire", schema), params)],
@@ -147,13 +165,7 @@ def acquire_lease(
     assert row is not None
     already_held, _free, token, _expires = row
     if already_held:
-        raise SharedSessionError(
-            f"the server session already held run lock {lock_key} before this run tried its "
-            "lease: the connection to the job database is shared with another client that took "
-            "the lock at session level (e.g. an older version of this provider behind a pooler "
-            "in transaction mode). Point that client at a direct connection or pool_mode = "
-            "session, or upgrade it."
-        )
+        raise shared_session_error(lock_key)
     if token is None:
         return None
     return RunLock(lock_key, 0, f"{_LEASE_PREFIX}{token}", lost=threading.Event())
@@ -237,6 +249,13 @@ class LeaseHeartbeat:
             target=self._loop, name=f"lease-heartbeat-{lock.lock_key}", daemon=True
         )
         self._renewed = time.monotonic()
+        self._releasing = False
+
+    def releasing(self) -> None:
+        """The run's completion is about to release the lease at its COMMIT (migration 19): a
+        renewal that finds the lease gone from now on still marks it lost, but says so only in
+        the debug log (a lease lost before that COMMIT fails the completion, which says so)."""
+        self._releasing = True
 
     def start(self) -> None:
         self._renewed = time.monotonic()
@@ -280,7 +299,8 @@ class LeaseHeartbeat:
     def _lost(self, why: str) -> None:
         assert self.lock.lost is not None
         self.lock.lost.set()
-        self.log.warning(
+        say = self.log.debug if self._releasing else self.log.warning
+        say(
             "the lease of run lock %s (%s) is lost: %s; the run's next fenced step fails "
             "(LockLostError)",
             self.lock.lock_key,

@@ -32,10 +32,13 @@ def run(dsn: str, key: str, zone: str | None, job: str = "zoned") -> None:
     )
 
 
-def test_a_key_made_in_another_zone_is_refused_and_nothing_is_written(pg_dsn: str) -> None:
+def test_a_key_made_in_another_zone_is_refused_and_nothing_is_written(
+    pg_dsn: str, lock_mode: str
+) -> None:
     """Keys made in Europe/Amsterdam, then one made in UTC: refused naming both zones, the
-    latest key and the three ways on; no attempt, no job_runs row. The same zone, and keys of
-    no zone (hours, labels), go on."""
+    latest key and the three ways on; no attempt, no job_runs row (nor a lease). The same
+    zone, and keys of no zone (hours, labels), go on. In both lock modes (each decides the
+    zone in its own call: run_decide, run_decide_lease)."""
     run(pg_dsn, "2026-10-01", "Europe/Amsterdam")
     run(pg_dsn, "2026-10-02", "Europe/Amsterdam")
     before = rows(pg_dsn, "SELECT count(*) FROM idempotency.job_run_attempts")
@@ -46,6 +49,7 @@ def test_a_key_made_in_another_zone_is_refused_and_nothing_is_written(pg_dsn: st
                  "RunKeyRule(..., timezone='Europe/Amsterdam')", "new job_name"):  # fmt: skip
         assert part in message, message
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_run_attempts") == before
+    assert rows(pg_dsn, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
     assert rows(pg_dsn, "SELECT run_key, key_zone FROM idempotency.job_runs ORDER BY 1") == [
         ("2026-10-01", "Europe/Amsterdam"),
         ("2026-10-02", "Europe/Amsterdam"),
@@ -68,7 +72,7 @@ def test_a_key_made_in_another_zone_is_refused_and_nothing_is_written(pg_dsn: st
     ],
 )
 def test_one_zone_spelled_another_way_is_no_zone_change(
-    pg_dsn: str, before: str, after: str
+    pg_dsn: str, before: str, after: str, lock_mode: str
 ) -> None:
     """The zone rule refuses a key whose period would move. A DAG whose zone is written
     another way (a link of tzdata, a fixed offset of zero for UTC) names the same periods:

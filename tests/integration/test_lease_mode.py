@@ -434,6 +434,106 @@ def test_twenty_runs_at_once_through_a_transaction_pooler_of_five(
     print(f"{RUNS} runs through a pool of {POOL}: {elapsed:.1f} s")
 
 
+def test_a_noop_takes_no_lease_and_holds_the_key_for_its_decision(lease_db: str) -> None:
+    """Migration 0019: the no-op of a completed key is decided and recorded in one transaction
+    that holds the key's advisory run lock and draws no lease (no token, no run_leases row).
+    While that transaction runs (here: held at its no-op's INSERT by a table lock), the key is
+    held as under a lease: a lease is refused to anyone else, and so is another lease-mode run;
+    a live lease of another worker (a forced run about to start) refuses the no-op itself, as
+    does a run of the advisory mode holding the key."""
+    assert run_in(lease_db, writer("first"), "lease").outcome is RunOutcome.COMPLETED
+    tokens = "SELECT last_value FROM idempotency.run_lease_tokens"
+    (before,) = rows(lease_db, tokens)
+    assert run_in(lease_db, writer("again"), "lease").outcome is RunOutcome.NOOP
+    assert rows(lease_db, tokens) == [before]  # no token drawn
+    assert rows(lease_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
+
+    with psycopg.connect(lease_db) as blocker:
+        blocker.execute("LOCK TABLE idempotency.job_run_attempts IN SHARE MODE")
+        noop = Background(lambda: run_in(lease_db, writer("noop"), "lease"))
+        wait_for("the no-op to wait at its record", lambda: bool(waiting_on_attempts(lease_db)))
+        with psycopg.connect(lease_db, autocommit=True) as conn:
+            assert acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30) is None
+        blocker.rollback()
+    assert noop.join().error is None and noop.result.outcome is RunOutcome.NOOP
+
+    with psycopg.connect(lease_db, autocommit=True) as conn:
+        lease = acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30)
+        assert lease is not None
+        with pytest.raises(RunLockedError, match=r"lease token \d+ of worker"):
+            run_in(lease_db, writer("x"), "lease")
+        release_lease(conn, lease, schema="idempotency")
+    with (
+        psycopg.connect(lease_db, autocommit=True) as holder,
+        hold_run_lock(holder, LOCK_KEY, schema="idempotency", application_name="t") as lock,
+    ):
+        assert lock is not None
+        with pytest.raises(RunLockedError, match="backend pid"):
+            run_in(lease_db, writer("x"), "lease")
+    assert written(lease_db) == ["first"]
+    assert outcomes(lease_db) == ["completed", "noop", "noop", "lock_held", "lock_held"]
+
+
+def waiting_on_attempts(dsn: str) -> list[Any]:
+    """The backends waiting for a lock on job_run_attempts."""
+    return rows(
+        dsn,
+        "SELECT l.pid FROM pg_locks AS l JOIN pg_class AS c ON c.oid = l.relation "
+        "WHERE c.relname = 'job_run_attempts' AND NOT l.granted",
+    )
+
+
+def test_the_completion_releases_the_lease_at_its_commit_only_when_it_commits(
+    lease_db: str, frozen_heartbeats: set[int]
+) -> None:
+    """Migration 0019: the completion releases its lease in its own transaction, after the
+    fence's check at COMMIT; a completion refused at COMMIT (its key taken over while a
+    deferred trigger of the work's ran in it) releases nothing and commits nothing."""
+    result = run_in(lease_db, writer("w"), "lease")
+    assert result.outcome is RunOutcome.COMPLETED
+    assert rows(lease_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
+    assert rows(lease_db, "SELECT count(*) FROM idempotency.lease_releases") == [(0,)]
+    assert rows(lease_db, "SELECT count(*) FROM idempotency.fence_arms") == [(0,)]
+
+    frozen_heartbeats.add(run_lock_key(JOB, "2026-10-02"))
+
+    def expire_then_finish(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('late', %s)", (ctx.run_key,))
+        # a deferred trigger of the completion's transaction during which another run takes
+        # the key over (a new token): the fence's check at COMMIT (queued before the release)
+        # must refuse it
+        rows(
+            lease_db,
+            "CREATE FUNCTION public.slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "PERFORM pg_sleep(1.5); RETURN NULL; END $$",
+        )
+        rows(
+            lease_db,
+            "CREATE CONSTRAINT TRIGGER slow AFTER UPDATE ON idempotency.job_runs "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.slow()",
+        )
+        take_over = (
+            "UPDATE idempotency.run_leases SET token = nextval('idempotency.run_lease_tokens')"
+            " WHERE lock_key = %s"
+        )
+        key = run_lock_key(JOB, "2026-10-02")
+        threading.Thread(
+            target=lambda: (time.sleep(0.7), rows(lease_db, take_over, (key,)))
+        ).start()
+
+    with pytest.raises(LockLostError, match="was lost before this transaction"):
+        run_idempotently(
+            connect=connect_to(lease_db), job_name=JOB, run_key="2026-10-02",
+            work=expire_then_finish, lock_mode=LockMode("lease", lease_ttl=1),
+        )  # fmt: skip
+    assert rows(
+        lease_db, "SELECT status FROM idempotency.job_runs WHERE run_key = '2026-10-02'"
+    ) == [("failed",)]
+    assert outcomes(lease_db)[-1] == "lock_lost"
+    assert rows(lease_db, "SELECT count(*) FROM idempotency.lease_releases") == [(0,)]
+
+
 # A lease is held until another run takes its key over, not until it expires (migration 18):
 # a run whose heartbeat was late goes on when nobody took its key; whatever takes an expired
 # key over leaves its old holder unable to commit again.

@@ -11,7 +11,7 @@
  * provider/airflow_idempotency/sql/queries.sql (the test checks that each exists and that every
  * fence statement is modelled). The checksum below is that of the fence's SQL (the fence_*
  * queries, acquire_run_lock, start_attempt, complete_attempt and every migration that defines
- * a fence function: 0006, 0008, 0010, 0012, 0013, 0014, 0017, 0018): when the SQL changes, the test fails until the model is
+ * a fence function: 0006, 0008, 0010, 0012, 0013, 0014, 0017, 0018, 0019): when the SQL changes, the test fails until the model is
  * reviewed and the checksum updated. Reviewed for 0010 (the commit-time check runs at COMMIT
  * or refuses: the model's check and commit are one step) and 0011 (start_attempt records the
  * attempt's provenance: no fence change) and 0012 (the start's check of its own lock, modelled
@@ -41,8 +41,18 @@
  * transaction still needs the lease unexpired (its snapshot: not modelled); the start trigger
  * deletes an expired lease when an advisory-mode start takes its key (two modes on one key:
  * not modelled).
+ * Reviewed for 0019 (issue 32: the lease mode's decision in one call, sql: decide_lease, whose
+ * run_decide_lease() tries the key's advisory run lock, refuses a live lease and takes the
+ * lease as lease_acquire does, in a transaction committed in the same message: the lock step
+ * below stands for it; a completed key's no-op is recorded there WITHOUT a lease, under the
+ * advisory run lock that every acquisition must take, with no lease live: the model's attempts
+ * do work, and a no-op writes nothing the model checks. The completion (-DLEASE) now releases
+ * the lease at its own COMMIT, by a deferred trigger queued after the fence's check
+ * (sql: lease_release_at_commit): the release moves into the step where the completion lands,
+ * after the check at COMMIT, instead of a step of its own after it; every property still
+ * holds, and -DLEASE_COMPLETION_UNFENCED still fails).
  *
- * fence-sql-sha256: d05cb9c3df35061ebbc35c182d77e3525716416ca1b5948696d244d22b519a54
+ * fence-sql-sha256: ece43ab1726f631c62789bcbce656a3903beedd3d85170ac09571f39fbc43e4a
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
@@ -68,8 +78,9 @@
  *             it over, sql: lease_renew; lost only when a successor's acquisition draws a token),
  *             and the completion is not written in a lock transaction but in one more fenced
  *             transaction (sql: complete_attempt_lease: fence_enter at its BEGIN, the check at
- *             its COMMIT, the fence key shared in between), after which the lease is released
- *             (sql: lease_release). Every property must hold; with
+ *             its COMMIT, the fence key shared in between), which releases the lease
+ *             at its COMMIT, after the check (sql: lease_release_at_commit; a failed
+ *             attempt's by sql: lease_release). Every property must hold; with
  *             -DLEASE_COMPLETION_UNFENCED (the completion's COMMIT unchecked, as if it were
  *             written outside the fence) a completion commits after its lease was lost; with
  *             -DLEASE_RENEW_UNCHECKED (a renewal that does not compare the token) an expired
@@ -157,7 +168,8 @@ proctype Attempt(byte me) {
     bool held_at_commit;
     bool ok;
 
-    /* sql: acquire_run_lock or sql: decide (the lock transaction); -DLEASE: sql: lease_acquire */
+    /* sql: acquire_run_lock or sql: decide (the lock transaction); -DLEASE: sql: lease_acquire
+       or sql: decide_lease (the lease taken in a transaction of its own, committed at once) */
     atomic {
         if
 #ifdef LEASE
@@ -334,16 +346,15 @@ proctype Attempt(byte me) {
         :: else -> skip
         fi
     }
-    atomic {                  /* the completion lands, and its fence lock goes */
+    atomic {                  /* the completion lands, and its fence lock goes; sql:
+                                 lease_release_at_commit: the lease is released at that COMMIT,
+                                 after the check (a later deferred trigger), if it is still
+                                 this token's, expired or not (a successor's is left) */
         assert(held_at_commit);
         assert(!successor_started(me));
         fence_shared--;
         open_shared[me]--;
-        held_at_commit = false
-    }
-    /* sql: lease_release, once the completion committed (a lease that expired meanwhile is
-       released by nobody: it stays expired) */
-    atomic {
+        held_at_commit = false;
         if
         :: held_by(me) && session_alive[me] -> end_session(me)
         :: else -> skip
@@ -360,7 +371,8 @@ proctype Attempt(byte me) {
 #endif
     goto done;
 
-failed:                       /* every open transaction rolls back; the failure is recorded */
+failed:                       /* every open transaction rolls back; the failure is recorded
+                                 (-DLEASE: then sql: lease_release) */
     atomic {
         fence_shared = fence_shared - open_shared[me];
         open_shared[me] = 0;

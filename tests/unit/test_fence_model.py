@@ -27,9 +27,12 @@ SQL = ROOT / "provider" / "airflow_idempotency" / "sql"
 
 
 def _fence_migrations() -> tuple[str, ...]:
-    """Every migration that defines a function of the fence (fence_*, run_lock_held_by): a
+    """Every migration that defines a function of the fence (fence_*, run_lock_held_by, the lease
+    mode's decision and release at commit: run_decide_lease, lease_*): a
     new one that redefines the fence changes the checksum the model records."""
-    defines = re.compile(r"CREATE (OR REPLACE )?FUNCTION (fence_\w+|run_lock_held_by)\(")
+    defines = re.compile(
+        r"CREATE (OR REPLACE )?FUNCTION (fence_\w+|run_lock_held_by|run_decide_lease|lease_\w+)\("
+    )
     return tuple(
         path.name
         for path in sorted((SQL / "migrations").glob("*.sql"))
@@ -50,7 +53,8 @@ NOT_MODELLED = {
     "tests/integration/test_adopt.py, test_lease_visibility.py)",
 }
 _DECIDES = re.compile(
-    r"\{schema\}\.(fence_\w+|run_lock_held_by|run_decide)\(|pg_try_advisory_xact_lock"
+    r"\{schema\}\.(fence_\w+|run_lock_held_by|run_decide\w*)\(|pg_try_advisory_xact_lock"
+    r"|\{schema\}\.lease_releases\b"
 )
 _READS_HOLDER = re.compile(r"\{schema\}\.held_run_locks\(")
 _WRITES = re.compile(r"^\s*(WITH\b.*)?\b(UPDATE|INSERT|DELETE)\b", re.MULTILINE | re.DOTALL)
@@ -163,7 +167,7 @@ def test_a_reintroduced_defect_is_found(tmp_path: Path, flags: list[str], violat
 def test_the_lease_mode_holds_in_every_interleaving(tmp_path: Path) -> None:
     """The lease mode (migration 0014, -DLEASE): the same properties, with the completion in a
     fenced transaction of its own and the lease released after it; a lease held until a
-    successor takes it over, renewed by its holder while expired (migration 0018)."""
+    successor takes it over, renewed by its holder while expired (migration 0018; the release at the completion's COMMIT, 0019)."""
     out = verify(tmp_path, "-DLEASE")
     assert _errors(out) == 0, out
     assert "Search not completed" not in out and "max search depth too small" not in out, out

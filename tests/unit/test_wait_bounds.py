@@ -47,8 +47,8 @@ SITES: dict[tuple[str, str, str], str] = {
     ("leases.py", "release_lease", "in_one_transaction"): "bound_lock_waits first",
     ("lease_run.py", "_run_lease", "bounded_transaction"): _BOUNDED + " (a lease-mode dry run's "
     "record)",
-    ("lease_run.py", "_complete_lease", "transaction"): _FENCED + ", and bound_locks (the lease "
-    "mode's completion)",
+    ("lease_run.py", "_complete_and_release", "BEGIN"): _FENCED + ", and bound_lock_waits "
+    "(the lease mode's completion, and its release at COMMIT by a trigger, migration 19)",
     ("ledger/pipeline.py", "_write_intents", "bounded_transaction"): _BOUNDED,
     ("effects/notifications.py", "fenced_transaction", "bounded_transaction"): _BOUNDED,
     ("retention.py", "prune_attempts", "bounded_transaction"): _BOUNDED,

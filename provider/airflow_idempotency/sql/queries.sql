@@ -156,6 +156,29 @@ taken AS (
 SELECT advisory.already_held, advisory.free, taken.token, taken.expires_at
 FROM advisory LEFT JOIN taken ON true;
 
+-- name: decide_lease
+-- The decision of a run of the lease mode (lease_run.decide_lease): its BEGIN, run_decide_lease()
+-- (migration 19: zone check, the key's advisory run lock for this transaction, a live lease
+-- refused, the read, the no-op's record without a lease, or the lease taken) and its COMMIT in
+-- ONE simple-protocol message, values bound by psycopg's client-side cursor: one round trip, and
+-- a pooler's refusal reaches the client (see decide).
+BEGIN ISOLATION LEVEL READ COMMITTED;
+SELECT * FROM {schema}.run_decide_lease(%(lock_key)s, %(job_name)s, %(run_key)s, %(force)s,
+                                        %(key_zone)s, %(session)s, %(attempt)s);
+COMMIT;
+
+-- name: lease_release_at_commit
+-- The last statement of the lease mode's completion (after fence_arm, before its COMMIT): the
+-- lease is released AT that COMMIT, after the fence's check there (migration 19's deferred
+-- trigger on lease_releases), and only when the completion wrote (complete_attempt_lease
+-- found the run still this attempt's): a completion refused at COMMIT releases nothing.
+INSERT INTO {schema}.lease_releases (lock_key, token, lock_holder)
+SELECT %(lock_key)s, %(token)s, %(lock_holder)s
+WHERE EXISTS (
+    SELECT 1 FROM {schema}.job_run_attempts
+    WHERE attempt_id = %(attempt_id)s AND outcome = 'completed'
+);
+
 -- name: lease_renew
 -- The heartbeat of a lease (a short transaction on a borrowed connection): extends it while it
 -- is still this acquisition's (its token), expired or not (migration 18: a lease is held until
@@ -398,7 +421,8 @@ SELECT completed_at FROM run;
 -- The completion of the lease mode, in a fenced transaction (fence_enter with its BEGIN, the
 -- check at its COMMIT: the lease must still be this attempt's): mark the run completed only for
 -- the attempt that owns it, and close the attempt. No row back means the attempt no longer owns
--- the run, and nothing changed. The lease is released after it commits (lease_release).
+-- the run, and nothing changed. The lease is released at its COMMIT (lease_release_at_commit,
+-- its last statement: the completion, the fence's check and the release in one message).
 WITH run AS (
     UPDATE {schema}.job_runs
     SET status = 'completed', completed_at = statement_timestamp(), updated_at = statement_timestamp(),
