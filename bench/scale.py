@@ -51,6 +51,7 @@ from airflow_idempotency import RunContext, run_idempotently
 from airflow_idempotency.ledger import Effect, OutboundLedger, post_json
 from airflow_idempotency.run_context import RunEnvironment
 from airflow_idempotency.schema import ensure_schema
+from bench import scale_airflow
 from bench.common import BenchResult, Size, at_most, load_average, median, percentile, say
 from devtools import pgbouncer
 from devtools.accounting import AccountingService, run_accounting_service
@@ -498,6 +499,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "once, no effect twice, peak server connections <= 20."
     )
     result.notes.append("\n".join(f"- {cell.summary()}" for cell in cells))
+    # The same in real Airflow (bench/scale_airflow.py: its own stack, pooler and notes).
+    scale_airflow.add_rows(result, scale_airflow.run_cells(server, scale_airflow.sized(size)))
     result.notes.append(f"load average at end: {load_average()}")
     return result
 
