@@ -33,25 +33,19 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
-import sys
 import threading
 import time
-import traceback
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import psycopg
 
-from airflow_idempotency import RunContext, run_idempotently
-from airflow_idempotency.ledger import Effect, OutboundLedger, post_json
-from airflow_idempotency.run_context import RunEnvironment
+from airflow_idempotency import run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from bench.common import BenchResult, Size, at_most, load_average, median, percentile, say
+from bench.scale_drivers import Driven, Outcome, drive, error_name, run_key
 from devtools import pgbouncer
 from devtools.accounting import AccountingService, run_accounting_service
 from devtools.postgres import (
@@ -62,23 +56,15 @@ from devtools.postgres import (
 )
 
 TITLE = "Scale: N runs at once, direct and through a transaction pooler (issue 32)"
-JOB = "bench.scale"
 LOCK_MODES = ("advisory", "lease")
 PATHS = ("direct", "pgbouncer")
 MAX_CONNECTIONS = 100
 POOL_SIZE = 20
 EXPORT_EVERY = 3  # every third run sends effects
-REMOTE_SYSTEM = "scale_remote"
-EXPORT_PATH = "/api/invoices"
 WORK_SECONDS = 2.0
 SAMPLE_SECONDS = 0.05
 GRACE_SECONDS = 30.0  # after a cell's bound: its sessions are ended, its threads get this long
-THREAD_STACK = 512 * 1024  # a thousand threads at the default 8 MiB is 8 GiB of address space
-
-# A thousand runs log three lines each at INFO; the benchmark reads outcomes, not logs.
-_QUIET = logging.getLogger("bench.scale.runs")
-_QUIET.addHandler(logging.NullHandler())
-_QUIET.propagate = False
+PROCESSES = 4  # driver processes of a benchmark cell (bench/scale_drivers.py)
 
 
 @dataclass(frozen=True)
@@ -93,6 +79,7 @@ class Scenario:
     effects_per_export: int = 10
     query_wait_timeout: int = 60  # PgBouncer's: how long a client waits for a server connection
     bound_seconds: float | None = None  # default: see ``bound``
+    processes: int = 1  # the runs are threads of this process, or of this many processes
 
     @property
     def label(self) -> str:
@@ -110,16 +97,6 @@ class Scenario:
 
     def exports(self, index: int) -> bool:
         return index % EXPORT_EVERY == 0
-
-
-@dataclass
-class Outcome:
-    """One run: how its call ended and how long it and its work took."""
-
-    seconds: float
-    work_seconds: float | None
-    error: BaseException | None
-    ended: float  # time.monotonic()
 
 
 @dataclass
@@ -147,6 +124,8 @@ class Cell:
     wall_seconds: float = 0.0
     overhead_ms: list[float] = field(default_factory=list)
     start_spread_ms: float = 0.0  # release -> the last run's work began
+    at_peak: list[str] = field(default_factory=list)  # the server connections at the peak
+    exiting_at_peak: list[str] = field(default_factory=list)  # of them, gone 50 ms later
 
     @property
     def all_completed_once(self) -> bool:
@@ -198,32 +177,38 @@ def lock_mode_available(mode: str) -> str:
     return "run_idempotently has no lock_mode keyword yet (TypeError)"
 
 
-def _mode_kwargs(mode: str) -> dict[str, Any]:
-    if "lock_mode" in inspect.signature(run_idempotently).parameters:
-        return {"lock_mode": mode}
-    return {}
-
-
 # ---------------------------------------------------------------- one cell
 
 
 class _Sampler:
     """The peak of server connections to one database, read every ``SAMPLE_SECONDS`` from a
-    session in another database (so it never counts itself)."""
+    session in another database (so it never counts itself), and what they were at the peak
+    (``at_peak``: one line per backend; ``exiting``: the peak's backends gone by the next
+    sample)."""
 
     def __init__(self, admin_dsn: str, dbname: str) -> None:
         self.peak = 0
+        self.at_peak: list[str] = []
+        self.exiting: list[str] = []
+        self._peak_pids: dict[int, str] = {}
         self._dbname = dbname
         self._stop = threading.Event()
         self._conn = psycopg.connect(admin_dsn, autocommit=True)
         self._thread = threading.Thread(target=self._loop, name="scale-sampler", daemon=True)
 
     def _loop(self) -> None:
+        pending = False  # the peak was just seen: the next sample says which of it left
         while not self._stop.is_set():
-            row = self._conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (self._dbname,)
-            ).fetchone()
-            self.peak = max(self.peak, int(row[0]) if row else 0)
+            rows = self._conn.execute(_SAMPLE, (self._dbname,)).fetchall()
+            now = {int(r[0]): " ".join(str(v) for v in r) for r in rows}
+            if pending:
+                self.exiting = [line for pid, line in self._peak_pids.items() if pid not in now]
+                pending = False
+            if len(rows) > self.peak:
+                self.peak = len(rows)
+                self.at_peak = sorted(now.values())
+                self._peak_pids = now
+                pending = True
             self._stop.wait(SAMPLE_SECONDS)
 
     def __enter__(self) -> _Sampler:
@@ -234,6 +219,14 @@ class _Sampler:
         self._stop.set()
         self._thread.join(10)
         self._conn.close()
+
+
+_SAMPLE = (
+    "SELECT pid, backend_type, coalesce(application_name, ''), client_port, state,"
+    " to_char(backend_start, 'HH24:MI:SS.MS'), to_char(state_change, 'HH24:MI:SS.MS'),"
+    " coalesce(wait_event, '-'), left(regexp_replace(query, '\\s+', ' ', 'g'), 60)"
+    " FROM pg_stat_activity WHERE datname = %s"
+)
 
 
 def _dbname(dsn: str) -> str:
@@ -268,28 +261,6 @@ def _path(server: PostgresServer, dsn: str, scenario: Scenario) -> Iterator[str]
         yield psycopg.conninfo.make_conninfo(bouncer.dsn(_dbname(dsn)), connect_timeout="10")
 
 
-def _work(scenario: Scenario, index: int, url: str, prefix: str, began: dict[int, float]) -> Any:
-    def work(run: RunContext) -> dict[str, int]:
-        began[index] = time.monotonic()
-        time.sleep(scenario.work_seconds)
-        with run.transaction() as cur:
-            cur.execute("INSERT INTO public.scale_work (run_key) VALUES (%s)", (run.run_key,))
-        if not scenario.exports(index):
-            return {"rows": 1}
-        effects = [
-            Effect(
-                idempotency_key=f"{prefix}{run.run_key}:{e}",
-                request={"run_key": run.run_key, "effect": e, "amount_cents": 100},
-            )
-            for e in range(scenario.effects_per_export)
-        ]
-        ledger = OutboundLedger(run, REMOTE_SYSTEM, concurrency=2)
-        summary = ledger.send_all(effects, post_json(EXPORT_PATH), base_url=url)
-        return {"rows": 1, **summary.as_counts("effects")}
-
-    return work
-
-
 def run_cell(server: PostgresServer, remote: AccountingService, scenario: Scenario) -> Cell:
     """Run one cell on ``server`` (a fresh database of its own), effects to ``remote``."""
     cell = Cell(scenario)
@@ -305,21 +276,22 @@ def run_cell(server: PostgresServer, remote: AccountingService, scenario: Scenar
         dbname = _dbname(dsn)
         with _Sampler(server.admin_dsn, dbname) as sampler:
             with _path(server, dsn, scenario) as target:
-                outcomes, began, t0 = _run_threads(scenario, target, remote.url, prefix, cell)
-                if cell.timed_out:  # end what still waits: its errors end its threads
+                driven = drive(scenario, target, remote.url, prefix)
+                if driven.timed_out:  # end what still waits: its errors end its threads
                     _end_sessions(server.admin_dsn, dbname)
-            if cell.timed_out:
+            if driven.timed_out:
                 _end_sessions(server.admin_dsn, dbname)
-                _join_stragglers(cell)
+                cell.stragglers = driven.finish(time.monotonic() + GRACE_SECONDS)
         cell.peak_server_connections = sampler.peak
-        ended = _tally(cell, dict(outcomes), dict(began), t0)
+        cell.at_peak, cell.exiting_at_peak = sampler.at_peak, sampler.exiting
+        ended = _tally(cell, driven)
         with psycopg.connect(dsn) as conn:
             counts: dict[str, int] = dict(conn.execute(
                 "SELECT run_key, count(*) FROM public.scale_work GROUP BY run_key"
             ).fetchall())  # fmt: skip
         cell.keys_once = sum(1 for n in counts.values() if n == 1)
         cell.keys_repeated = sum(1 for n in counts.values() if n > 1)
-        completed = {_run_key(i) for i, o in ended.items() if o.error is None}
+        completed = {run_key(i) for i, o in ended.items() if o.error is None}
         cell.keys_of_failed_runs = len(set(counts) - completed)
     exporters_done = sum(1 for i, o in ended.items() if o.error is None and scenario.exports(i))
     cell.effects_expected = exporters_done * scenario.effects_per_export
@@ -330,117 +302,31 @@ def run_cell(server: PostgresServer, remote: AccountingService, scenario: Scenar
     return cell
 
 
-_THREADS: dict[int, list[threading.Thread]] = {}  # a timed-out cell's threads, by id(cell)
-
-
-def _run_threads(
-    scenario: Scenario, dsn: str, url: str, prefix: str, cell: Cell
-) -> tuple[dict[int, Outcome], dict[int, float], float]:
-    outcomes: dict[int, Outcome] = {}
-    began: dict[int, float] = {}
-    go = threading.Event()
-    environment = RunEnvironment(logger=_QUIET)
-    mode = _mode_kwargs(scenario.lock_mode)
-
-    def one(index: int) -> None:
-        go.wait()
-        t = time.monotonic()
-        spent: float | None = None
-        error: BaseException | None = None
-        try:
-            run_idempotently(
-                connect=lambda: psycopg.connect(dsn),
-                job_name=JOB,
-                run_key=_run_key(index),
-                work=_work(scenario, index, url, prefix, began),
-                environment=environment,
-                **mode,
-            )
-        except BaseException as exc:  # every failure is a result of the cell
-            error = exc
-        end = time.monotonic()
-        if index in began and error is None:
-            spent = end - began[index]
-        outcomes[index] = Outcome(end - t, spent, error, end)
-
-    old_stack = threading.stack_size(THREAD_STACK)
-    try:
-        threads = [
-            threading.Thread(target=one, args=(i,), name=f"scale-run-{i}", daemon=True)
-            for i in range(scenario.runs)
-        ]
-        for thread in threads:
-            thread.start()
-    finally:
-        threading.stack_size(old_stack)
-    t0 = time.monotonic()
-    go.set()
-    deadline = t0 + scenario.bound
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    cell.wall_seconds = time.monotonic() - t0
-    alive = [t for t in threads if t.is_alive()]
-    if alive:
-        cell.timed_out = True
-        cell.waiting_in = _where_waiting(alive)
-        _THREADS[id(cell)] = alive
-    return outcomes, began, t0
-
-
-def _where_waiting(threads: list[threading.Thread]) -> Counter[str]:
-    """Where the runs still running at the bound were: the innermost frame of the provider,
-    then of psycopg, in each thread's stack (``module:function:line``)."""
-    frames = sys._current_frames()
-    where: Counter[str] = Counter()
-    for thread in threads:
-        frame = frames.get(thread.ident or -1)
-        stack = traceback.extract_stack(frame) if frame is not None else []
-        spots = []
-        for package in ("airflow_idempotency", "psycopg"):
-            inner = [f for f in stack if f"/{package}/" in f.filename]
-            if inner:
-                f = inner[-1]
-                spots.append(f"{Path(f.filename).stem}:{f.name}:{f.lineno}")
-        where[" > ".join(spots) or "?"] += 1
-    return where
-
-
-def _run_key(index: int) -> str:
-    return f"k{index:05d}"
-
-
-def _join_stragglers(cell: Cell) -> None:
-    deadline = time.monotonic() + GRACE_SECONDS
-    threads = _THREADS.pop(id(cell), [])
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    cell.stragglers = sum(1 for t in threads if t.is_alive())
-
-
-def _tally(
-    cell: Cell, outcomes: dict[int, Outcome], began: dict[int, float], t0: float
-) -> dict[int, Outcome]:
+def _tally(cell: Cell, driven: Driven) -> dict[int, Outcome]:
     """Count the runs that ended within the bound; return them."""
+    cell.wall_seconds = driven.wall_seconds
+    cell.timed_out = driven.timed_out
+    cell.waiting_in = driven.waiting_in
     # A run that ended after the bound counts as unfinished: the cell did not wait for it.
-    bound_end = t0 + cell.wall_seconds
-    ended = {i: o for i, o in outcomes.items() if o.ended <= bound_end + 1e-3}
+    bound_end = driven.t0 + cell.wall_seconds
+    ended = {i: o for i, o in dict(driven.outcomes).items() if o.ended <= bound_end + 1e-3}
     cell.unfinished = cell.scenario.runs - len(ended)
     failures = sorted((o for o in ended.values() if o.error is not None), key=lambda o: o.ended)
     cell.completed = len(ended) - len(failures)
     cell.failed = len(failures)
-    for o in failures:
-        cell.errors[type(o.error).__name__] += 1
-    if failures:
-        first = failures[0].error
-        text = " ".join(str(first).split())
-        cell.first_error = f"{type(first).__name__}: {text[:120]}"
+    errors = [o.error for o in failures if o.error is not None]
+    cell.errors.update(error_name(error) for error in errors)
+    if errors:
+        text = " ".join(str(errors[0]).split())
+        cell.first_error = f"{error_name(errors[0])}: {text[:120]}"
     cell.overhead_ms = [
         (o.seconds - o.work_seconds) * 1000
         for o in ended.values()
         if o.error is None and o.work_seconds is not None
     ]
+    began = dict(driven.began)
     if began:
-        cell.start_spread_ms = (max(began.values()) - t0) * 1000
+        cell.start_spread_ms = (max(began.values()) - driven.t0) * 1000
     return ended
 
 
@@ -463,9 +349,11 @@ def scale_server(server: PostgresServer) -> Iterator[tuple[PostgresServer, str]]
     )
 
 
-def scenarios(counts: tuple[int, ...], work_seconds: float = WORK_SECONDS) -> list[Scenario]:
+def scenarios(
+    counts: tuple[int, ...], work_seconds: float = WORK_SECONDS, processes: int = PROCESSES
+) -> list[Scenario]:
     return [
-        Scenario(n, mode, path, work_seconds=work_seconds)
+        Scenario(n, mode, path, work_seconds=work_seconds, processes=min(processes, n))
         for n in counts
         for path in PATHS
         for mode in LOCK_MODES
@@ -481,7 +369,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         run_accounting_service(remote_dsn) as remote,
         scale_server(server) as (target, where),
     ):
-        for scenario in scenarios(size.scale_runs):
+        for scenario in scenarios(size.scale_runs, processes=size.scale_processes):
             say(f"scale: {scenario.label} (bound {scenario.bound:.0f} s) ...")
             cell = run_cell(target, remote, scenario)
             say(f"scale: {cell.summary()}")
@@ -489,7 +377,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
     for cell in cells:
         _rows(result, cell)
     result.notes.append(
-        f"Each cell on {where}; runs are threads of one process released together; work "
+        f"Each cell on {where}; runs are threads of {size.scale_processes} process(es) "
+        "(about N / that many threads each), released together by one event; work "
         f"sleeps {WORK_SECONDS:g} s outside any "
         "transaction, then writes one row through run.transaction(); every third run then "
         "sends 10 effects through the ledger (concurrency 2) to the accounting service. "
@@ -498,8 +387,27 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "once, no effect twice, peak server connections <= 20."
     )
     result.notes.append("\n".join(f"- {cell.summary()}" for cell in cells))
+    result.notes.extend(_peak_notes(cells))
     result.notes.append(f"load average at end: {load_average()}")
     return result
+
+
+def _peak_notes(cells: list[Cell]) -> list[str]:
+    """The server connections of a pooled cell whose peak passed its pool: what they were."""
+    notes = []
+    for cell in cells:
+        s = cell.scenario
+        if s.path != "pgbouncer" or cell.peak_server_connections <= s.pool_size:
+            continue
+        notes.append(
+            f"{s.label}: the {cell.peak_server_connections} server connections at the peak "
+            "(pid, backend_type, application_name, client_port, state, backend_start, "
+            "state_change, wait_event, query):\n"
+            + "\n".join(f"    {line}" for line in cell.at_peak)
+            + "\n  gone by the next sample: "
+            + ("; ".join(cell.exiting_at_peak) or "none")
+        )
+    return notes
 
 
 def _rows(result: BenchResult, cell: Cell) -> None:
