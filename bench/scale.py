@@ -32,7 +32,9 @@ server. tests/integration/test_scale.py runs the same cells at a small N.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import inspect
+import re
 import threading
 import time
 import uuid
@@ -124,8 +126,9 @@ class Cell:
     wall_seconds: float = 0.0
     overhead_ms: list[float] = field(default_factory=list)
     start_spread_ms: float = 0.0  # release -> the last run's work began
-    at_peak: list[str] = field(default_factory=list)  # the server connections at the peak
-    exiting_at_peak: list[str] = field(default_factory=list)  # of them, gone 50 ms later
+    listed_peak: int = 0  # with the backends the pooler had closed, still exiting
+    at_peak: list[str] = field(default_factory=list)  # the backends listed at that peak
+    exiting_at_peak: list[str] = field(default_factory=list)  # of them, closed by the pooler
 
     @property
     def all_completed_once(self) -> bool:
@@ -160,7 +163,13 @@ class Cell:
             + f"; keys once {self.keys_once}, more than once {self.keys_repeated}, of "
             f"runs not completed {self.keys_of_failed_runs}; effects at the remote "
             f"{self.effects_delivered} (completed runs' {self.effects_expected}), replays {self.remote_replays}; "
-            f"peak server connections {self.peak_server_connections}; "
+            f"peak server connections {self.peak_server_connections}"
+            + (
+                f" (listed {self.listed_peak}: with backends the pooler had closed, exiting)"
+                if self.listed_peak > self.peak_server_connections
+                else ""
+            )
+            + "; "
             f"wall {self.wall_seconds:.1f} s"
         )
 
@@ -182,34 +191,52 @@ def lock_mode_available(mode: str) -> str:
 
 class _Sampler:
     """The peak of server connections to one database, read every ``SAMPLE_SECONDS`` from a
-    session in another database (so it never counts itself), and what they were at the peak
-    (``at_peak``: one line per backend; ``exiting``: the peak's backends gone by the next
-    sample)."""
+    session in another database (so it never counts itself).
+
+    A backend whose connection the pooler has already closed is still listed while its
+    process exits (a few ms), and PgBouncer opens the replacement at once: counted, it makes
+    the sample one over the pool. :meth:`settle` takes those out of each sample, by the
+    pooler's own log (which connection, by its local port, it closed when); ``raw_peak`` is
+    the count with them, ``at_peak`` what was listed then (one line per backend) and
+    ``exiting`` which of them the pooler had closed before that sample.
+    """
 
     def __init__(self, admin_dsn: str, dbname: str) -> None:
-        self.peak = 0
+        self.peak = self.raw_peak = 0
         self.at_peak: list[str] = []
         self.exiting: list[str] = []
-        self._peak_pids: dict[int, str] = {}
+        # (server time, {pid: (client_port, backend_start, what it was)}) per sample
+        self.samples: list[tuple[float, dict[int, tuple[int, float, str]]]] = []
         self._dbname = dbname
         self._stop = threading.Event()
         self._conn = psycopg.connect(admin_dsn, autocommit=True)
         self._thread = threading.Thread(target=self._loop, name="scale-sampler", daemon=True)
 
     def _loop(self) -> None:
-        pending = False  # the peak was just seen: the next sample says which of it left
         while not self._stop.is_set():
             rows = self._conn.execute(_SAMPLE, (self._dbname,)).fetchall()
-            now = {int(r[0]): " ".join(str(v) for v in r) for r in rows}
-            if pending:
-                self.exiting = [line for pid, line in self._peak_pids.items() if pid not in now]
-                pending = False
-            if len(rows) > self.peak:
-                self.peak = len(rows)
-                self.at_peak = sorted(now.values())
-                self._peak_pids = now
-                pending = True
+            at = float(rows[0][0]) if rows else 0.0
+            backends = {
+                int(r[1]): (int(r[2] or 0), float(r[3]), " ".join(map(str, (*r[1:3], *r[4:]))))
+                for r in rows
+            }
+            self.samples.append((at, backends))
             self._stop.wait(SAMPLE_SECONDS)
+
+    def settle(self, closed: dict[int, list[float]]) -> None:
+        """The peaks, without the backends the pooler closed (``closed``: local port -> when)
+        before each sample."""
+        for at, backends in self.samples:
+            gone = [
+                pid
+                for pid, (port, start, _) in backends.items()
+                if any(start <= when <= at for when in closed.get(port, ()))
+            ]
+            self.peak = max(self.peak, len(backends) - len(gone))
+            if len(backends) > self.raw_peak:
+                self.raw_peak = len(backends)
+                self.at_peak = sorted(line for _, _, line in backends.values())
+                self.exiting = sorted(backends[pid][2] for pid in gone)
 
     def __enter__(self) -> _Sampler:
         self._thread.start()
@@ -222,11 +249,35 @@ class _Sampler:
 
 
 _SAMPLE = (
-    "SELECT pid, backend_type, coalesce(application_name, ''), client_port, state,"
+    "SELECT extract(epoch FROM clock_timestamp()), pid, client_port,"
+    " extract(epoch FROM backend_start), backend_type, coalesce(application_name, ''), state,"
     " to_char(backend_start, 'HH24:MI:SS.MS'), to_char(state_change, 'HH24:MI:SS.MS'),"
     " coalesce(wait_event, '-'), left(regexp_replace(query, '\\s+', ' ', 'g'), 60)"
     " FROM pg_stat_activity WHERE datname = %s"
 )
+_POOLER_LINE = re.compile(
+    r"^(\S+ \S+) \S+ \[\d+\] \w+ (S-0x[0-9a-f]+): "
+    r"(?:.*new connection to server \(from [^)]*:(\d+)\)|.*closing because)"
+)
+
+
+def pooler_closes(log: str) -> dict[int, list[float]]:
+    """When PgBouncer closed each server connection, by its local port (the backend's
+    ``client_port``), from its log (``log_connections``/``log_disconnections``, on by
+    default; its times are this machine's local time)."""
+    ports: dict[str, int] = {}
+    closed: dict[int, list[float]] = {}
+    for line in log.splitlines():
+        match = _POOLER_LINE.match(line)
+        if match is None:
+            continue
+        stamp, server, port = match.groups()
+        if port is not None:
+            ports[server] = int(port)
+        elif server in ports:
+            when = dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            closed.setdefault(ports.pop(server), []).append(when)
+    return closed
 
 
 def _dbname(dsn: str) -> str:
@@ -243,8 +294,9 @@ def _end_sessions(admin_dsn: str, dbname: str) -> None:
 
 
 @contextlib.contextmanager
-def _path(server: PostgresServer, dsn: str, scenario: Scenario) -> Iterator[str]:
-    """The DSN the runs connect with: the database itself, or through PgBouncer."""
+def _path(server: PostgresServer, dsn: str, scenario: Scenario, logs: list[str]) -> Iterator[str]:
+    """The DSN the runs connect with: the database itself, or through PgBouncer (its log
+    appended to ``logs`` when it stops)."""
     if scenario.path == "direct":
         yield psycopg.conninfo.make_conninfo(dsn, connect_timeout="10")
         return
@@ -258,7 +310,10 @@ def _path(server: PostgresServer, dsn: str, scenario: Scenario) -> Iterator[str]
     with pgbouncer.run_pgbouncer(
         server, "transaction", pool_size=scenario.pool_size, settings=settings
     ) as bouncer:
-        yield psycopg.conninfo.make_conninfo(bouncer.dsn(_dbname(dsn)), connect_timeout="10")
+        try:
+            yield psycopg.conninfo.make_conninfo(bouncer.dsn(_dbname(dsn)), connect_timeout="10")
+        finally:
+            logs.append(bouncer.log_text())
 
 
 def run_cell(server: PostgresServer, remote: AccountingService, scenario: Scenario) -> Cell:
@@ -274,15 +329,18 @@ def run_cell(server: PostgresServer, remote: AccountingService, scenario: Scenar
             ensure_schema(conn)
             conn.execute("CREATE TABLE public.scale_work (run_key text NOT NULL)")
         dbname = _dbname(dsn)
+        logs: list[str] = []
         with _Sampler(server.admin_dsn, dbname) as sampler:
-            with _path(server, dsn, scenario) as target:
+            with _path(server, dsn, scenario, logs) as target:
                 driven = drive(scenario, target, remote.url, prefix)
                 if driven.timed_out:  # end what still waits: its errors end its threads
                     _end_sessions(server.admin_dsn, dbname)
             if driven.timed_out:
                 _end_sessions(server.admin_dsn, dbname)
                 cell.stragglers = driven.finish(time.monotonic() + GRACE_SECONDS)
+        sampler.settle(pooler_closes("".join(logs)))
         cell.peak_server_connections = sampler.peak
+        cell.listed_peak = sampler.raw_peak
         cell.at_peak, cell.exiting_at_peak = sampler.at_peak, sampler.exiting
         ended = _tally(cell, driven)
         with psycopg.connect(dsn) as conn:
@@ -397,14 +455,14 @@ def _peak_notes(cells: list[Cell]) -> list[str]:
     notes = []
     for cell in cells:
         s = cell.scenario
-        if s.path != "pgbouncer" or cell.peak_server_connections <= s.pool_size:
+        if s.path != "pgbouncer" or cell.listed_peak <= s.pool_size:
             continue
         notes.append(
-            f"{s.label}: the {cell.peak_server_connections} server connections at the peak "
-            "(pid, backend_type, application_name, client_port, state, backend_start, "
-            "state_change, wait_event, query):\n"
+            f"{s.label}: pg_stat_activity listed {cell.listed_peak} backends at most (pid, "
+            "client_port, backend_type, application_name, state, backend_start, state_change, "
+            "wait_event, query):\n"
             + "\n".join(f"    {line}" for line in cell.at_peak)
-            + "\n  gone by the next sample: "
+            + "\n  of them closed by the pooler before that sample, still exiting: "
             + ("; ".join(cell.exiting_at_peak) or "none")
         )
     return notes
@@ -456,7 +514,8 @@ def _rows(result: BenchResult, cell: Cell) -> None:
         "",
         f"<= {s.pool_size}" if goal else "",
         at_most(cell.peak_server_connections, s.pool_size) if goal else None,
-        f"pg_stat_activity of the database, every {SAMPLE_SECONDS * 1000:.0f} ms",
+        f"pg_stat_activity of the database, every {SAMPLE_SECONDS * 1000:.0f} ms, without "
+        f"backends the pooler had already closed (still exiting; with them: {cell.listed_peak})",
     )
     result.add(f"{label}: wall time", cell.wall_seconds, "s", note=f"bound {s.bound:.0f} s")
     if cell.overhead_ms:
