@@ -1,8 +1,9 @@
 """Scale: N idempotent runs at once on one PostgreSQL of ``max_connections`` 100 (issue 32).
 
-Each run is a thread of this process calling the public API,
+Each run is a thread calling the public API,
 ``run_idempotently(connect=..., job_name=..., run_key=..., work=...)``, all released by one
-event. Its work sleeps (``work_seconds``, outside any transaction), then writes one row of
+event: threads of this process, or spread over K processes (``Scenario.processes``; the
+benchmark's default 4, ``--scale-processes``; bench/scale_drivers.py). Its work sleeps (``work_seconds``, outside any transaction), then writes one row of
 ``public.scale_work`` through ``run.transaction()``; every third run then sends
 ``effects_per_export`` effects through the outbound ledger to the example accounting service
 (a deduplicating remote: one invoice per ``Idempotency-Key``).
@@ -20,7 +21,8 @@ Measured per cell: runs completed, failed (the first error's class), still runni
 cell's bound (a stalled cell ends there, its sessions ended, and says so: it never hangs the
 benchmark), each key's work committed once (rows per key in the database), the effects the
 remote holds (invoices under the cell's key prefix, and the replays it answered), the peak
-of server connections to the cell's database (pg_stat_activity sampled every 50 ms), the wall
+of server connections to the cell's database (pg_stat_activity sampled every 50 ms, without
+a backend the pooler had already closed: ``_Sampler``), the wall
 time and the overhead per completed run (the call's time minus the time inside its work).
 
 The benchmark starts a PostgreSQL of its own (the system's binaries, ``max_connections``
