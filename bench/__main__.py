@@ -76,6 +76,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="runs at once in each cell of the scale benchmark (default: the size's; full: "
         "100 500 1000)",
     )
+    parser.add_argument(
+        "--scale-processes",
+        type=int,
+        metavar="K",
+        help="driver processes of each scale cell, its N runs spread over them as threads "
+        "(default 4; 1: every run a thread of the benchmark's own process)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument(
         "--merge",
@@ -104,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         if min(args.scale_runs) < 1:
             raise SystemExit("--scale-runs must be at least 1")
         size = dataclasses.replace(size, scale_runs=tuple(args.scale_runs))
+    if args.scale_processes is not None:
+        if args.scale_processes < 1:
+            raise SystemExit("--scale-processes must be at least 1")
+        size = dataclasses.replace(size, scale_processes=args.scale_processes)
     command = "python3 dev.py bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     server = find_server()
     started = dt.datetime.now(dt.timezone.utc)

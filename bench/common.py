@@ -41,6 +41,7 @@ class Size:
     contention_workers: int
     email_messages: int  # emails through the ledger, and through each plain smtplib loop
     scale_runs: tuple[int, ...] = (100, 500, 1_000)  # runs at once, one scale cell each
+    scale_processes: int = 4  # the scale cells' runs are threads of this many processes
 
 
 SIZES: dict[str, Size] = {

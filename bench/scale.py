@@ -1,8 +1,9 @@
 """Scale: N idempotent runs at once on one PostgreSQL of ``max_connections`` 100 (issue 32).
 
-Each run is a thread of this process calling the public API,
+Each run is a thread calling the public API,
 ``run_idempotently(connect=..., job_name=..., run_key=..., work=...)``, all released by one
-event. Its work sleeps (``work_seconds``, outside any transaction), then writes one row of
+event: threads of this process, or spread over K processes (``Scenario.processes``; the
+benchmark's default 4, ``--scale-processes``; bench/scale_drivers.py). Its work sleeps (``work_seconds``, outside any transaction), then writes one row of
 ``public.scale_work`` through ``run.transaction()``; every third run then sends
 ``effects_per_export`` effects through the outbound ledger to the example accounting service
 (a deduplicating remote: one invoice per ``Idempotency-Key``).
@@ -20,7 +21,8 @@ Measured per cell: runs completed, failed (the first error's class), still runni
 cell's bound (a stalled cell ends there, its sessions ended, and says so: it never hangs the
 benchmark), each key's work committed once (rows per key in the database), the effects the
 remote holds (invoices under the cell's key prefix, and the replays it answered), the peak
-of server connections to the cell's database (pg_stat_activity sampled every 50 ms), the wall
+of server connections to the cell's database (pg_stat_activity sampled every 50 ms, without
+a backend the pooler had already closed: ``_Sampler``), the wall
 time and the overhead per completed run (the call's time minus the time inside its work).
 
 The benchmark starts a PostgreSQL of its own (the system's binaries, ``max_connections``
@@ -32,27 +34,23 @@ server. tests/integration/test_scale.py runs the same cells at a small N.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import inspect
-import logging
-import sys
+import re
 import threading
 import time
-import traceback
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import psycopg
 
-from airflow_idempotency import RunContext, run_idempotently
-from airflow_idempotency.ledger import Effect, OutboundLedger, post_json
-from airflow_idempotency.run_context import RunEnvironment
+from airflow_idempotency import run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from bench import scale_airflow
 from bench.common import BenchResult, Size, at_most, load_average, median, percentile, say
+from bench.scale_drivers import Driven, Outcome, drive, error_name, run_key
 from devtools import pgbouncer
 from devtools.accounting import AccountingService, run_accounting_service
 from devtools.postgres import (
@@ -63,23 +61,15 @@ from devtools.postgres import (
 )
 
 TITLE = "Scale: N runs at once, direct and through a transaction pooler (issue 32)"
-JOB = "bench.scale"
 LOCK_MODES = ("advisory", "lease")
 PATHS = ("direct", "pgbouncer")
 MAX_CONNECTIONS = 100
 POOL_SIZE = 20
 EXPORT_EVERY = 3  # every third run sends effects
-REMOTE_SYSTEM = "scale_remote"
-EXPORT_PATH = "/api/invoices"
 WORK_SECONDS = 2.0
 SAMPLE_SECONDS = 0.05
 GRACE_SECONDS = 30.0  # after a cell's bound: its sessions are ended, its threads get this long
-THREAD_STACK = 512 * 1024  # a thousand threads at the default 8 MiB is 8 GiB of address space
-
-# A thousand runs log three lines each at INFO; the benchmark reads outcomes, not logs.
-_QUIET = logging.getLogger("bench.scale.runs")
-_QUIET.addHandler(logging.NullHandler())
-_QUIET.propagate = False
+PROCESSES = 4  # driver processes of a benchmark cell (bench/scale_drivers.py)
 
 
 @dataclass(frozen=True)
@@ -94,6 +84,7 @@ class Scenario:
     effects_per_export: int = 10
     query_wait_timeout: int = 60  # PgBouncer's: how long a client waits for a server connection
     bound_seconds: float | None = None  # default: see ``bound``
+    processes: int = 1  # the runs are threads of this process, or of this many processes
 
     @property
     def label(self) -> str:
@@ -111,16 +102,6 @@ class Scenario:
 
     def exports(self, index: int) -> bool:
         return index % EXPORT_EVERY == 0
-
-
-@dataclass
-class Outcome:
-    """One run: how its call ended and how long it and its work took."""
-
-    seconds: float
-    work_seconds: float | None
-    error: BaseException | None
-    ended: float  # time.monotonic()
 
 
 @dataclass
@@ -148,6 +129,9 @@ class Cell:
     wall_seconds: float = 0.0
     overhead_ms: list[float] = field(default_factory=list)
     start_spread_ms: float = 0.0  # release -> the last run's work began
+    listed_peak: int = 0  # with the backends the pooler had closed, still exiting
+    at_peak: list[str] = field(default_factory=list)  # the backends listed at that peak
+    exiting_at_peak: list[str] = field(default_factory=list)  # of them, closed by the pooler
 
     @property
     def all_completed_once(self) -> bool:
@@ -182,7 +166,13 @@ class Cell:
             + f"; keys once {self.keys_once}, more than once {self.keys_repeated}, of "
             f"runs not completed {self.keys_of_failed_runs}; effects at the remote "
             f"{self.effects_delivered} (completed runs' {self.effects_expected}), replays {self.remote_replays}; "
-            f"peak server connections {self.peak_server_connections}; "
+            f"peak server connections {self.peak_server_connections}"
+            + (
+                f" (listed {self.listed_peak}: with backends the pooler had closed, exiting)"
+                if self.listed_peak > self.peak_server_connections
+                else ""
+            )
+            + "; "
             f"wall {self.wall_seconds:.1f} s"
         )
 
@@ -199,21 +189,27 @@ def lock_mode_available(mode: str) -> str:
     return "run_idempotently has no lock_mode keyword yet (TypeError)"
 
 
-def _mode_kwargs(mode: str) -> dict[str, Any]:
-    if "lock_mode" in inspect.signature(run_idempotently).parameters:
-        return {"lock_mode": mode}
-    return {}
-
-
 # ---------------------------------------------------------------- one cell
 
 
 class _Sampler:
     """The peak of server connections to one database, read every ``SAMPLE_SECONDS`` from a
-    session in another database (so it never counts itself)."""
+    session in another database (so it never counts itself).
+
+    A backend whose connection the pooler has already closed is still listed while its
+    process exits (a few ms), and PgBouncer opens the replacement at once: counted, it makes
+    the sample one over the pool. :meth:`settle` takes those out of each sample, by the
+    pooler's own log (which connection, by its local port, it closed when); ``raw_peak`` is
+    the count with them, ``at_peak`` what was listed then (one line per backend) and
+    ``exiting`` which of them the pooler had closed before that sample.
+    """
 
     def __init__(self, admin_dsn: str, dbname: str) -> None:
-        self.peak = 0
+        self.peak = self.raw_peak = 0
+        self.at_peak: list[str] = []
+        self.exiting: list[str] = []
+        # (server time, {pid: (client_port, backend_start, what it was)}) per sample
+        self.samples: list[tuple[float, dict[int, tuple[int, float, str]]]] = []
         self._dbname = dbname
         self._stop = threading.Event()
         self._conn = psycopg.connect(admin_dsn, autocommit=True)
@@ -221,11 +217,29 @@ class _Sampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            row = self._conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (self._dbname,)
-            ).fetchone()
-            self.peak = max(self.peak, int(row[0]) if row else 0)
+            rows = self._conn.execute(_SAMPLE, (self._dbname,)).fetchall()
+            at = float(rows[0][0]) if rows else 0.0
+            backends = {
+                int(r[1]): (int(r[2] or 0), float(r[3]), " ".join(map(str, (*r[1:3], *r[4:]))))
+                for r in rows
+            }
+            self.samples.append((at, backends))
             self._stop.wait(SAMPLE_SECONDS)
+
+    def settle(self, closed: dict[int, list[float]]) -> None:
+        """The peaks, without the backends the pooler closed (``closed``: local port -> when)
+        before each sample."""
+        for at, backends in self.samples:
+            gone = [
+                pid
+                for pid, (port, start, _) in backends.items()
+                if any(start <= when <= at for when in closed.get(port, ()))
+            ]
+            self.peak = max(self.peak, len(backends) - len(gone))
+            if len(backends) > self.raw_peak:
+                self.raw_peak = len(backends)
+                self.at_peak = sorted(line for _, _, line in backends.values())
+                self.exiting = sorted(backends[pid][2] for pid in gone)
 
     def __enter__(self) -> _Sampler:
         self._thread.start()
@@ -235,6 +249,38 @@ class _Sampler:
         self._stop.set()
         self._thread.join(10)
         self._conn.close()
+
+
+_SAMPLE = (
+    "SELECT extract(epoch FROM clock_timestamp()), pid, client_port,"
+    " extract(epoch FROM backend_start), backend_type, coalesce(application_name, ''), state,"
+    " to_char(backend_start, 'HH24:MI:SS.MS'), to_char(state_change, 'HH24:MI:SS.MS'),"
+    " coalesce(wait_event, '-'), left(regexp_replace(query, '\\s+', ' ', 'g'), 60)"
+    " FROM pg_stat_activity WHERE datname = %s"
+)
+_POOLER_LINE = re.compile(
+    r"^(\S+ \S+) \S+ \[\d+\] \w+ (S-0x[0-9a-f]+): "
+    r"(?:.*new connection to server \(from [^)]*:(\d+)\)|.*closing because)"
+)
+
+
+def pooler_closes(log: str) -> dict[int, list[float]]:
+    """When PgBouncer closed each server connection, by its local port (the backend's
+    ``client_port``), from its log (``log_connections``/``log_disconnections``, on by
+    default; its times are this machine's local time)."""
+    ports: dict[str, int] = {}
+    closed: dict[int, list[float]] = {}
+    for line in log.splitlines():
+        match = _POOLER_LINE.match(line)
+        if match is None:
+            continue
+        stamp, server, port = match.groups()
+        if port is not None:
+            ports[server] = int(port)
+        elif server in ports:
+            when = dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            closed.setdefault(ports.pop(server), []).append(when)
+    return closed
 
 
 def _dbname(dsn: str) -> str:
@@ -251,8 +297,9 @@ def _end_sessions(admin_dsn: str, dbname: str) -> None:
 
 
 @contextlib.contextmanager
-def _path(server: PostgresServer, dsn: str, scenario: Scenario) -> Iterator[str]:
-    """The DSN the runs connect with: the database itself, or through PgBouncer."""
+def _path(server: PostgresServer, dsn: str, scenario: Scenario, logs: list[str]) -> Iterator[str]:
+    """The DSN the runs connect with: the database itself, or through PgBouncer (its log
+    appended to ``logs`` when it stops)."""
     if scenario.path == "direct":
         yield psycopg.conninfo.make_conninfo(dsn, connect_timeout="10")
         return
@@ -266,29 +313,10 @@ def _path(server: PostgresServer, dsn: str, scenario: Scenario) -> Iterator[str]
     with pgbouncer.run_pgbouncer(
         server, "transaction", pool_size=scenario.pool_size, settings=settings
     ) as bouncer:
-        yield psycopg.conninfo.make_conninfo(bouncer.dsn(_dbname(dsn)), connect_timeout="10")
-
-
-def _work(scenario: Scenario, index: int, url: str, prefix: str, began: dict[int, float]) -> Any:
-    def work(run: RunContext) -> dict[str, int]:
-        began[index] = time.monotonic()
-        time.sleep(scenario.work_seconds)
-        with run.transaction() as cur:
-            cur.execute("INSERT INTO public.scale_work (run_key) VALUES (%s)", (run.run_key,))
-        if not scenario.exports(index):
-            return {"rows": 1}
-        effects = [
-            Effect(
-                idempotency_key=f"{prefix}{run.run_key}:{e}",
-                request={"run_key": run.run_key, "effect": e, "amount_cents": 100},
-            )
-            for e in range(scenario.effects_per_export)
-        ]
-        ledger = OutboundLedger(run, REMOTE_SYSTEM, concurrency=2)
-        summary = ledger.send_all(effects, post_json(EXPORT_PATH), base_url=url)
-        return {"rows": 1, **summary.as_counts("effects")}
-
-    return work
+        try:
+            yield psycopg.conninfo.make_conninfo(bouncer.dsn(_dbname(dsn)), connect_timeout="10")
+        finally:
+            logs.append(bouncer.log_text())
 
 
 def run_cell(server: PostgresServer, remote: AccountingService, scenario: Scenario) -> Cell:
@@ -304,23 +332,27 @@ def run_cell(server: PostgresServer, remote: AccountingService, scenario: Scenar
             ensure_schema(conn)
             conn.execute("CREATE TABLE public.scale_work (run_key text NOT NULL)")
         dbname = _dbname(dsn)
+        logs: list[str] = []
         with _Sampler(server.admin_dsn, dbname) as sampler:
-            with _path(server, dsn, scenario) as target:
-                outcomes, began, t0 = _run_threads(scenario, target, remote.url, prefix, cell)
-                if cell.timed_out:  # end what still waits: its errors end its threads
+            with _path(server, dsn, scenario, logs) as target:
+                driven = drive(scenario, target, remote.url, prefix)
+                if driven.timed_out:  # end what still waits: its errors end its threads
                     _end_sessions(server.admin_dsn, dbname)
-            if cell.timed_out:
+            if driven.timed_out:
                 _end_sessions(server.admin_dsn, dbname)
-                _join_stragglers(cell)
+                cell.stragglers = driven.finish(time.monotonic() + GRACE_SECONDS)
+        sampler.settle(pooler_closes("".join(logs)))
         cell.peak_server_connections = sampler.peak
-        ended = _tally(cell, dict(outcomes), dict(began), t0)
+        cell.listed_peak = sampler.raw_peak
+        cell.at_peak, cell.exiting_at_peak = sampler.at_peak, sampler.exiting
+        ended = _tally(cell, driven)
         with psycopg.connect(dsn) as conn:
             counts: dict[str, int] = dict(conn.execute(
                 "SELECT run_key, count(*) FROM public.scale_work GROUP BY run_key"
             ).fetchall())  # fmt: skip
         cell.keys_once = sum(1 for n in counts.values() if n == 1)
         cell.keys_repeated = sum(1 for n in counts.values() if n > 1)
-        completed = {_run_key(i) for i, o in ended.items() if o.error is None}
+        completed = {run_key(i) for i, o in ended.items() if o.error is None}
         cell.keys_of_failed_runs = len(set(counts) - completed)
     exporters_done = sum(1 for i, o in ended.items() if o.error is None and scenario.exports(i))
     cell.effects_expected = exporters_done * scenario.effects_per_export
@@ -331,117 +363,31 @@ def run_cell(server: PostgresServer, remote: AccountingService, scenario: Scenar
     return cell
 
 
-_THREADS: dict[int, list[threading.Thread]] = {}  # a timed-out cell's threads, by id(cell)
-
-
-def _run_threads(
-    scenario: Scenario, dsn: str, url: str, prefix: str, cell: Cell
-) -> tuple[dict[int, Outcome], dict[int, float], float]:
-    outcomes: dict[int, Outcome] = {}
-    began: dict[int, float] = {}
-    go = threading.Event()
-    environment = RunEnvironment(logger=_QUIET)
-    mode = _mode_kwargs(scenario.lock_mode)
-
-    def one(index: int) -> None:
-        go.wait()
-        t = time.monotonic()
-        spent: float | None = None
-        error: BaseException | None = None
-        try:
-            run_idempotently(
-                connect=lambda: psycopg.connect(dsn),
-                job_name=JOB,
-                run_key=_run_key(index),
-                work=_work(scenario, index, url, prefix, began),
-                environment=environment,
-                **mode,
-            )
-        except BaseException as exc:  # every failure is a result of the cell
-            error = exc
-        end = time.monotonic()
-        if index in began and error is None:
-            spent = end - began[index]
-        outcomes[index] = Outcome(end - t, spent, error, end)
-
-    old_stack = threading.stack_size(THREAD_STACK)
-    try:
-        threads = [
-            threading.Thread(target=one, args=(i,), name=f"scale-run-{i}", daemon=True)
-            for i in range(scenario.runs)
-        ]
-        for thread in threads:
-            thread.start()
-    finally:
-        threading.stack_size(old_stack)
-    t0 = time.monotonic()
-    go.set()
-    deadline = t0 + scenario.bound
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    cell.wall_seconds = time.monotonic() - t0
-    alive = [t for t in threads if t.is_alive()]
-    if alive:
-        cell.timed_out = True
-        cell.waiting_in = _where_waiting(alive)
-        _THREADS[id(cell)] = alive
-    return outcomes, began, t0
-
-
-def _where_waiting(threads: list[threading.Thread]) -> Counter[str]:
-    """Where the runs still running at the bound were: the innermost frame of the provider,
-    then of psycopg, in each thread's stack (``module:function:line``)."""
-    frames = sys._current_frames()
-    where: Counter[str] = Counter()
-    for thread in threads:
-        frame = frames.get(thread.ident or -1)
-        stack = traceback.extract_stack(frame) if frame is not None else []
-        spots = []
-        for package in ("airflow_idempotency", "psycopg"):
-            inner = [f for f in stack if f"/{package}/" in f.filename]
-            if inner:
-                f = inner[-1]
-                spots.append(f"{Path(f.filename).stem}:{f.name}:{f.lineno}")
-        where[" > ".join(spots) or "?"] += 1
-    return where
-
-
-def _run_key(index: int) -> str:
-    return f"k{index:05d}"
-
-
-def _join_stragglers(cell: Cell) -> None:
-    deadline = time.monotonic() + GRACE_SECONDS
-    threads = _THREADS.pop(id(cell), [])
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    cell.stragglers = sum(1 for t in threads if t.is_alive())
-
-
-def _tally(
-    cell: Cell, outcomes: dict[int, Outcome], began: dict[int, float], t0: float
-) -> dict[int, Outcome]:
+def _tally(cell: Cell, driven: Driven) -> dict[int, Outcome]:
     """Count the runs that ended within the bound; return them."""
+    cell.wall_seconds = driven.wall_seconds
+    cell.timed_out = driven.timed_out
+    cell.waiting_in = driven.waiting_in
     # A run that ended after the bound counts as unfinished: the cell did not wait for it.
-    bound_end = t0 + cell.wall_seconds
-    ended = {i: o for i, o in outcomes.items() if o.ended <= bound_end + 1e-3}
+    bound_end = driven.t0 + cell.wall_seconds
+    ended = {i: o for i, o in dict(driven.outcomes).items() if o.ended <= bound_end + 1e-3}
     cell.unfinished = cell.scenario.runs - len(ended)
     failures = sorted((o for o in ended.values() if o.error is not None), key=lambda o: o.ended)
     cell.completed = len(ended) - len(failures)
     cell.failed = len(failures)
-    for o in failures:
-        cell.errors[type(o.error).__name__] += 1
-    if failures:
-        first = failures[0].error
-        text = " ".join(str(first).split())
-        cell.first_error = f"{type(first).__name__}: {text[:120]}"
+    errors = [o.error for o in failures if o.error is not None]
+    cell.errors.update(error_name(error) for error in errors)
+    if errors:
+        text = " ".join(str(errors[0]).split())
+        cell.first_error = f"{error_name(errors[0])}: {text[:120]}"
     cell.overhead_ms = [
         (o.seconds - o.work_seconds) * 1000
         for o in ended.values()
         if o.error is None and o.work_seconds is not None
     ]
+    began = dict(driven.began)
     if began:
-        cell.start_spread_ms = (max(began.values()) - t0) * 1000
+        cell.start_spread_ms = (max(began.values()) - driven.t0) * 1000
     return ended
 
 
@@ -464,9 +410,11 @@ def scale_server(server: PostgresServer) -> Iterator[tuple[PostgresServer, str]]
     )
 
 
-def scenarios(counts: tuple[int, ...], work_seconds: float = WORK_SECONDS) -> list[Scenario]:
+def scenarios(
+    counts: tuple[int, ...], work_seconds: float = WORK_SECONDS, processes: int = PROCESSES
+) -> list[Scenario]:
     return [
-        Scenario(n, mode, path, work_seconds=work_seconds)
+        Scenario(n, mode, path, work_seconds=work_seconds, processes=min(processes, n))
         for n in counts
         for path in PATHS
         for mode in LOCK_MODES
@@ -482,7 +430,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         run_accounting_service(remote_dsn) as remote,
         scale_server(server) as (target, where),
     ):
-        for scenario in scenarios(size.scale_runs):
+        for scenario in scenarios(size.scale_runs, processes=size.scale_processes):
             say(f"scale: {scenario.label} (bound {scenario.bound:.0f} s) ...")
             cell = run_cell(target, remote, scenario)
             say(f"scale: {cell.summary()}")
@@ -490,7 +438,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
     for cell in cells:
         _rows(result, cell)
     result.notes.append(
-        f"Each cell on {where}; runs are threads of one process released together; work "
+        f"Each cell on {where}; runs are threads of {size.scale_processes} process(es) "
+        "(about N / that many threads each), released together by one event; work "
         f"sleeps {WORK_SECONDS:g} s outside any "
         "transaction, then writes one row through run.transaction(); every third run then "
         "sends 10 effects through the ledger (concurrency 2) to the accounting service. "
@@ -499,10 +448,29 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "once, no effect twice, peak server connections <= 20."
     )
     result.notes.append("\n".join(f"- {cell.summary()}" for cell in cells))
+    result.notes.extend(_peak_notes(cells))
     # The same in real Airflow (bench/scale_airflow.py: its own stack, pooler and notes).
     scale_airflow.add_rows(result, scale_airflow.run_cells(server, scale_airflow.sized(size)))
     result.notes.append(f"load average at end: {load_average()}")
     return result
+
+
+def _peak_notes(cells: list[Cell]) -> list[str]:
+    """The server connections of a pooled cell whose peak passed its pool: what they were."""
+    notes = []
+    for cell in cells:
+        s = cell.scenario
+        if s.path != "pgbouncer" or cell.listed_peak <= s.pool_size:
+            continue
+        notes.append(
+            f"{s.label}: pg_stat_activity listed {cell.listed_peak} backends at most (pid, "
+            "client_port, backend_type, application_name, state, backend_start, state_change, "
+            "wait_event, query):\n"
+            + "\n".join(f"    {line}" for line in cell.at_peak)
+            + "\n  of them closed by the pooler before that sample, still exiting: "
+            + ("; ".join(cell.exiting_at_peak) or "none")
+        )
+    return notes
 
 
 def _rows(result: BenchResult, cell: Cell) -> None:
@@ -551,7 +519,8 @@ def _rows(result: BenchResult, cell: Cell) -> None:
         "",
         f"<= {s.pool_size}" if goal else "",
         at_most(cell.peak_server_connections, s.pool_size) if goal else None,
-        f"pg_stat_activity of the database, every {SAMPLE_SECONDS * 1000:.0f} ms",
+        f"pg_stat_activity of the database, every {SAMPLE_SECONDS * 1000:.0f} ms, without "
+        f"backends the pooler had already closed (still exiting; with them: {cell.listed_peak})",
     )
     result.add(f"{label}: wall time", cell.wall_seconds, "s", note=f"bound {s.bound:.0f} s")
     if cell.overhead_ms:

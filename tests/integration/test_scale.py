@@ -84,7 +84,36 @@ def test_lease_mode_through_a_pool_of_10(
     cell = through_pool(pg_server, remote, "lease")
     assert cell.all_completed_once, cell.summary()
     assert cell.remote_replays == 0, cell.summary()
-    assert cell.peak_server_connections <= POOL, cell.summary()
+    assert cell.peak_server_connections <= POOL, cell.summary() + "\n" + "\n".join(cell.at_peak)
+
+
+def test_lease_mode_runs_spread_over_processes(
+    pg_server: PostgresServer, remote: AccountingService
+) -> None:
+    """The benchmark's multi-process driver (bench/scale_drivers.py): 24 lease-mode runs as
+    threads of 3 processes, released together, through a pool of 4; the cell tallies every
+    process's runs as the in-process driver does (each run once, each key's work once, every
+    effect once, an overhead per completed run, never more than 4 server connections)."""
+    missing = lock_mode_available("lease")
+    if missing:
+        pytest.skip(f"lease mode is not available yet: {missing}")
+    scenario = Scenario(
+        24,
+        "lease",
+        "pgbouncer",
+        pool_size=4,
+        work_seconds=0.5,
+        effects_per_export=2,
+        query_wait_timeout=10,
+        bound_seconds=60,
+        processes=3,
+    )
+    cell = run_cell(pg_server, remote, scenario)
+    assert cell.all_completed_once, cell.summary()
+    assert cell.completed == 24 and len(cell.overhead_ms) == 24, cell.summary()
+    assert cell.effects_expected == 8 * 2 and cell.remote_replays == 0, cell.summary()
+    assert 0 < cell.start_spread_ms < cell.wall_seconds * 1000, cell.summary()
+    assert cell.peak_server_connections <= 4, cell.summary() + "\n" + "\n".join(cell.at_peak)
 
 
 def test_pgbouncer_keeps_answering_after_many_logins(pg_server: PostgresServer) -> None:
