@@ -321,13 +321,13 @@ def test_a_paused_worker_resumed_after_a_takeover_commits_nothing_more(
 def test_a_transient_error_of_the_connect_callable_does_not_end_the_heartbeat(
     adv_db: str,
 ) -> None:
-    """BREAK: the heartbeat retries a failed renewal only for psycopg, OSError and the
+    """BREAK (fixed): the heartbeat retries a failed renewal only for psycopg, OSError and the
     provider's own errors. A ``connect`` callable that raises anything else once (Airflow's
     connection lookup through the API server or a secrets backend, an IAM token fetch whose
     botocore error is no OSError) ends the heartbeat's thread for good: the lease is never
     renewed again, expires after its ttl while the worker is healthy, and the run fails
     LockLostError, without the heartbeat ever marking it lost. Expected: the failed renewal
-    is retried (after RETRY_SECONDS) like any other, the run completes. Fix (made):
+    is retried (after RETRY_SECONDS) like any other, the run completes. Fixed on branch adv32:
     LeaseHeartbeat._loop treats any Exception of a renewal as a failed renewal."""
     failed: list[str] = []
 
