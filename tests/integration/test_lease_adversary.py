@@ -399,3 +399,58 @@ def test_an_advisory_start_on_a_leased_key_is_refused_at_once_and_stalls_no_leas
     )
     assert refused_after < 3, f"refused only after {refused_after:.1f} s"
     assert waited[0] < 2, f"the lease holder's fenced transaction waited {waited[0]:.1f} s"
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"lock_mode": " LEASE\n"}, LockMode("lease", 30.0)),
+        ({"lock_mode": "lease", "lease_ttl": " 45 "}, LockMode("lease", 45.0)),
+        ({"lock_mode": "lease", "lease_ttl": None}, LockMode("lease", 30.0)),
+        ({"lock_mode": "\uff4c\uff45\uff41\uff53\uff45"}, None),  # fullwidth
+        ({"lock_mode": "lease\u200b"}, None),  # a zero-width space
+        ({"lock_mode": "lea\u017fe"}, None),  # long s: casefolds to "lease", lower() does not
+        ({"lock_mode": ["lease"]}, None),
+        ({"lock_mode": True}, None),
+        ({"lock_mode": "lease", "lease_ttl": "nan"}, None),
+        ({"lock_mode": "lease", "lease_ttl": "inf"}, None),
+        ({"lock_mode": "lease", "lease_ttl": 1e-400}, None),
+        ({"lock_mode": "lease", "lease_ttl": 3601}, None),
+        ({"lock_mode": "lease", "lease_ttl": True}, None),
+        ({"lock_mode": "lease", "lease_ttl": "30s"}, None),
+    ],
+)
+def test_spellings_of_the_lock_mode_in_the_extra(
+    extra: dict[str, Any], expected: LockMode | None
+) -> None:
+    """HELD: the extra's lock_mode is trimmed and case-folded, anything else (fullwidth
+    letters, a zero-width space, a long s, a list, a boolean) is refused by name, as is a
+    lease_ttl that is NaN, infinite, underflows to 0, above an hour, a boolean or has a
+    unit; a misspelled KEY is no silent default either: it reaches libpq, which refuses it."""
+    from types import SimpleNamespace
+
+    from airflow_idempotency.connection import lock_options
+    from airflow_idempotency.exceptions import ConfigurationError
+
+    conn = SimpleNamespace(conn_id="jobs", extra_dejson=extra)
+    if expected is None:
+        with pytest.raises(ConfigurationError, match="Airflow connection 'jobs'"):
+            lock_options(conn)
+    else:
+        assert lock_options(conn) == {"lock_mode": expected}
+
+
+def test_a_misspelled_lock_mode_key_is_refused_not_ignored(adv_db: str) -> None:
+    """HELD: {"Lock_Mode": "lease"} is not this provider's option: it is passed to libpq,
+    which refuses the connection (no silent fall-back to the advisory mode)."""
+    from types import SimpleNamespace
+
+    from airflow_idempotency.connection import connect_kwargs
+
+    info = psycopg.conninfo.conninfo_to_dict(adv_db)
+    conn = SimpleNamespace(
+        conn_id="jobs", host=info.get("host"), login=info.get("user"), password=None,
+        schema=info.get("dbname"), port=info.get("port"), extra_dejson={"Lock_Mode": "lease"},
+    )  # fmt: skip
+    with pytest.raises(psycopg.ProgrammingError, match="Lock_Mode"):
+        psycopg.connect(**connect_kwargs(conn))
