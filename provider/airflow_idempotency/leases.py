@@ -33,11 +33,7 @@ import psycopg
 
 from airflow_idempotency._sql import query
 from airflow_idempotency._transactions import in_one_transaction
-from airflow_idempotency.exceptions import (
-    ConfigurationError,
-    IdempotencyError,
-    SharedSessionError,
-)
+from airflow_idempotency.exceptions import ConfigurationError, SharedSessionError
 from airflow_idempotency.locks import RunLock, lock_wait_ms
 
 log = logging.getLogger(__name__)
@@ -314,7 +310,10 @@ class LeaseHeartbeat:
             pause = self.interval
             try:
                 renewed = self._renew()
-            except (psycopg.Error, IdempotencyError, OSError) as exc:
+            except Exception as exc:  # any failed renewal is retried, within the ttl
+                # psycopg's errors, and whatever the run's ``connect`` raises: Airflow's
+                # connection lookup, an IAM token's fetch (botocore's errors are no OSError).
+                # An error escaping would end this thread: the lease would expire unnoticed.
                 self._failed(exc)
                 pause = min(self.interval, RETRY_SECONDS)  # try again soon, within the ttl
                 continue
