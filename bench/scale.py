@@ -21,8 +21,9 @@ Measured per cell: runs completed, failed (the first error's class), still runni
 cell's bound (a stalled cell ends there, its sessions ended, and says so: it never hangs the
 benchmark), each key's work committed once (rows per key in the database), the effects the
 remote holds (invoices under the cell's key prefix, and the replays it answered), the peak
-of server connections to the cell's database (pg_stat_activity sampled every 50 ms, without
-a backend the pooler had already closed: ``_Sampler``), the wall
+of server connections to the cell's database (its client backends in pg_stat_activity sampled
+every 50 ms, not an autovacuum worker, without a backend the pooler had already closed:
+``_Sampler``), the wall
 time and the overhead per completed run (the call's time minus the time inside its work).
 
 The benchmark starts a PostgreSQL of its own (the system's binaries, ``max_connections``
@@ -256,7 +257,7 @@ _SAMPLE = (
     " extract(epoch FROM backend_start), backend_type, coalesce(application_name, ''), state,"
     " to_char(backend_start, 'HH24:MI:SS.MS'), to_char(state_change, 'HH24:MI:SS.MS'),"
     " coalesce(wait_event, '-'), left(regexp_replace(query, '\\s+', ' ', 'g'), 60)"
-    " FROM pg_stat_activity WHERE datname = %s"
+    " FROM pg_stat_activity WHERE datname = %s AND backend_type = 'client backend'"
 )
 _POOLER_LINE = re.compile(
     r"^(\S+ \S+) \S+ \[\d+\] \w+ (S-0x[0-9a-f]+): "
@@ -519,8 +520,8 @@ def _rows(result: BenchResult, cell: Cell) -> None:
         "",
         f"<= {s.pool_size}" if goal else "",
         at_most(cell.peak_server_connections, s.pool_size) if goal else None,
-        f"pg_stat_activity of the database, every {SAMPLE_SECONDS * 1000:.0f} ms, without "
-        f"backends the pooler had already closed (still exiting; with them: {cell.listed_peak})",
+        f"client backends of the database in pg_stat_activity, every {SAMPLE_SECONDS * 1000:.0f} "
+        f"ms (no autovacuum worker), without backends the pooler had already closed (still exiting; with them: {cell.listed_peak})",
     )
     result.add(f"{label}: wall time", cell.wall_seconds, "s", note=f"bound {s.bound:.0f} s")
     if cell.overhead_ms:

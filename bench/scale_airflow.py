@@ -168,7 +168,9 @@ class _Sampler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             row = self._conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (self._dbname,)
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = %s AND backend_type = 'client backend'",
+                (self._dbname,),
             ).fetchone()
             self.peak = max(self.peak, int(row[0]) if row else 0)
             pool = _pooler_rows(self._pooler, "SHOW POOLS", self._dbname)
