@@ -11,7 +11,7 @@
  * provider/airflow_idempotency/sql/queries.sql (the test checks that each exists and that every
  * fence statement is modelled). The checksum below is that of the fence's SQL (the fence_*
  * queries, acquire_run_lock, start_attempt, complete_attempt and every migration that defines
- * a fence function: 0006, 0008, 0010, 0012, 0013, 0014, 0017, 0018, 0019): when the SQL changes, the test fails until the model is
+ * a fence function: 0006, 0008, 0010, 0012, 0013, 0014, 0017, 0018, 0019, 0020): when the SQL changes, the test fails until the model is
  * reviewed and the checksum updated. Reviewed for 0010 (the commit-time check runs at COMMIT
  * or refuses: the model's check and commit are one step) and 0011 (start_attempt records the
  * attempt's provenance: no fence change) and 0012 (the start's check of its own lock, modelled
@@ -51,8 +51,15 @@
  * (sql: lease_release_at_commit): the release moves into the step where the completion lands,
  * after the check at COMMIT, instead of a step of its own after it; every property still
  * holds, and -DLEASE_COMPLETION_UNFENCED still fails).
+ * Reviewed for 0020 (the lease mode's adversary pass: an advisory-mode start on a key whose
+ * lease is live queued EXCLUSIVE for the fence key, stalling the lease holder's fenced
+ * transactions for its whole lock wait): the four-argument take-over of a holder that is not a
+ * lease reads fence_live_lease BEFORE it requests the fence key and refuses (IF001, as the
+ * start trigger does). The properties are unaffected: in the model's advisory attempts no lease
+ * exists, so the read refuses nothing and the start step is unchanged; under -DLEASE the holder
+ * is 'lease:<token>', for which the read is skipped. Two modes on one key are not modelled.
  *
- * fence-sql-sha256: ece43ab1726f631c62789bcbce656a3903beedd3d85170ac09571f39fbc43e4a
+ * fence-sql-sha256: d77a270e873d634051af6a886760da7241bd5b44377019b0a95a3cfaf47e0b05
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
