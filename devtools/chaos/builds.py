@@ -98,6 +98,13 @@ COMPLETED_CHECK_OFF = Build(
             "IF r.status IS NOT DISTINCT FROM 'completed' AND NOT p_force THEN",
             "IF false THEN  -- broken build: completed-check-off",
         ),
+        # ... and the start reads the run again after its take-over's wait (sql: start_attempt:
+        # a completion that landed after the decision's read).
+        Patch(
+            "sql/queries.sql",
+            "r.status = 'completed' AND NOT %(force)s AS noop",
+            "false AS noop  -- broken build: completed-check-off",
+        ),
     ),
     caught_by=(
         "at most one completed execution per key unless forced (witness)",

@@ -48,6 +48,7 @@ from airflow_idempotency.records import RunRecord, RunRecords
 from airflow_idempotency.run_context import RunSpec, autocommit_connection
 from airflow_idempotency.run_failures import named_failure, record_deferral, record_failure
 from airflow_idempotency.run_steps import (
+    CompletedBeforeStart,
     Run,
     RunOutcome,
     RunResult,
@@ -216,6 +217,8 @@ class LeaseRun(Run):
     def _run_lease(self, lease: RunLock, existing: RunRecord | None) -> RunResult:
         try:
             counts = self._start_and_work(None, lease, existing)
+        except CompletedBeforeStart as found:
+            return self._noop_result(found.run)  # _execute releases the lease
         except WorkDeferred:
             assert self.attempt_id is not None  # the work ran: its attempt was started
             deferred = self._fence(lease)

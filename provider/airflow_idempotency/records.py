@@ -113,6 +113,18 @@ class RunRecord:
     completed_counts: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class Started:
+    """What a start did (:meth:`RunRecords.start_attempt`): its attempt, the key's attempt
+    count, the attempts it closed as abandoned; ``completed``: the run it found completed
+    (not forced), which it did not take over: its attempt is recorded as a ``noop``."""
+
+    attempt_id: int
+    attempt_count: int
+    abandoned: int
+    completed: RunRecord | None = None
+
+
 def get_run(conn: psycopg.Connection, schema: str, job_name: str, run_key: str) -> RunRecord | None:
     """The ``job_runs`` row of (job_name, run_key), if any."""
     params = {"job_name": job_name, "run_key": run_key}
@@ -262,7 +274,7 @@ class RunRecords:
 
     def start_attempt(
         self, conn: psycopg.Connection, lock: RunLock, options: RunOptions
-    ) -> tuple[int, int, int]:
+    ) -> Started:
         """Record a running attempt and mark the run started by it (a dry run only records
         the attempt), in one READ COMMITTED transaction (two round trips: its BEGIN, then the
         rest with the COMMIT).
@@ -274,8 +286,9 @@ class RunRecords:
         :func:`~airflow_idempotency.locks.lock_wait_ms` (then SQLSTATE ``IF002``, naming the
         sessions it waited for), the bound of every lock wait of the transaction. Any other
         attempt of the key still marked running is closed as abandoned (the caller holds the
-        lock, so its worker died). Returns (attempt id, attempt count of the key, attempts
-        closed as abandoned); a dry run's count is 0.
+        lock, so its worker died); a dry run's count is 0. A run found completed after that
+        wait (a completion whose COMMIT landed after the decision read the run) is not taken
+        over unless forced: the attempt is recorded as a ``noop`` and ``completed`` returned.
         """
         params = self._attempt_params(lock, options)
         take_over = (
@@ -295,7 +308,11 @@ class RunRecords:
         *_, cursor = in_one_transaction(conn, [take_over, record])
         row = cursor.fetchone()
         assert row is not None
-        return (int(row[0]), 0, 0) if options.dry_run else (int(row[0]), int(row[1]), int(row[2]))
+        if options.dry_run:
+            return Started(int(row[0]), 0, 0)
+        run = self.run
+        completed = decided_run(run.job_name, run.run_key, row[3]) if row[3] is not None else None
+        return Started(int(row[0]), int(row[1]), int(row[2]), completed)
 
     def finish_attempt(
         self,

@@ -89,6 +89,15 @@ class WorkDeferred(Exception):
         self.deferral = deferral
 
 
+class CompletedBeforeStart(Exception):
+    """The start found the run completed (a completion that landed after the decision read
+    the run): its attempt is recorded as a no-op, and the work does not run."""
+
+    def __init__(self, run: RunRecord) -> None:
+        super().__init__("the run was completed before this attempt's start")
+        self.run = run
+
+
 class RunOutcome(str, enum.Enum):
     """How a call of :func:`~airflow_idempotency.runner.run_idempotently` ended (failures
     raise instead)."""
@@ -416,6 +425,8 @@ class Run:
     ) -> RunResult:
         try:
             counts = self._start_and_work(lock_conn, lock, existing)
+        except CompletedBeforeStart as found:
+            return self._noop_result(found.run)  # the lock transaction's COMMIT releases it
         except WorkDeferred:
             assert self.attempt_id is not None  # the work ran: its attempt was started
             record_deferral(lock_conn, self.spec, self.records, self.log, self.attempt_id)
@@ -481,13 +492,18 @@ class Run:
         """Record this execution, committed at once (the lock transaction stays open).
 
         The start takes the key over from the fence first: it waits until no transaction of
-        an earlier attempt is still open (records.start_attempt).
+        an earlier attempt is still open (records.start_attempt). A run completed by then
+        (its completion landed after the decision read it) is not taken over unless forced:
+        :class:`CompletedBeforeStart`, the run ends as a no-op.
         """
         with _START_WATCH.watching(functools.partial(_warn_start_waits, self.log)):
-            self.attempt_id, count, abandoned = self._bounded(
+            started = self._bounded(
                 "the start of", self.records.start_attempt, conn, lock, self.options
             )
-        self.log.attempt = self.attempt_id
+        self.attempt_id = self.log.attempt = started.attempt_id
+        if started.completed is not None:
+            raise CompletedBeforeStart(started.completed)  # recorded as a no-op: no work
+        count, abandoned = started.attempt_count, started.abandoned
         if self.options.dry_run:
             self.log.info(
                 "dry run: work runs in a transaction that is rolled back; job_runs untouched"

@@ -58,8 +58,19 @@
  * start trigger does). The properties are unaffected: in the model's advisory attempts no lease
  * exists, so the read refuses nothing and the start step is unchanged; under -DLEASE the holder
  * is 'lease:<token>', for which the read is skipped. Two modes on one key are not modelled.
+ * Reviewed for sql: start_attempt reading the run again after its fence_take_over's wait (the
+ * lease mode's late completion, tests/integration/test_lease_adversary.py): the statement now
+ * reads job_runs (FOR UPDATE) under the exclusive fence key and, for a run completed and not
+ * forced, records its attempt as a finished 'noop' and writes nothing else (no job_runs
+ * take-over, no attempt closed as abandoned); the lease is then released (sql: lease_release),
+ * the lock transaction committed. The fence's own statements are unchanged, so are the
+ * properties above: the no-op start holds the fence key as a start does and commits nothing
+ * the fence checks. Modelled, as a new property (the key's work completes once) and its
+ * variant -DSTART_TAKES_COMPLETED: the decision's read refuses a completed key in the
+ * acquisition step, the start step reads again (a no-op leaves by the failure's path: nothing
+ * is open), and every landing of a completion asserts that none landed before.
  *
- * fence-sql-sha256: d77a270e873d634051af6a886760da7241bd5b44377019b0a95a3cfaf47e0b05
+ * fence-sql-sha256: e3ae773b269e5ab7c97d645c3b5f2412566da1214d644eacdb28a5d4707d1038
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
@@ -67,7 +78,10 @@
  *  - no wait cycle through the worker's Python: a fenced enter queued behind a successor's
  *    takeover that waits for a transaction of the enter's own attempt (PostgreSQL cannot see
  *    that cycle);
- *  - no hang: every wait is bounded, so no state where the attempts wait forever.
+ *  - no hang: every wait is bounded, so no state where the attempts wait forever;
+ *  - the key's work completes once: no completion lands after another attempt's landed (the
+ *    attempts are not forced: a completed key is a no-op, found by the decision's read or,
+ *    when the completion landed after that read, by the start's).
  *
  * Variants that reintroduce a known defect (each must make spin report a violation):
  *  -DDEFECT1  the enter queues its shared fence lock behind a takeover, without a bound (main
@@ -92,6 +106,13 @@
  *             written outside the fence) a completion commits after its lease was lost; with
  *             -DLEASE_RENEW_UNCHECKED (a renewal that does not compare the token) an expired
  *             holder takes its key back from the successor that took it over.
+ *
+ * -DSTART_TAKES_COMPLETED the start takes over a run completed since the decision read it
+ *             (main before the start's re-read): with -DLEASE, a completion that passed its
+ *             check at COMMIT lands after a successor took the expired lease and read the run
+ *             as started; that successor's start waits for it, takes the completed run over
+ *             and does the work again (tests/integration/test_lease_adversary.py). The
+ *             advisory mode holds even so (its read follows the landing, which releases the lock).
  *
  * -DSTART_UNCHECKED the start does not check, under the fence key it holds exclusively, that
  *             its attempt still holds the run lock (main before migration 0012): an attempt whose
@@ -123,6 +144,7 @@ byte excl_waiting;               /* takeovers queued for it */
 byte acquisitions;
 byte acquired[3];                /* [attempt] the order in which it took the run lock, 0: never */
 bool started[3];                 /* [attempt] its start committed */
+bool completed;                  /* a completion landed: job_runs.status = 'completed' */
 bool enter_waits[3];             /* [attempt] an enter of it is queued for the fence lock */
 bool takeover_waits[3];          /* [attempt] its takeover is queued */
 byte open_shared[3];             /* [attempt] fence locks held by its open transactions */
@@ -179,15 +201,16 @@ proctype Attempt(byte me) {
        or sql: decide_lease (the lease taken in a transaction of its own, committed at once) */
     atomic {
         if
+        :: completed -> goto refused   /* the decision's read: a completed key, its no-op */
 #ifdef LEASE
-        :: !run_locked || lease_expired ->
+        :: !completed && (!run_locked || lease_expired) ->
             if                   /* a take-over: the expired holder's lease is gone */
             :: run_locked -> session_alive[lock_owner] = false
             :: else -> skip
             fi;
             lease_expired = false;
 #else
-        :: !run_locked ->
+        :: !completed && !run_locked ->
 #endif
             run_locked = true;
             lock_owner = me;
@@ -239,8 +262,14 @@ proctype Attempt(byte me) {
 #endif
     atomic {                                                     /* the start commits */
         assert(!successor_started(me));  /* no start after a later lock holder's start */
-        started[me] = true;
-        fence_exclusive = false
+        fence_exclusive = false;
+#ifndef START_TAKES_COMPLETED
+        if                       /* sql: start_attempt reads the run again, after the wait: */
+        :: completed -> goto failed      /* completed since the decision: a no-op, nothing */
+        :: else -> skip                  /* open; the lock released as a failure's is */
+        fi;
+#endif
+        started[me] = true
     }
 
     /* the work: fenced transactions, each may begin inside the open ones */
@@ -359,6 +388,8 @@ proctype Attempt(byte me) {
                                  this token's, expired or not (a successor's is left) */
         assert(held_at_commit);
         assert(!successor_started(me));
+        assert(!completed);      /* the key's work completes once */
+        completed = true;
         fence_shared--;
         open_shared[me]--;
         held_at_commit = false;
@@ -371,7 +402,10 @@ proctype Attempt(byte me) {
     /* sql: complete_attempt, in the lock transaction; its COMMIT releases the lock */
     atomic {
         if
-        :: held_by(me) && session_alive[me] -> end_session(me)
+        :: held_by(me) && session_alive[me] ->
+            assert(!completed);  /* the key's work completes once */
+            completed = true;
+            end_session(me)
         :: else -> goto failed
         fi
     }

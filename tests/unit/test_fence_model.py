@@ -148,6 +148,9 @@ def test_the_fence_holds_in_every_interleaving(tmp_path: Path) -> None:
         # a renewal that does not compare the token: an expired holder takes its key back
         # from the successor that took it over (migration 18 renews by token only)
         (["-DLEASE", "-DLEASE_RENEW_UNCHECKED"], "assertion violated"),
+        # the start takes over a run completed since the decision read it: a late completion
+        # of the expired holder lands, and its successor does the work again
+        (["-DLEASE", "-DSTART_TAKES_COMPLETED"], "assertion violated"),
     ],
     ids=[
         "defect1-cycle",
@@ -156,6 +159,7 @@ def test_the_fence_holds_in_every_interleaving(tmp_path: Path) -> None:
         "pid-reuse",
         "lease-completion-unfenced",
         "lease-renewal-unchecked",
+        "lease-late-completion-redone",
     ],
 )
 def test_a_reintroduced_defect_is_found(tmp_path: Path, flags: list[str], violation: str) -> None:
@@ -171,6 +175,12 @@ def test_the_lease_mode_holds_in_every_interleaving(tmp_path: Path) -> None:
     out = verify(tmp_path, "-DLEASE")
     assert _errors(out) == 0, out
     assert "Search not completed" not in out and "max search depth too small" not in out, out
+
+
+def test_the_advisory_mode_holds_without_the_starts_read(tmp_path: Path) -> None:
+    """The advisory mode's decision reads the run after the previous lock transaction ended
+    (its COMMIT is the completion): the start's read of a completed run is only a guard there."""
+    assert _errors(verify(tmp_path, "-DSTART_TAKES_COMPLETED")) == 0
 
 
 def test_a_start_lands_only_before_a_successors_start(tmp_path: Path) -> None:

@@ -334,19 +334,53 @@ WHERE attempt_id = %(attempt_id)s;
 -- row over. This attempt holds the lock, so any other attempt of the key still marked
 -- running died without finishing (a killed worker): close it. (The UPDATE does not see the
 -- row inserted by the same statement.)
-WITH attempt AS (
+-- A run found completed is not taken over unless forced: the attempt is recorded as a
+-- finished 'noop', nothing else is written, and the row returns the run as sql: get_run
+-- reads it (completed_run: the no-op's result, run_steps.Run._start). The decision read the
+-- run BEFORE this start's fence_take_over waited for the previous attempt's open
+-- transactions: a completion that passed its commit-time check while its lease was still its
+-- holder's can become visible only then (a slow COMMIT: a synchronous standby). This
+-- statement's snapshot is taken after that wait, under the exclusive fence key, so it sees
+-- such a completion (FOR UPDATE: the row read is the row the upsert below finds).
+WITH found AS (
+    SELECT r.status, r.triggered_by, r.triggering_user, r.dag_id, r.run_id, r.task_id,
+           r.attempt_count, r.current_attempt_id, r.started_at, r.completed_at, r.updated_at,
+           r.details,
+           (SELECT a.details -> 'counts' FROM {schema}.job_run_attempts AS a
+            WHERE a.attempt_id = r.current_attempt_id AND r.status = 'completed')
+               AS completed_counts,
+           r.status = 'completed' AND NOT %(force)s AS noop
+    FROM {schema}.job_runs AS r
+    WHERE r.job_name = %(job_name)s AND r.run_key = %(run_key)s
+    FOR UPDATE OF r
+),
+decided AS (
+    SELECT coalesce(bool_or(found.noop), false) AS noop, max(found.completed_at) AS completed_at
+    FROM found
+),
+attempt AS (
     INSERT INTO {schema}.job_run_attempts (
         job_name, run_key, lock_key, outcome, triggered_by, triggering_user,
         dag_id, run_id, task_id, try_number, map_index, hostname, pid, lock_backend_pid,
-        force, dry_run, started_at, details, ti_id, run_type, clear_number, dag_version_id
+        force, dry_run, started_at, finished_at, details, ti_id, run_type, clear_number,
+        dag_version_id
     ) VALUES (
-        %(job_name)s, %(run_key)s, %(lock_key)s, 'running', %(triggered_by)s,
+        %(job_name)s, %(run_key)s, %(lock_key)s,
+        CASE WHEN (SELECT noop FROM decided) THEN 'noop' ELSE 'running' END, %(triggered_by)s,
         %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, %(try_number)s,
         %(map_index)s, %(hostname)s, %(pid)s, %(lock_backend_pid)s, %(force)s, false,
-        statement_timestamp(), %(trigger_details)s,
+        statement_timestamp(),
+        CASE WHEN (SELECT noop FROM decided) THEN statement_timestamp() END,
+        %(trigger_details)s || (
+            SELECT CASE WHEN noop
+                THEN jsonb_build_object('completed_at', completed_at,
+                                        'completed_before_start', true)
+                ELSE jsonb_build_object() END
+            FROM decided
+        ),
         %(ti_id)s, %(run_type)s, %(clear_number)s, %(dag_version_id)s
     )
-    RETURNING attempt_id
+    RETURNING attempt_id, outcome
 ),
 abandoned AS (
     UPDATE {schema}.job_run_attempts
@@ -354,6 +388,7 @@ abandoned AS (
         error = 'abandoned: the worker ended without finishing; taken over by attempt '
                 || (SELECT attempt_id FROM attempt)::text
     WHERE job_name = %(job_name)s AND run_key = %(run_key)s AND outcome = 'running'
+      AND (SELECT outcome FROM attempt) = 'running'
     RETURNING attempt_id
 ),
 run AS (
@@ -365,6 +400,7 @@ run AS (
            %(triggering_user)s, %(dag_id)s, %(run_id)s, %(task_id)s, 1, attempt.attempt_id,
            statement_timestamp(), statement_timestamp(), %(key_zone)s
     FROM attempt
+    WHERE attempt.outcome = 'running'
     ON CONFLICT (job_name, run_key) DO UPDATE
     SET status = 'started',
         key_zone = coalesce(EXCLUDED.key_zone, job_runs.key_zone),
@@ -380,8 +416,12 @@ run AS (
         updated_at = statement_timestamp()
     RETURNING attempt_count
 )
-SELECT attempt.attempt_id, run.attempt_count, (SELECT count(*) FROM abandoned) AS abandoned
-FROM attempt, run;
+SELECT attempt.attempt_id, coalesce(run.attempt_count, found.attempt_count) AS attempt_count,
+       (SELECT count(*) FROM abandoned) AS abandoned,
+       CASE WHEN found.noop THEN to_jsonb(found) - 'noop' END AS completed_run
+FROM attempt
+LEFT JOIN run ON true
+LEFT JOIN found ON true;
 
 -- name: complete_attempt
 -- Fenced, one statement: mark the run completed only for the attempt that owns it, and only
