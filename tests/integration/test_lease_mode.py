@@ -518,9 +518,12 @@ def test_the_completion_releases_the_lease_at_its_commit_only_when_it_commits(
             " WHERE lock_key = %s"
         )
         key = run_lock_key(JOB, "2026-10-02")
-        threading.Thread(
-            target=lambda: (time.sleep(0.7), rows(lease_db, take_over, (key,)))
-        ).start()
+
+        def take_over_later() -> None:  # while the completion's COMMIT runs its slow trigger
+            time.sleep(0.7)
+            rows(lease_db, take_over, (key,))
+
+        threading.Thread(target=take_over_later).start()
 
     with pytest.raises(LockLostError, match="was lost before this transaction"):
         run_idempotently(
