@@ -19,6 +19,7 @@ import importlib.resources
 import os
 import re
 import zoneinfo
+from collections.abc import Iterable
 from typing import Any
 
 import psycopg
@@ -35,7 +36,17 @@ def check_key_zone(
     if zone is None:
         return
     params = {"job_name": job_name, "key_zone": zone}
-    for earlier in query_rows(conn, "key_zone_conflict", schema, params):
+    refuse_zone_change(
+        job_name, run_key, zone, query_rows(conn, "key_zone_conflict", schema, params)
+    )
+
+
+def refuse_zone_change(
+    job_name: str, run_key: str, zone: str, conflicts: Iterable[dict[str, Any]]
+) -> None:
+    """Raise :class:`ConfigurationError` when one of the job's recorded keys whose zone is
+    spelled differently (``conflicts``, rows with ``key_zone``) was made in another zone."""
+    for earlier in conflicts:
         if not same_zone(earlier["key_zone"], zone):
             raise ConfigurationError(zone_changed_message(job_name, run_key, zone, earlier))
 

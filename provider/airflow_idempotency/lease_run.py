@@ -28,13 +28,12 @@ from airflow_idempotency._transactions import (
 )
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
-    ConfigurationError,
     IdempotencyError,
     LockLostError,
     RunLockedError,
 )
 from airflow_idempotency.fence import Fence
-from airflow_idempotency.key_zone import same_zone, zone_changed_message
+from airflow_idempotency.key_zone import refuse_zone_change
 from airflow_idempotency.leases import (
     WAIT_NOTICE_SECONDS,
     LeaseHeartbeat,
@@ -101,11 +100,7 @@ def decide_lease(
     if decision == "zone":
         zone = run.trigger.key_zone
         assert zone is not None
-        for earlier in row["zone_conflicts"]:
-            if not same_zone(earlier["key_zone"], zone):
-                raise ConfigurationError(
-                    zone_changed_message(run.job_name, run.run_key, zone, earlier)
-                )
+        refuse_zone_change(run.job_name, run.run_key, zone, row["zone_conflicts"])
         return decide_lease(conn, spec, records, zone_checked=True)  # the same zone, spelled
     if decision == "shared":
         raise shared_session_error(run.lock_key)

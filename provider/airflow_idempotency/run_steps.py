@@ -25,7 +25,6 @@ from airflow_idempotency import metrics
 from airflow_idempotency._sql import query, query_row
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
-    ConfigurationError,
     IdempotencyError,
     LockLostError,
     LockWaitError,
@@ -38,7 +37,7 @@ from airflow_idempotency.fence import (
     fence_sqlstate,
     lock_wait_refusal,
 )
-from airflow_idempotency.key_zone import same_zone, zone_changed_message
+from airflow_idempotency.key_zone import refuse_zone_change
 from airflow_idempotency.locks import (
     RunLock,
     lock_transaction,
@@ -239,11 +238,7 @@ def decide(
     if decision == "zone":
         zone = run.trigger.key_zone
         assert zone is not None
-        for earlier in row["zone_conflicts"]:
-            if not same_zone(earlier["key_zone"], zone):
-                raise ConfigurationError(
-                    zone_changed_message(run.job_name, run.run_key, zone, earlier)
-                )
+        refuse_zone_change(run.job_name, run.run_key, zone, row["zone_conflicts"])
         conn.execute("ROLLBACK")  # the same zone written another way: decide again
         return decide(conn, spec, records, zone_checked=True)
     if decision == "shared":
