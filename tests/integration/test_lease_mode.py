@@ -603,6 +603,22 @@ def test_a_repeatable_read_transaction_still_needs_an_unexpired_lease(
     assert written(lease_db) == ["committed"]
 
 
+def expired_holder(dsn: str, name: str) -> tuple[Background, threading.Event]:
+    """A lease-mode run of the key whose heartbeat is frozen (the caller adds the key to
+    ``frozen_heartbeats``): its lease expires while its work waits for the returned event,
+    then writes ``name`` in one more transaction. Returns once the lease has expired."""
+    go = threading.Event()
+
+    def work(ctx: RunContext) -> None:
+        assert go.wait(30)  # the key's lease expires (frozen), then is taken over
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES (%s, %s)", (name, ctx.run_key))
+
+    holder = Background(lambda: run_in(dsn, work, SHORT))
+    wait_until_expired(dsn)
+    return holder, go
+
+
 def test_an_advisory_start_takes_an_expired_lease_over_for_good(
     lease_db: str, frozen_heartbeats: set[int]
 ) -> None:
@@ -610,15 +626,7 @@ def test_an_advisory_start_takes_an_expired_lease_over_for_good(
     lock_mode): its start removes the lease, so the old holder's next transaction is refused
     (without the removal the old token would still be found and it would commit)."""
     frozen_heartbeats.add(LOCK_KEY)
-    go = threading.Event()
-
-    def old_work(ctx: RunContext) -> None:
-        assert go.wait(30)  # the key's lease expires (frozen), then is taken over
-        with ctx.transaction() as cur:
-            cur.execute("INSERT INTO public.facts VALUES ('old', %s)", (ctx.run_key,))
-
-    old = Background(lambda: run_in(lease_db, old_work, SHORT))
-    wait_until_expired(lease_db)
+    old, go = expired_holder(lease_db, "old")
     new = run_idempotently(
         connect=connect_to(lease_db), job_name=JOB, run_key=KEY, work=writer("advisory")
     )
@@ -636,15 +644,7 @@ def test_the_clis_reset_takes_an_expired_lease_over(
     from airflow_idempotency.cli import main
 
     frozen_heartbeats.add(LOCK_KEY)
-    go = threading.Event()
-
-    def stuck(ctx: RunContext) -> None:
-        assert go.wait(30)  # the key's lease expires (frozen), then is taken over
-        with ctx.transaction() as cur:
-            cur.execute("INSERT INTO public.facts VALUES ('stuck', %s)", (ctx.run_key,))
-
-    old = Background(lambda: run_in(lease_db, stuck, SHORT))
-    wait_until_expired(lease_db)
+    old, go = expired_holder(lease_db, "stuck")
     assert main(["reset", JOB, KEY, "--reason", "stuck", "--dsn", lease_db]) == 0
     assert rows(lease_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
     go.set()
