@@ -135,9 +135,11 @@ def record_failure(
     _count(spec, outcome)
 
     def write(conn: psycopg.Connection) -> None:
-        records.finish_attempt(conn, attempt_id, outcome, error=error)
+        # the run's row before the attempt's, the order of every transaction that locks both
+        # (a successor's start_attempt, the completion): else each waits for the other
         if not spec.options.dry_run:
             records.mark_failed(conn, attempt_id, error)
+        records.finish_attempt(conn, attempt_id, outcome, error=error)
 
     _end_attempt(lock_conn, spec, log, write, fence)
 

@@ -5,6 +5,10 @@
 -- server connection may carry another client's, see docs/deploying.md).
 -- Times are statement_timestamp(), never now(): some statements run in the lock
 -- transaction, which began when the run did, and now() is the start of the transaction.
+-- Row locks: a transaction that locks a key's job_runs row and rows of its job_run_attempts
+-- locks the run's row first (start_attempt, complete_attempt, mark_failed before
+-- finish_attempt: run_failures.record_failure); the other order deadlocks with a successor's
+-- start (tests/integration/test_lock_order.py).
 
 -- name: acquire_run_lock
 -- The first statement of the lock transaction (locks.hold_run_lock), which runs READ COMMITTED
