@@ -15,7 +15,6 @@ import threading
 from typing import Any
 
 import psycopg
-import pytest
 
 from airflow_idempotency.runner import RunContext, run_idempotently
 from support.db import rows
@@ -88,4 +87,3 @@ def test_a_failure_written_while_a_successor_starts_never_deadlocks(
         pg_dsn, "SELECT status FROM idempotency.job_runs WHERE run_key = %s", (KEY,)
     )
     assert status == "failed"
-
