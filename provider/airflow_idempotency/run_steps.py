@@ -519,9 +519,9 @@ class Run:
             refusal: IdempotencyError | None = self._lock_wait(exc, step)
             if refusal is None and fence_refused(exc):
                 refusal = LockLostError(
-                    f"{step} job {self.job_name!r} run_key {self.run_key!r}: its lock session "
-                    f"ended before the step was recorded ({exc.diag.message_primary}); nothing "
-                    "of it was written. A rerun will pick the key up again."
+                    f"{step} job {self.job_name!r} run_key {self.run_key!r} was refused by the "
+                    f"fence: {exc.diag.message_primary}. Nothing of it was written. A rerun "
+                    "will pick the key up again."
                 )
             if refusal is None:
                 raise

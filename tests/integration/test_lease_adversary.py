@@ -398,6 +398,9 @@ def test_an_advisory_start_on_a_leased_key_is_refused_at_once_and_stalls_no_leas
         f"the advisory run waited for the lease holder's transaction: {advisory.error!r}"
     )
     assert refused_after < 3, f"refused only after {refused_after:.1f} s"
+    said = str(advisory.error)
+    assert "held by a lease of another worker" in said and "same lock_mode" in said, said
+    assert "session ended" not in said, f"the refusal names the wrong cause: {said}"
     assert waited[0] < 2, f"the lease holder's fenced transaction waited {waited[0]:.1f} s"
 
 
