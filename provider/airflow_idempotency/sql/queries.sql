@@ -211,11 +211,21 @@ RETURNING token;
 -- lease can be taken meanwhile: lease_acquire tries that lock), are refused while one is live.
 -- An expired lease is taken over by them: its row goes, so that its holder, whose lease is
 -- held until taken over (migration 18), can never commit again.
+-- The run's row is locked FIRST (FOR UPDATE), before the lease's row: the order of the
+-- holder's completion (complete_attempt_lease locks the run, its COMMIT then deletes the
+-- lease: lease_release_on_commit). The other order deadlocked a reset with the completion of
+-- the lease it took over (tests/integration/test_lease_adversary2.py).
 WITH now AS MATERIALIZED (SELECT clock_timestamp() AS at),
+run AS MATERIALIZED (
+    SELECT 1 FROM {schema}.job_runs AS r
+    WHERE r.job_name = %(job_name)s AND r.run_key = %(run_key)s
+    FOR UPDATE OF r
+),
 broken AS (
     DELETE FROM {schema}.run_leases AS l
     USING now
     WHERE l.lock_key = %(lock_key)s AND l.expires_at <= now.at
+      AND (SELECT count(*) FROM run) >= 0  -- the run's row locked before the lease's
 )
 SELECT EXISTS (
     SELECT 1 FROM {schema}.run_leases AS l, now
