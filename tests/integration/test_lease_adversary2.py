@@ -122,3 +122,60 @@ def test_a_reset_racing_the_completion_of_an_expired_lease_never_deadlocks(
     assert isinstance(holder.error, LockLostError), said
     assert rows(adv_db, "SELECT status FROM idempotency.job_runs") == [("failed",)]
     assert rows(adv_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
+
+
+def test_adopt_racing_the_start_of_an_expired_lease_leaves_the_key_adopted(
+    adv_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`adopt --apply` of a key without records while a lease-mode run of it decided (its lease
+    taken) and its lease expired before its start (a paused worker): adopt takes the expired
+    lease over (lease_live deletes it, under the key's advisory run lock, NOT the fence key)
+    and records the key completed. The start's fence_take_over checks the lease before adopt's
+    transaction commits (the row still there), then its upsert waits for adopt's row and
+    overwrites the adopted, completed run with 'started'; its work is refused (the lease gone)
+    and marks the key failed, so the next run does the adopted work again. Expected: the start
+    is refused (its check at COMMIT sees the lease gone); the key stays completed, adopted."""
+    from psycopg.types.json import Jsonb
+
+    from airflow_idempotency._sql import query
+
+    at_start, go = threading.Event(), threading.Event()
+    start_attempt = records.RunRecords.start_attempt
+
+    def start_paused(self: records.RunRecords, *args: Any, **kwargs: Any) -> Any:
+        at_start.set()  # the decision took the lease; the worker pauses before its start
+        assert go.wait(30)
+        return start_attempt(self, *args, **kwargs)
+
+    monkeypatch.setattr(records.RunRecords, "start_attempt", start_paused)
+
+    def work(ctx: RunContext) -> None:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('worker', %s)", (ctx.run_key,))
+
+    worker = Background(lambda: run_in(adv_db, work))
+    assert at_start.wait(30)
+    expire_lease(adv_db, JOB, KEY)
+    params = {
+        "job_name": JOB, "run_key": KEY, "lock_key": LOCK_KEY, "dag_id": "d", "run_id": "r",
+        "task_id": "t", "hostname": "h", "pid": 1, "details": Jsonb({"adopted_from": {}}),
+        "key_zone": None,
+    }  # fmt: skip
+    with psycopg.connect(adv_db) as adopt:  # adopt --apply's transaction of this key
+        assert adopt.execute(query("adopt_lock", "idempotency"), params).fetchone() == (True,)
+        live = adopt.execute(query("lease_live", "idempotency"), params).fetchone()
+        assert live == (False,)  # expired: taken over, its row deleted
+        assert adopt.execute(query("adopt_run", "idempotency"), params).fetchone() is not None
+        go.set()
+        # the start passes its check (the lease's row still there for it), then its upsert
+        # waits for this transaction's row; or it is refused at once
+        wait_for(
+            "the start to wait for adopt, or end",
+            lambda: bool(lock_waiters(adv_db)) or worker.finished_at is not None,
+        )
+        adopt.commit()
+    worker.join()
+    assert written(adv_db) == []
+    assert rows(adv_db, "SELECT status, triggered_by FROM idempotency.job_runs") == [
+        ("completed", "adopted")
+    ], f"worker: {chain(worker.error)}"
