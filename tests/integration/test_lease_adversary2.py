@@ -55,13 +55,13 @@ def written(dsn: str) -> list[str]:
 
 
 def lock_waiters(dsn: str) -> list[int]:
-    """Backends of this database waiting for a row or transaction lock."""
+    """Backends of this database waiting for a lock: a row, a transaction or an advisory key."""
     return [
         pid
         for (pid,) in rows(
             dsn,
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-            "AND wait_event_type = 'Lock' AND wait_event IN ('transactionid', 'tuple')",
+            "AND wait_event_type = 'Lock'",
         )
     ]
 
@@ -175,7 +175,35 @@ def test_adopt_racing_the_start_of_an_expired_lease_leaves_the_key_adopted(
         )
         adopt.commit()
     worker.join()
+    assert isinstance(worker.error, LockLostError), chain(worker.error)
     assert written(adv_db) == []
     assert rows(adv_db, "SELECT status, triggered_by FROM idempotency.job_runs") == [
         ("completed", "adopted")
     ], f"worker: {chain(worker.error)}"
+
+
+def test_reset_leaves_an_expired_lease_alone_while_its_holder_has_a_transaction_open(
+    adv_db: str,
+) -> None:
+    """An expired lease is taken over under the key's fence key (tried, never awaited): while
+    its holder has a fenced transaction open (it is still working), `reset` is refused as
+    locked (exit 75), and that transaction and the run's completion commit."""
+    from airflow_idempotency.runner import RunOutcome
+
+    inside, go = threading.Event(), threading.Event()
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('holder', %s)", (ctx.run_key,))
+            inside.set()
+            assert go.wait(30)
+        return {}
+
+    holder = Background(lambda: run_in(adv_db, work))
+    assert inside.wait(30)
+    expire_lease(adv_db, JOB, KEY)
+    assert main(["reset", JOB, KEY, "--reason", "stuck", "--dsn", adv_db]) == 75
+    go.set()
+    assert holder.join().result.outcome is RunOutcome.COMPLETED, chain(holder.error)
+    assert written(adv_db) == ["holder"]
+    assert rows(adv_db, "SELECT status FROM idempotency.job_runs") == [("completed",)]
