@@ -405,7 +405,7 @@ def _adopt(conn: psycopg.Connection, schema: str, dag_id: str, row: Adoption, ru
         (acquired,) = conn.execute(query("adopt_lock", schema), params).fetchone() or (False,)
         # Held, no lease can be taken (lease_acquire tries this lock): a lease live now,
         # read by a statement after the lock, is a run of the lease mode working on the key.
-        if not acquired or lease_is_live(conn, lock_key, schema=schema):
+        if not acquired or lease_is_live(conn, row.job_name, run_key, schema=schema):
             row.would, row.reason = "locked", "another execution holds the key now"
             return
         try:

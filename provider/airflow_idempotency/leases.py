@@ -34,7 +34,7 @@ import psycopg
 from airflow_idempotency._sql import query
 from airflow_idempotency._transactions import in_one_transaction
 from airflow_idempotency.exceptions import ConfigurationError, SharedSessionError
-from airflow_idempotency.locks import RunLock, lock_wait_ms
+from airflow_idempotency.locks import RunLock, lock_wait_ms, run_lock_key
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +199,13 @@ def release_lease(conn: psycopg.Connection, lock: RunLock, *, schema: str) -> bo
     return cursor.fetchone() is not None
 
 
-def lease_is_live(conn: psycopg.Connection, lock_key: int, *, schema: str) -> bool:
-    """Whether ``lock_key`` has a live lease. A caller holding the key's advisory run lock
-    (the CLI's reset, an effect's resolution) treats the key as locked then: no lease can be
-    taken while it holds that lock."""
-    row = conn.execute(query("lease_live", schema), {"lock_key": lock_key}).fetchone()
+def lease_is_live(conn: psycopg.Connection, job_name: str, run_key: str, *, schema: str) -> bool:
+    """Whether (``job_name``, ``run_key``) has a live lease. A caller holding the key's
+    advisory run lock (the CLI's reset, an effect's resolution, adopt) treats the key as locked
+    then: no lease can be taken while it holds that lock. An expired lease is taken over (its
+    row deleted), the run's row locked first, until the caller's transaction ends."""
+    params = {"lock_key": run_lock_key(job_name, run_key), "job_name": job_name, "run_key": run_key}
+    row = conn.execute(query("lease_live", schema), params).fetchone()
     return bool(row and row[0])
 
 

@@ -51,6 +51,12 @@ NOT_MODELLED = {
     "record (adopt_run): no attempt, so nothing of an attempt to fence; a run that holds the "
     "key keeps it, by its lock or, after the lock, its live lease (lease_live; "
     "tests/integration/test_adopt.py, test_lease_visibility.py)",
+    "lease_live": "an operator's take-over of an expired lease (reset, an effect's resolution, "
+    "adopt --apply, under the key's advisory run lock): it tries the key's fence key EXCLUSIVE "
+    "(never waits) and deletes the lease under it, as an advisory start does; it records no "
+    "attempt and fences nothing of its own, and the model's attempts are the runner's "
+    "(tests/integration/test_lease_adversary2.py races it with the holder's start and "
+    "completion)",
 }
 _DECIDES = re.compile(
     r"\{schema\}\.(fence_\w+|run_lock_held_by|run_decide\w*)\(|pg_try_advisory_xact_lock"

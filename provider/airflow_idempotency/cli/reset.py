@@ -48,7 +48,7 @@ def handle(args: argparse.Namespace) -> int:
             conn, lock_key, schema=args.schema, application_name="airflow-idempotency reset"
         ) as lock,
     ):
-        if lock is None or lease_is_live(conn, lock_key, schema=args.schema):
+        if lock is None or lease_is_live(conn, args.job, args.run_key, schema=args.schema):
             raise CommandError(
                 f"run key {args.run_key!r} of {args.job!r} is locked: a worker is running it now "
                 "(see `airflow-idempotency locks`). Not resetting.",

@@ -144,7 +144,9 @@ def _run_lock_of(conn: psycopg.Connection, schema: str, effect: dict[str, Any]) 
     with hold_run_lock(
         conn, lock_key, schema=schema, application_name="airflow-idempotency ledger"
     ) as lock:
-        if lock is None or lease_is_live(conn, lock_key, schema=schema):
+        if lock is None or lease_is_live(
+            conn, effect["job_name"], effect["run_key"], schema=schema
+        ):
             raise RunLockedError(
                 f"run key {effect['run_key']!r} of {effect['job_name']!r} is locked: an attempt "
                 "is running it now (see `airflow-idempotency locks`). Resolve when it has ended."

@@ -211,16 +211,43 @@ RETURNING token;
 -- lease can be taken meanwhile: lease_acquire tries that lock), are refused while one is live.
 -- An expired lease is taken over by them: its row goes, so that its holder, whose lease is
 -- held until taken over (migration 18), can never commit again.
+-- Locks in the order of the runs' own transactions (tests/integration/test_lease_adversary2.py):
+-- - the run's row FIRST (FOR UPDATE), before the lease's: the holder's completion locks the run
+--   (complete_attempt_lease), then deletes its lease at its COMMIT (lease_release_on_commit);
+--   the other order deadlocked a reset with the completion of the lease it took over;
+-- - an expired lease is taken over under the key's fence key EXCLUSIVE, as a start takes a key
+--   over (fence_take_over; an advisory start deletes an expired lease under it too): tried,
+--   never awaited, and a key whose fence key is busy (the holder has a fenced transaction or a
+--   start open right now: it is still working) is answered live. Without it the holder's
+--   start, which checks its lease before it waits for the run's row, passed its check while
+--   the lease's deletion was not committed yet, then waited for adopt's row and overwrote the
+--   adopted, completed run with 'started'. The fence key is held until the caller's COMMIT:
+--   a start or fenced transaction of the holder then finds its lease gone (IF001).
 WITH now AS MATERIALIZED (SELECT clock_timestamp() AS at),
+run AS MATERIALIZED (
+    SELECT 1 FROM {schema}.job_runs AS r
+    WHERE r.job_name = %(job_name)s AND r.run_key = %(run_key)s
+    FOR UPDATE OF r
+),
+lease AS MATERIALIZED (
+    SELECT l.expires_at > now.at AS live
+    FROM {schema}.run_leases AS l, now
+    WHERE l.lock_key = %(lock_key)s
+      AND (SELECT count(*) FROM run) >= 0  -- the run's row locked before the lease's
+),
+fence AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock(k.hi, k.lo) AS free
+    FROM {schema}.fence_key(%(lock_key)s) AS k
+    WHERE EXISTS (SELECT 1 FROM lease WHERE NOT lease.live)
+),
 broken AS (
     DELETE FROM {schema}.run_leases AS l
     USING now
     WHERE l.lock_key = %(lock_key)s AND l.expires_at <= now.at
+      AND (SELECT bool_and(fence.free) FROM fence)
 )
-SELECT EXISTS (
-    SELECT 1 FROM {schema}.run_leases AS l, now
-    WHERE l.lock_key = %(lock_key)s AND l.expires_at > now.at
-) AS live;
+SELECT EXISTS (SELECT 1 FROM lease WHERE lease.live)
+       OR NOT coalesce((SELECT bool_and(fence.free) FROM fence), true) AS live;
 
 -- name: lease_holder
 -- Who holds a key's lease, for the refusal message: the worker, since when, until when, and
