@@ -15,8 +15,11 @@ Rounds: each variant runs once per round in a fresh process, the order rotating 
 to round, so that every variant meets the same machine over the same minutes. In each
 process: ``run_idempotently`` with no-op work on a pool of two connections (a new key, then
 the same key again: the no-op decision, then a SELECT 1), then the same calls counted
-through a proxy that reads the wire protocol. Each variant has its own database (the
-versions' schemas differ).
+through a proxy that reads the wire protocol. A checkout with the lease mode
+(``lock_mode="lease"``, docs/locks.md) makes the same calls in that mode too, on keys of
+their own: its rows (``lease: ...``) stand beside the advisory rows, whose names do not
+change; its no-op must be one round trip (migration 0019). Each variant has its own
+database (the versions' schemas differ).
 """
 
 from __future__ import annotations
