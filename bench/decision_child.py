@@ -300,10 +300,14 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
     cpu: dict[str, list[float]] = {f"{m}{k}": [] for m in modes for k in ("new", "noop")}
 
     def call(connect: Callable[[], Any], key: str, expect: RunOutcome, mode: str = "") -> float:
-        extra = {"lock_mode": "lease"} if mode else {}
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
-        res = run_idempotently(connect=connect, job_name=JOB, run_key=key, work=noop, **extra)
+        if mode:  # lock_mode only when asked: an older checkout has no such argument
+            res = run_idempotently(
+                connect=connect, job_name=JOB, run_key=key, work=noop, lock_mode="lease"
+            )
+        else:
+            res = run_idempotently(connect=connect, job_name=JOB, run_key=key, work=noop)
         wall = (time.perf_counter_ns() - t0) / 1e6
         cpu[mode + ("new" if expect is RunOutcome.COMPLETED else "noop")].append(
             (time.thread_time_ns() - c0) / 1e6
