@@ -15,8 +15,11 @@ Rounds: each variant runs once per round in a fresh process, the order rotating 
 to round, so that every variant meets the same machine over the same minutes. In each
 process: ``run_idempotently`` with no-op work on a pool of two connections (a new key, then
 the same key again: the no-op decision, then a SELECT 1), then the same calls counted
-through a proxy that reads the wire protocol. Each variant has its own database (the
-versions' schemas differ).
+through a proxy that reads the wire protocol. A checkout with the lease mode
+(``lock_mode="lease"``, docs/locks.md) makes the same calls in that mode too, on keys of
+their own: its rows (``lease: ...``) stand beside the advisory rows, whose names do not
+change; its no-op must be one round trip (migration 0019). Each variant has its own
+database (the versions' schemas differ).
 """
 
 from __future__ import annotations
@@ -215,6 +218,55 @@ def _goal_rows(
     )
 
 
+LEASE_ROUND_TRIPS = {"noop": 1}  # the lease mode's no-op: one round trip (migration 0019)
+
+
+def _lease_rows(result: BenchResult, v: Variant, rounds: list[dict[str, Any]], limit: bool) -> None:
+    """The lease mode's decisions (``lock_mode="lease"``, docs/locks.md), beside the advisory
+    rows and measured in the same processes: median, round trips, client CPU, ratio to the
+    same floors (a no-op: one durable commit; a new key: two)."""
+    commit = median([x for r in rounds for x in r["samples"]["commit"]])
+    for kind, label, floor in (
+        ("noop", "no-op decision", commit),
+        ("new", "new key", 2 * commit),
+    ):
+        wall = [x for r in rounds for x in r["samples"][f"lease_{kind}"]]
+        result.add(
+            f"{v.name}: lease: {label}, pool, median",
+            median(wall),
+            "ms",
+            note=f"p99 {percentile(wall, 99):.2f} ms; lock_mode='lease'",
+        )
+        trips, spread = _trips([x for r in rounds for x in r["trips"][f"lease_{kind}"]])
+        most = LEASE_ROUND_TRIPS.get(kind)
+        result.add(
+            f"{v.name}: lease: round trips, {label}",
+            trips,
+            "",
+            f"= {most}" if most and limit else "",
+            trips == most if most and limit else None,
+            spread,
+        )
+        cpu = median([x for r in rounds for x in r["cpu"][f"lease_{kind}"]])
+        result.add(
+            f"{v.name}: lease: client CPU per {label}, median",
+            cpu,
+            "ms",
+            f"<= {CPU_LIMIT_MS:g} ms" if limit else "",
+            at_most(cpu, CPU_LIMIT_MS) if limit else None,
+            "this thread's CPU time (the provider, psycopg and the pool)",
+        )
+        ratio = median(wall) / floor
+        result.add(
+            f"{v.name}: lease: {label} / its floor",
+            ratio,
+            "x",
+            f"<= {FLOOR_FACTOR:g}x" if limit else "",
+            at_most(ratio, FLOOR_FACTOR) if limit else None,
+            f"floor {floor:.2f} ms, as the advisory row's",
+        )
+
+
 def run(size: Size, server: PostgresServer) -> BenchResult:
     result = BenchResult("decision", TITLE)
     found, missing = variants()
@@ -280,6 +332,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         result.add(f"{v.name}: round trips, no-op decision", noop_trips, "", note=noop_spread)
         if "commit" in out[v.name][0]["samples"]:  # this checkout's child (module doc)
             _goal_rows(result, v, out[v.name], median(new), median(noop), limit)
+        if "lease_noop" in out[v.name][0]["samples"]:  # a checkout with the lease mode
+            _lease_rows(result, v, out[v.name], limit)
 
     def ratio(a: str, b: str, kind: str, label: str) -> None:
         value = figures[a][kind] / figures[b][kind]
@@ -303,7 +357,8 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
 
     lines = [
         f"{rounds} round(s); in each, one fresh process per variant (order rotating), "
-        f"{calls} new keys + {calls} no-op decisions + {calls} SELECT 1 after a warm-up, "
+        f"{calls} new keys + {calls} no-op decisions (each in the advisory mode and, for a "
+        f"checkout that has it, the lease mode) + {calls} SELECT 1 after a warm-up, "
         f"interleaved per iteration, on a pool of 2 connections; then {counted} of each "
         "counted through the wire-protocol proxy of bench/decision_child.py (a round trip = "
         "the client sends while nothing it asked for is outstanding, until the ReadyForQuery "
@@ -316,8 +371,16 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
         "|---|---|---:|---|",
     ]
     steadies: dict[tuple[str, str], list[list[str]]] = {}
+    kinds = (
+        ("new", "new key"),
+        ("noop", "no-op decision"),
+        ("lease_new", "lease: new key"),
+        ("lease_noop", "lease: no-op decision"),
+    )
     for v in found:
-        for kind, label in (("new", "new key"), ("noop", "no-op decision")):
+        for kind, label in kinds:
+            if kind not in out[v.name][0]["statements"]:
+                continue
             seqs: list[dict[str, Any]] = []
             for r in out[v.name]:
                 seqs.extend(r["statements"].get(kind, []))
@@ -338,7 +401,7 @@ def run(size: Size, server: PostgresServer) -> BenchResult:
             )
     others = []
     for v in found:
-        for kind in ("new", "noop"):
+        for kind, _ in kinds:
             seen: Counter[str] = Counter()
             for r in out[v.name]:
                 for s in r["statements"].get(kind, []):

@@ -15,6 +15,7 @@ count once; every wait of the client for the server counts once.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -232,15 +233,20 @@ SPAN_S = 1.5
 
 
 def _loop(threads: int, seconds: float, step: Callable[[int, int], None]) -> float:
-    """Calls of ``step(thread, i)`` per second, ``threads`` threads for ``seconds``."""
+    """Calls of ``step(thread, i)`` per second, ``threads`` threads for ``seconds``. A step
+    that raises fails the loop (a thread that died would count 0 calls, silently)."""
     done = [0] * threads
+    failed: list[BaseException] = []
     stop = time.monotonic() + seconds
 
     def worker(t: int) -> None:
         i = 0
-        while time.monotonic() < stop:
-            step(t, i)
-            i += 1
+        try:
+            while time.monotonic() < stop:
+                step(t, i)
+                i += 1
+        except BaseException as exc:
+            failed.append(exc)
         done[t] = i
 
     started = time.monotonic()
@@ -249,6 +255,10 @@ def _loop(threads: int, seconds: float, step: Callable[[int, int], None]) -> flo
         thread.start()
     for thread in pool:
         thread.join()
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {threads} threads failed: {failed[0]!r}") from failed[
+            0
+        ]
     return sum(done) / (time.monotonic() - started)
 
 
@@ -267,7 +277,9 @@ def _throughput(dsn: str, call: Callable[..., float], round_no: int) -> dict[str
                 c.execute("SELECT 1").fetchone()
 
         def decision(t: int, i: int) -> None:
-            call(pool.connection, keys[(t + i) % THREADS], _noop_outcome())
+            # each thread its own completed key: two decisions of one key at once would
+            # refuse one of them (lock_held), not measure a no-op
+            call(pool.connection, keys[t], _noop_outcome())
 
         select = _loop(THREADS, SPAN_S, select_1)
         noops = _loop(THREADS, SPAN_S, decision)
@@ -293,14 +305,22 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
     def noop(_run: object) -> None:
         return None
 
-    cpu: dict[str, list[float]] = {"new": [], "noop": []}
+    # the lease mode (issue 32), when this checkout has it: its calls are kinds of their own
+    lease = "lock_mode" in inspect.signature(run_idempotently).parameters
+    modes = ("", "lease_") if lease else ("",)
+    cpu: dict[str, list[float]] = {f"{m}{k}": [] for m in modes for k in ("new", "noop")}
 
-    def call(connect: Callable[[], Any], key: str, expect: RunOutcome) -> float:
+    def call(connect: Callable[[], Any], key: str, expect: RunOutcome, mode: str = "") -> float:
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
-        res = run_idempotently(connect=connect, job_name=JOB, run_key=key, work=noop)
+        if mode:  # lock_mode only when asked: an older checkout has no such argument
+            res = run_idempotently(
+                connect=connect, job_name=JOB, run_key=key, work=noop, lock_mode="lease"
+            )
+        else:
+            res = run_idempotently(connect=connect, job_name=JOB, run_key=key, work=noop)
         wall = (time.perf_counter_ns() - t0) / 1e6
-        cpu["new" if expect is RunOutcome.COMPLETED else "noop"].append(
+        cpu[mode + ("new" if expect is RunOutcome.COMPLETED else "noop")].append(
             (time.thread_time_ns() - c0) / 1e6
         )
         if res.outcome is not expect:
@@ -310,13 +330,15 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
     with psycopg.connect(dsn, autocommit=True) as conn:
         ensure_schema(conn)
         conn.execute("CREATE TABLE IF NOT EXISTS public.bench_commit_probe (id bigserial)")
-    samples: dict[str, list[float]] = {"new": [], "noop": [], "rtt": [], "commit": []}
+    samples: dict[str, list[float]] = {k: [] for k in (*cpu, "rtt", "commit")}
     warmup = min(30, max(3, calls // 4))
     with ConnectionPool(dsn, min_size=2, max_size=2, open=True, name="latency") as pool:
         for i in range(-warmup, calls):
-            key = f"r{round_no}-lat-{i}"
-            new = call(pool.connection, key, RunOutcome.COMPLETED)
-            noop_ms = call(pool.connection, key, RunOutcome.NOOP)
+            walls = {}
+            for mode in modes:
+                key = f"r{round_no}-{mode}lat-{i}"
+                walls[f"{mode}new"] = call(pool.connection, key, RunOutcome.COMPLETED, mode)
+                walls[f"{mode}noop"] = call(pool.connection, key, RunOutcome.NOOP, mode)
             with pool.connection() as c:
                 c.autocommit = True
                 t0 = time.perf_counter_ns()
@@ -326,13 +348,13 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
                 c.execute("INSERT INTO public.bench_commit_probe DEFAULT VALUES")
                 commit = (time.perf_counter_ns() - t0) / 1e6
             if i >= 0:
-                samples["new"].append(new)
-                samples["noop"].append(noop_ms)
+                for kind, wall in walls.items():
+                    samples[kind].append(wall)
                 samples["rtt"].append(rtt)
                 samples["commit"].append(commit)
             else:
-                cpu["new"].clear()
-                cpu["noop"].clear()
+                for values in cpu.values():
+                    values.clear()
     cpu_samples = {kind: list(values) for kind, values in cpu.items()}
     throughput = _throughput(dsn, call, round_no)
 
@@ -342,17 +364,22 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
         dsn, host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable"
     )
     label = labeller()
-    trips: dict[str, list[int]] = {"new": [], "noop": [], "select_1": [], "pipeline_3": []}
+    trips: dict[str, list[int]] = {k: [] for k in (*cpu, "select_1", "pipeline_3")}
     shown: dict[str, list[list[list[str]]]] = {}
     server_ms: dict[str, dict[str, list[float]]] = {}
     try:
         with ConnectionPool(proxied, min_size=2, max_size=2, open=True, name="counted") as pool:
             pool.wait()
             for i in range(-2, counted):  # two uncounted calls first: schema check, caches
-                key = f"r{round_no}-rt-{i}"
-                for kind, expect in (("new", RunOutcome.COMPLETED), ("noop", RunOutcome.NOOP)):
+                calls_of = [
+                    (f"{mode}{kind}", expect, mode)
+                    for mode in modes
+                    for kind, expect in (("new", RunOutcome.COMPLETED), ("noop", RunOutcome.NOOP))
+                ]
+                for kind, expect, mode in calls_of:
+                    key = f"r{round_no}-{mode}rt-{i}"
                     proxy.start()
-                    call(pool.connection, key, expect)
+                    call(pool.connection, key, expect, mode)
                     flights = proxy.stop()
                     if i >= 0:
                         for flight, ms in zip(flights, proxy.server_ms(), strict=False):

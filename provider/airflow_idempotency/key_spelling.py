@@ -256,7 +256,26 @@ def _key_text(text: object, what: str) -> str:
 
 def check_key_text(key: object, what: str = "run key") -> str:
     """A run key of any origin (a callable's, a script's): :func:`check_text`, then each
-    segment: no marker, no period in foreign digits, and at most one period segment."""
+    segment: no marker, no period in foreign digits, and at most one period segment.
+
+    A key accepted once is accepted again at once (a pure check: the same text, the same
+    verdict; a refusal is not remembered and says the same again): a rerun's decision pays
+    for the check once per process and key (issue 32, goal 4)."""
+    if type(key) is str and key in _ACCEPTED_KEYS:
+        return key
+    text = _checked_key_text(key, what)
+    if len(_ACCEPTED_KEYS) >= _ACCEPTED_KEYS_MAX:
+        _ACCEPTED_KEYS.clear()
+    _ACCEPTED_KEYS.add(text)
+    return text
+
+
+_ACCEPTED_KEYS: set[str] = set()
+_ACCEPTED_KEYS_MAX = 4096  # keys kept; then forgotten all at once (rechecked when met again)
+
+
+def _checked_key_text(key: object, what: str) -> str:
+    """:func:`check_key_text`'s checks."""
     text = _key_text(key, what)
     segments = text.split(SEGMENT_DELIMITER)
     periods = [s for s in segments if reads_as_time(s)]

@@ -257,16 +257,30 @@ def autocommit_connection(
     """
     with connect() as conn:
         saved = (conn.autocommit, conn.prepare_threshold, conn.isolation_level)
-        conn.autocommit = True
-        conn.prepare_threshold = None
-        if not work:
-            conn.isolation_level = IsolationLevel.READ_COMMITTED
+        wanted = (True, None, saved[2] if work else IsolationLevel.READ_COMMITTED)
+        _set_session(conn, saved, wanted)
         try:
             yield conn
         finally:
             idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             if not conn.closed and idle:
-                conn.autocommit, conn.prepare_threshold, conn.isolation_level = saved
+                _set_session(
+                    conn, (conn.autocommit, conn.prepare_threshold, conn.isolation_level), saved
+                )
+
+
+def _set_session(conn: psycopg.Connection, now: tuple[Any, ...], wanted: tuple[Any, ...]) -> None:
+    """Give ``conn`` the ``wanted`` (autocommit, prepare_threshold, isolation_level), setting
+    only those that differ from ``now``: each of psycopg's setters takes the connection's lock
+    and runs its wait loop (a pooled connection usually has them already: issue 32, goal 4).
+    A connection that is not idle gets all three, so that psycopg refuses it as before."""
+    every = conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE
+    if every or now[0] != wanted[0]:
+        conn.autocommit = wanted[0]
+    if every or now[1] != wanted[1]:
+        conn.prepare_threshold = wanted[1]
+    if every or now[2] != wanted[2]:
+        conn.isolation_level = wanted[2]
 
 
 class SlowStepWatch:

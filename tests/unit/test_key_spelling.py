@@ -393,3 +393,21 @@ def test_every_spelling_of_one_day_resolves_to_one_key(day: dt.date, hour: int, 
         )
     assert len(set(spellings)) == 1
     assert spellings[0] == f"{unicodedata.normalize('NFC', label)}{day.isoformat()}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=40))
+def test_a_key_checked_again_gets_the_same_verdict(key: str) -> None:
+    """check_key_text remembers the keys it accepted (issue 32, goal 4): a second check of any
+    text gives the first one's verdict, a refusal with the same words."""
+
+    def verdict() -> tuple[str, str]:
+        try:
+            return ("accepted", check_key_text(key, "run key"))
+        except InvalidInputError as exc:
+            return (type(exc).__name__, str(exc))
+
+    first = verdict()
+    assert verdict() == first
+    if first[0] == "accepted":
+        assert first[1] == key
