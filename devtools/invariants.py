@@ -408,12 +408,19 @@ def prepare(target: Target) -> None:
             conn.commit()
 
 
+_NO_SCHEMA_YET = (
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedFunction,
+)
+
+
 def run_lock_sessions(target: Target) -> list[dict[str, Any]]:
     """Sessions holding a run lock now, with the running attempt under each (if recorded);
     none before the provider created its schema."""
     try:
         return dict_rows(target, "run_lock_sessions")
-    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction):
+    except _NO_SCHEMA_YET:
         return []
 
 
@@ -422,5 +429,5 @@ def live_leases(target: Target) -> list[dict[str, Any]]:
     none before the provider created its schema."""
     try:
         return dict_rows(target, "live_leases")
-    except psycopg.errors.UndefinedTable:
+    except _NO_SCHEMA_YET:
         return []

@@ -466,3 +466,10 @@ def test_end_state_invariants_hold_on_a_converged_date_and_catch_each_breakage(
     assert breaks(
         "UPDATE idempotency.job_runs SET status = 'failed' WHERE job_name = 'daily_reconciliation'"
     ) == {"converged: every job of every touched date completed"}
+
+
+def test_no_lock_or_lease_is_listed_before_the_provider_made_its_schema(pg_dsn: str) -> None:
+    """Chaos looks for a lock session or a lease to end from its first step on, before any
+    run created the bookkeeping schema: none is listed then (not an error)."""
+    assert invariants.run_lock_sessions(pg_dsn) == []
+    assert invariants.live_leases(pg_dsn) == []
