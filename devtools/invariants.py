@@ -12,7 +12,8 @@ Invariants come in three kinds (:attr:`Invariant.when`):
   ``work_witness`` (every committed work transaction of the example, with the database
   clock at its BEGIN and at its COMMIT) and ``accounting.requests`` (every request that
   reached the remote), plus ``witness_lock_losses`` (chaos's record of each lock session it
-  ended, and when the session was gone);
+  ended, and when the session was gone) and ``witness_lease_losses`` (the lease mode's: each
+  lease chaos took over, and when);
 - ``quiescent``: the end state, once nothing runs;
 - ``converged``: after every touched date was rerun until its jobs completed.
 """
@@ -371,7 +372,7 @@ def history(target: Target, violated: Sequence[dict[str, Any]], most: int = 3) -
             for title, query in (
                 ("attempts (job_run_attempts)", "history_attempts"),
                 ("work transactions (work_witness)", "history_witness"),
-                ("lock sessions ended by chaos", "history_lock_losses"),
+                ("locks lost to chaos (sessions ended, leases taken over)", "history_lock_losses"),
                 ("requests at the remote (accounting.requests)", "history_requests"),
             ):
                 try:
@@ -397,8 +398,8 @@ def _row(row: dict[str, Any]) -> str:
 
 
 def prepare(target: Target) -> None:
-    """Create the table of lock losses unless it exists (chaos writes it; the invariants
-    read it)."""
+    """Create the tables of lock and lease losses unless they exist (chaos writes them; the
+    invariants read them)."""
     with _connected(target) as conn:
         if rows(conn, "lock_losses_table_exists")[0][0]:
             return
@@ -407,10 +408,26 @@ def prepare(target: Target) -> None:
             conn.commit()
 
 
+_NO_SCHEMA_YET = (
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedFunction,
+)
+
+
 def run_lock_sessions(target: Target) -> list[dict[str, Any]]:
     """Sessions holding a run lock now, with the running attempt under each (if recorded);
     none before the provider created its schema."""
     try:
         return dict_rows(target, "run_lock_sessions")
-    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction):
+    except _NO_SCHEMA_YET:
+        return []
+
+
+def live_leases(target: Target) -> list[dict[str, Any]]:
+    """Live leases now (the lease mode), each with the running attempt that started under it;
+    none before the provider created its schema."""
+    try:
+        return dict_rows(target, "live_leases")
+    except _NO_SCHEMA_YET:
         return []

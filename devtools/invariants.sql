@@ -24,9 +24,20 @@ CREATE TABLE IF NOT EXISTS witness_lock_losses (
     gone_at        timestamptz NOT NULL,  -- the backend was no longer in pg_stat_activity
     PRIMARY KEY (backend_pid, backend_start, lock_key)
 );
+-- The lease mode's counterpart (no session holds a lease): each lease chaos took over, as a
+-- successor does (a new token, after the holder's open fenced transactions ended), the
+-- attempt that held it, and the database clock once the take-over had committed.
+CREATE TABLE IF NOT EXISTS witness_lease_losses (
+    lock_key       bigint      NOT NULL,
+    token          bigint      NOT NULL,  -- the token taken over: the attempt's lease
+    attempt_id     bigint      NOT NULL,
+    taken_over_at  timestamptz NOT NULL,  -- after the take-over's COMMIT
+    PRIMARY KEY (lock_key, token)
+);
 
 -- name: lock_losses_table_exists
-SELECT to_regclass('public.witness_lock_losses') IS NOT NULL;
+SELECT to_regclass('public.witness_lock_losses') IS NOT NULL
+       AND to_regclass('public.witness_lease_losses') IS NOT NULL;
 
 -- name: run_lock_sessions
 -- Sessions holding a run lock right now, with the attempt (if any) that runs under it.
@@ -39,6 +50,39 @@ LEFT JOIN LATERAL (
     ORDER BY attempt_id DESC LIMIT 1
 ) AS a ON true
 ORDER BY h.pid;
+
+-- name: live_leases
+-- The lease mode's counterpart: live leases now, each with the running attempt that started
+-- under it (started after the lease was taken; none before its start is recorded).
+SELECT l.lock_key, l.token, a.job_name, a.attempt_id
+FROM idempotency.run_leases AS l
+JOIN LATERAL (
+    SELECT job_name, attempt_id FROM idempotency.job_run_attempts
+    WHERE lock_key = l.lock_key AND lock_backend_pid IS NULL AND outcome = 'running'
+      AND started_at >= l.acquired_at
+    ORDER BY attempt_id DESC LIMIT 1
+) AS a ON true
+WHERE l.expires_at > clock_timestamp()
+ORDER BY l.lock_key;
+
+-- name: take_over_fence
+-- Chaos takes a lease over as a successor's start does, in one transaction: first the key's
+-- fence key exclusively (every fenced transaction of the holder has ended; at most
+-- %(wait_ms)s ms; their commit-time checks forgotten) ...
+SELECT idempotency.fence_take_over(%(lock_key)s, %(wait_ms)s);
+
+-- name: take_over_lease
+-- ... then a new token, the lease left expired (free to take). No row: the lease was gone.
+UPDATE idempotency.run_leases
+SET token = nextval('idempotency.run_lease_tokens'), acquired_at = clock_timestamp(),
+    renewed_at = clock_timestamp(), expires_at = clock_timestamp()
+WHERE lock_key = %(lock_key)s AND token = %(token)s
+RETURNING token;
+
+-- name: record_lease_loss
+INSERT INTO witness_lease_losses (lock_key, token, attempt_id, taken_over_at)
+VALUES (%(lock_key)s, %(token)s, %(attempt_id)s, clock_timestamp())
+ON CONFLICT DO NOTHING;
 
 -- name: backend_gone
 -- Whether the session is gone, and the database clock when that was seen.
@@ -178,16 +222,22 @@ ORDER BY a.job_name, a.run_key, a.attempt_id;
 -- name: commit_after_lock_lost
 -- Work committed by an attempt after its lock session was gone (chaos ended it and saw it
 -- gone at gone_at). The attempt is the one whose recorded lock backend is that session:
--- the same pid and lock key, started after the session did.
+-- the same pid and lock key, started after the session did. In the lease mode: after chaos
+-- took its lease over (witness_lease_losses, the attempt recorded then).
 SELECT w.job_name, w.run_key, w.attempt_id, w.committed_at, l.backend_pid AS lost_lock_pid,
-       l.gone_at
+       NULL::bigint AS lost_lease_token, l.gone_at
 FROM witness_lock_losses AS l
 JOIN idempotency.job_run_attempts AS a
   ON a.lock_backend_pid = l.backend_pid AND a.lock_key = l.lock_key
  AND a.started_at >= l.backend_start
 JOIN work_witness AS w ON w.attempt_id = a.attempt_id
 WHERE w.run_key = ANY(%(keys)s) AND w.committed_at > l.gone_at
-ORDER BY w.job_name, w.run_key, w.attempt_id;
+UNION ALL
+SELECT w.job_name, w.run_key, w.attempt_id, w.committed_at, NULL, l.token, l.taken_over_at
+FROM witness_lease_losses AS l
+JOIN work_witness AS w ON w.attempt_id = l.attempt_id
+WHERE w.run_key = ANY(%(keys)s) AND w.committed_at > l.taken_over_at
+ORDER BY 1, 2, 3;
 
 -- name: commit_after_successor_started
 -- Work committed by an attempt after a later attempt of the same key had started: that
@@ -333,10 +383,17 @@ ORDER BY l.pid;
 -- What must hold after every touched date was rerun until completed.
 
 -- name: running_attempt_without_holder
+-- A running attempt's holder: its lock session (the advisory mode), or a live lease of its
+-- key taken before it started (the lease mode: no lock session, lock_backend_pid NULL).
 SELECT a.job_name, a.run_key, a.attempt_id, a.lock_backend_pid
 FROM idempotency.job_run_attempts AS a
 WHERE a.run_key = ANY(%(keys)s) AND a.outcome = 'running'
   AND NOT EXISTS (SELECT FROM pg_stat_activity AS s WHERE s.pid = a.lock_backend_pid)
+  AND NOT EXISTS (
+      SELECT FROM idempotency.run_leases AS l
+      WHERE a.lock_backend_pid IS NULL AND l.lock_key = a.lock_key
+        AND l.acquired_at <= a.started_at AND l.expires_at > clock_timestamp()
+  )
 ORDER BY 1, 2, 3;
 
 -- name: job_not_completed
@@ -399,7 +456,12 @@ JOIN idempotency.job_run_attempts AS a
   ON a.lock_backend_pid = l.backend_pid AND a.lock_key = l.lock_key
  AND a.started_at >= l.backend_start
 WHERE a.run_key = %(run_key)s AND (%(job_name)s::text IS NULL OR a.job_name = %(job_name)s)
-ORDER BY l.terminated_at;
+UNION ALL
+SELECT NULL, l.lock_key, NULL, NULL, l.taken_over_at, a.attempt_id, a.job_name
+FROM witness_lease_losses AS l
+JOIN idempotency.job_run_attempts AS a ON a.attempt_id = l.attempt_id
+WHERE a.run_key = %(run_key)s AND (%(job_name)s::text IS NULL OR a.job_name = %(job_name)s)
+ORDER BY 5;
 
 -- name: history_requests
 -- The remote's requests of the date's keys (idempotency keys finalize_invoices:<date>:...).

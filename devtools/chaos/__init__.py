@@ -12,11 +12,13 @@ Airflow 3 stack (scheduler, dag-processor, api-server) with the example DAGs of 
 Builds and phases (:mod:`~devtools.chaos.builds`, :mod:`~devtools.chaos.phases`): ``--builds``
 names the provider builds to run, one phase each, in turn on ONE stack: ``correct`` (this
 checkout's provider) and the deliberately broken copies ``lock-off``, ``completed-check-off``,
-``fence-off``, ``skip-confirmed``. Each phase gets a fresh job database (same name, so the
+``fence-off``, ``skip-confirmed``; ``NAME:MODE`` (or ``--lock-mode``) runs a phase in a lock
+mode, ``advisory`` or ``lease``. Each phase gets a fresh job database (same name, so the
 same DSN), its own business dates, a fresh accounting service on the same port, and a
-scheduler restarted with the phase's PYTHONPATH and sleep points (its task processes import
-the phase's provider). A correct build must keep every invariant; a broken one must be
-caught, and its phase ends as soon as it is.
+scheduler restarted with the phase's PYTHONPATH, sleep points and lock mode (its task
+processes import the phase's provider and read the mode from the job database's connection).
+A correct build must keep every invariant; a broken one must be caught, and its phase ends as
+soon as it is; both in their lock mode, checked as used.
 
 Each step (:mod:`~devtools.chaos.run`) draws from the seed one action
 (:mod:`~devtools.chaos.actions`) and independently, with probability ``--fault-rate``, one

@@ -146,6 +146,14 @@ FENCE_OFF = Build(
             "%(lock_backend_pid)s,\n                                %(lock_holder)s),\n",
             "SELECT -- broken build: fence-off\n",
         ),
+        # The lease mode asks the same SQL (run_lock_held_by's 'lease:<token>' branch), and
+        # its worker also refuses a fenced transaction before its BEGIN once the heartbeat
+        # found the lease lost: that goes too.
+        Patch(
+            "locks.py",
+            "return self.lost is not None and self.lost.is_set()",
+            "return False  # broken build: fence-off",
+        ),
     ),
     caught_by=("no commit after the lock was lost",),
     # Every run pauses 6 s after its start, holding its lock with its work still to do;
@@ -187,6 +195,22 @@ SKIP_CONFIRMED = Build(
 BUILDS = {b.name: b for b in (LOCK_OFF, COMPLETED_CHECK_OFF, FENCE_OFF, SKIP_CONFIRMED)}
 BUILDS[CORRECT] = Build(CORRECT, "the provider of this checkout")
 BROKEN = tuple(name for name, build in BUILDS.items() if build.broken)
+LOCK_MODES = ("advisory", "lease")
+"""The lock modes a phase runs in (the job database's Airflow connection's extra
+``lock_mode``; docs/locks.md)."""
+
+
+def split_phase(text: str, default_mode: str) -> tuple[Build, str]:
+    """A phase of ``--builds``, ``NAME`` or ``NAME:MODE`` (``correct:lease``): its build and
+    its lock mode (``default_mode`` when none is named). Raises ValueError naming the choices."""
+    name, _, mode = text.strip().partition(":")
+    mode = mode or default_mode
+    if name not in BUILDS or mode not in LOCK_MODES:
+        raise ValueError(
+            f"{text.strip()!r}: give NAME or NAME:MODE, NAME one of {', '.join(BUILDS)}, "
+            f"MODE one of {', '.join(LOCK_MODES)}"
+        )
+    return BUILDS[name], mode
 
 
 def patched_copy(build: Build, folder: Path) -> Path:

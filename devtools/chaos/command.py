@@ -1,5 +1,8 @@
 """The command line of chaos: ``python3 dev.py chaos [--seed N] [--steps N] [--builds ...]``.
 
+``--builds correct,fence-off:lease`` names each phase's build and, after a colon, its lock
+mode (``--lock-mode`` where none is named: ``advisory`` by default).
+
 Parses and checks the options (every phase's business dates must have ended, before anything
 starts), runs :class:`~devtools.chaos.run.Chaos`, prints and writes the summary (JSON, and the
 chaos section of FAULTS.md with ``--faults-md``). ``--seed N`` replays the same sequence of
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from devtools.airflow_env import ROOT
-from devtools.chaos.builds import BROKEN, BUILDS, CORRECT
+from devtools.chaos.builds import BROKEN, BUILDS, CORRECT, LOCK_MODES, split_phase
 from devtools.chaos.faults import PROOFS
 from devtools.chaos.phases import phase_dates, say
 from devtools.chaos.report import render_markdown, write_faults_md
@@ -43,6 +46,19 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
             f"{what}: {', '.join(unknown) or 'none given'}; choose from {', '.join(known)}"
         )
     return names
+
+
+def _phases(text: str) -> list[str]:
+    """``--builds``: comma-separated ``NAME`` or ``NAME:MODE``, each checked."""
+    phases = [p.strip() for p in text.split(",") if p.strip()]
+    if not phases:
+        raise argparse.ArgumentTypeError("--builds: none given")
+    for phase in phases:
+        try:
+            split_phase(phase, LOCK_MODES[0])
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"--builds: {exc}") from exc
+    return phases
 
 
 def parser() -> argparse.ArgumentParser:
@@ -75,10 +91,18 @@ def parser() -> argparse.ArgumentParser:
     builds = tuple(BUILDS)
     parser.add_argument(
         "--builds",
-        type=lambda text: _names(text, builds, "--builds"),
+        type=_phases,
         default=[CORRECT],
         help="the builds to run, one phase each on one stack, comma-separated: "
-        + ", ".join(builds),
+        + ", ".join(builds)
+        + "; NAME:MODE runs that phase in lock mode MODE (correct:lease)",
+    )
+    parser.add_argument(
+        "--lock-mode",
+        choices=LOCK_MODES,
+        default=LOCK_MODES[0],
+        help="the lock mode of every phase whose --builds entry names none (the job "
+        "database's Airflow connection's extra lock_mode; docs/locks.md)",
     )
     parser.add_argument(
         "--broken",
@@ -157,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the set-up failed: reported, the summary says so
         error = f"{type(exc).__name__}: {exc}"
         say(f"chaos could not run: {error}")
-    phases = [p.summary or {"build": p.build.name, "ok": False} for p in chaos.phases]
+    phases = [
+        p.summary or {"build": p.build.name, "lock_mode": p.lock_mode, "ok": False}
+        for p in chaos.phases
+    ]
     summary = {
         "seed": args.seed,
         "startup_seconds": round(chaos.startup_seconds, 1),
@@ -169,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     for phase in phases:
         verdict = "as expected" if phase.get("ok") else "NOT AS EXPECTED"
         say(
-            f"build {phase.get('build')}: {verdict} ({phase.get('steps')} steps, "
+            f"build {phase.get('build')} ({phase.get('lock_mode')} mode): {verdict} "
+            f"({phase.get('steps')} steps, "
             f"{phase.get('seconds')} s, violations: {phase.get('violations') or 'none'})"
         )
     if args.summary:

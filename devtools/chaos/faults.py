@@ -7,10 +7,13 @@ random delay in a thread of its own:
 reaches it SIGKILLs itself), ``terminate_lock`` (pg_terminate_backend of a session holding a
 run lock, found while a stall armed in the same folder holds one run at a point for 3 s, often
 in its open work transaction; the database clock once that backend is gone is recorded in
-``witness_lock_losses``), ``remote_5xx``, ``remote_reset``, ``remote_timeout`` (commit then no
-answer), ``remote_latency`` (the accounting service's fault injection, for some seconds),
-``service_kill`` (the accounting service SIGKILLed, restarted on the same port after a few
-seconds), ``pg_restart`` (the job database stopped fast or immediate, started again).
+``witness_lock_losses``; in a phase of the lease mode, where no session holds a key, its
+counterpart ``take_over_lease``: the lease of a running attempt taken over as a successor
+does, recorded in ``witness_lease_losses``), ``remote_5xx``, ``remote_reset``,
+``remote_timeout`` (commit then no answer), ``remote_latency`` (the accounting service's fault
+injection, for some seconds), ``service_kill`` (the accounting service SIGKILLed, restarted on
+the same port after a few seconds), ``pg_restart`` (the job database stopped fast or
+immediate, started again; a lease outlives it, the sessions do not).
 
 :meth:`Faults.fired` counts the faults that really happened (``--require-fired``).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +70,15 @@ WITNESSED_JOBS = (f"{FINALIZE}.create_invoices", f"{FINALIZE}.rebuild_totals", R
 STALL_SECONDS = 3
 STALL_IN_WORK = ("invoices.before_commit", "totals.after_delete")
 STALL_ANY = "runner.after_started"
-# What --require-fired can ask for, and the fault that fires it.
+# What --require-fired can ask for, and the fault that fires it (terminate_lock: a run's lock
+# lost to chaos, by take_over_lease in the lease mode).
 PROOFS = {"crash": "crash", "terminate_lock": "terminate_lock", "restart": "pg_restart"}
+# A fault's counterpart in the lease mode: no session holds a lease, so none is terminated;
+# the lease is lost the way a lease is, to a take-over.
+LEASE_COUNTERPARTS = {"terminate_lock": "take_over_lease"}
+# How long a take-over waits for the holder's open fenced transactions (as a successor's start
+# does, AIRFLOW_IDEMPOTENCY_LOCK_WAIT at most).
+TAKE_OVER_WAIT_MS = 30_000
 
 
 def arm_stall(fault_dir: Path, step: int, point: str) -> Path:
@@ -80,8 +91,10 @@ def arm_stall(fault_dir: Path, step: int, point: str) -> Path:
     return stall
 
 
-def terminate_lock(dsn: str, event: Event, p: dict[str, Any], stall: Path | None = None) -> str:
-    """End a run lock's session; record when the database no longer had it.
+def pick_victim(
+    held: Callable[[], list[dict[str, Any]]], p: dict[str, Any], stall: Path | None
+) -> dict[str, Any] | None:
+    """One of the run locks ``held()`` lists (rows with a ``job_name``), or None.
 
     Run locks live only while a task runs, often for less than the time between two looks:
     the caller arms a ``stall`` (:func:`arm_stall`; inside the run's open work transaction
@@ -92,19 +105,46 @@ def terminate_lock(dsn: str, event: Event, p: dict[str, Any], stall: Path | None
     deadline = time.monotonic() + 15
     try:
         while True:
-            sessions = retrying(lambda: invariants.run_lock_sessions(dsn))
-            working = [s for s in sessions if s["job_name"] in WITNESSED_JOBS]
-            candidates = working if p["work"] else sessions
+            locks = retrying(held)
+            working = [s for s in locks if s["job_name"] in WITNESSED_JOBS]
+            candidates = working if p["work"] else locks
             if candidates or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
     finally:
         if stall is not None:
             stall.unlink(missing_ok=True)  # not claimed by then: disarmed
-    candidates = candidates or sessions
-    if not candidates:
+    candidates = candidates or locks
+    return candidates[int(p["pick"] * len(candidates))] if candidates else None
+
+
+def take_over_lease(dsn: str, event: Event, p: dict[str, Any], stall: Path | None = None) -> str:
+    """The lease mode's :func:`terminate_lock`: take a running attempt's lease over as a
+    successor's start does (the key's fence key exclusively, so after the holder's open
+    fenced transactions; a new token; the lease left expired, free to take), and record the
+    attempt and the database clock once the take-over committed (``witness_lease_losses``).
+    The victim is picked as :func:`pick_victim` says."""
+    victim = pick_victim(lambda: invariants.live_leases(dsn), p, stall)
+    if victim is None:
+        return "no lease held"
+    event.what = f"lease {victim['token']} of attempt {victim['attempt_id']} ({victim['job_name']})"
+    params = {**victim, "wait_ms": TAKE_OVER_WAIT_MS}
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+        with conn.transaction():
+            conn.execute(invariants.queries()["take_over_fence"], params)
+            taken = conn.execute(invariants.queries()["take_over_lease"], params).fetchone()
+        if taken is None:
+            return "lease gone: released or taken over meanwhile"
+        conn.execute(invariants.queries()["record_lease_loss"], params)
+    return "taken over"
+
+
+def terminate_lock(dsn: str, event: Event, p: dict[str, Any], stall: Path | None = None) -> str:
+    """End a run lock's session; record when the database no longer had it. The victim is
+    picked as :func:`pick_victim` says."""
+    victim = pick_victim(lambda: invariants.run_lock_sessions(dsn), p, stall)
+    if victim is None:
         return "no lock held"
-    victim = candidates[int(p["pick"] * len(candidates))]
     event.what = f"backend {victim['pid']} ({victim['job_name'] or 'no attempt yet'})"
     with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
         terminated_at = conn.execute(
@@ -147,6 +187,11 @@ class Faults:
         kind = phase.rng.choices(list(weights), weights=list(weights.values()))[0]
         return kind, self.params(phase, kind)
 
+    @staticmethod
+    def for_mode(phase: Phase, kind: str) -> str:
+        """The fault ``kind`` means in ``phase``'s lock mode (:data:`LEASE_COUNTERPARTS`)."""
+        return LEASE_COUNTERPARTS.get(kind, kind) if phase.lock_mode == "lease" else kind
+
     def params(self, phase: Phase, kind: str) -> dict[str, Any]:
         rng = phase.rng
         params: dict[str, Any] = {"delay": rng.uniform(0, 4)}
@@ -177,6 +222,7 @@ class Faults:
         if planned is None:
             return None
         kind, params = planned
+        kind = self.for_mode(phase, kind)
         phase.faults[kind] += 1
         event = phase.log(Event(step, kind, "", time.monotonic()))
 
@@ -202,11 +248,12 @@ class Faults:
             event.what = p["point"]
             (self.rig.fault_dir / p["point"]).touch()
             return "armed"
-        if kind == "terminate_lock":
+        if kind in ("terminate_lock", "take_over_lease"):
             stall = None  # a caller that holds its own run's lock open passes no stall_at
             if p.get("stall_at"):
                 stall = arm_stall(self.rig.fault_dir, event.step, p["stall_at"])
-            return terminate_lock(self.rig.dsn, event, p, stall)
+            lose = terminate_lock if kind == "terminate_lock" else take_over_lease
+            return lose(self.rig.dsn, event, p, stall)
         if kind in REMOTE_FAULTS:
             settings = REMOTE_FAULTS[kind]
             event.what = f"{settings} for {p['seconds']:.0f} s"
@@ -256,11 +303,12 @@ class Faults:
         )
 
     def fired(self, phase: Phase) -> dict[str, int]:
-        """Faults that really happened: crash points claimed by a worker, lock sessions
-        ended, restarts (the database or the service)."""
+        """Faults that really happened: crash points claimed by a worker, locks lost (lock
+        sessions ended, leases taken over), restarts (the database or the service)."""
         results = phase.fault_results
         return {
             "crash": len(self.crashes_claimed()),
-            "terminate_lock": results["terminate_lock: terminated"],
+            "terminate_lock": results["terminate_lock: terminated"]
+            + results["take_over_lease: taken over"],
             "restart": results["pg_restart: restarted"] + results["service_kill: restarted"],
         }

@@ -1,5 +1,6 @@
 """The phases of a chaos run: one per build, each with its business dates, seed and action log.
 
+A phase is a build in a lock mode (``--builds correct,fence-off:lease``, :func:`planned_builds`).
 Each phase takes business dates after every earlier phase's, so that their Airflow runs never
 collide (:func:`phase_dates`); a correct build's phase draws from ``--seed``, a broken build's
 from its own fixed seed (:func:`new_phase`). Actions and faults append an :class:`Event` to
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devtools import invariants
-from devtools.chaos.builds import BUILDS, Build
+from devtools.chaos.builds import Build, split_phase
 
 FIRST_DATE = dt.date(2026, 10, 1)
 
@@ -58,6 +59,7 @@ class Phase:
     build: Build
     index: int
     seed: int
+    lock_mode: str
     dates: list[dt.date]
     window_size: int
     rng: random.Random
@@ -78,6 +80,12 @@ class Phase:
     quiescent_points: int = 0
     backfills: list[int] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    mode_used: bool = False  # its runs held their keys in its lock mode (Rig.mode_used)
+
+    @property
+    def name(self) -> str:
+        """The build and its lock mode: ``correct:lease``."""
+        return f"{self.build.name}:{self.lock_mode}"
 
     @property
     def keys(self) -> list[str]:
@@ -85,7 +93,10 @@ class Phase:
 
     @property
     def ok(self) -> bool:
-        """A correct build kept every invariant; a broken one was caught by what must."""
+        """A correct build kept every invariant; a broken one was caught by what must; both
+        in their lock mode."""
+        if not self.mode_used:
+            return False
         if not self.build.broken:
             return not self.violations and bool(self.summary.get("converged"))
         names = {v.invariant.name for v in self.violations}
@@ -116,8 +127,8 @@ def phase_dates(args: argparse.Namespace) -> list[tuple[dt.date, dt.date]]:
     has not ended, before anything starts."""
     plan: list[tuple[dt.date, dt.date]] = []
     yesterday = dt.datetime.now(dt.timezone.utc).date() - dt.timedelta(days=1)
-    for name in args.builds:
-        build = BUILDS[name]
+    for build, mode in planned_builds(args):
+        name = f"{build.name}:{mode}"
         steps = args.broken_steps if build.broken else args.steps
         count = (build.dates or args.dates) + (
             steps // args.new_date_every if args.new_date_every else 0
@@ -134,9 +145,16 @@ def phase_dates(args: argparse.Namespace) -> list[tuple[dt.date, dt.date]]:
     return plan
 
 
-def new_phase(args: argparse.Namespace, build: Build, index: int) -> Phase:
-    """The phase of ``build``, the ``index``-th of the run: its business dates (after every
-    earlier phase's, so that their Airflow runs never collide), and its seed."""
+def planned_builds(args: argparse.Namespace) -> list[tuple[Build, str]]:
+    """The build and the lock mode of each phase: ``--builds`` (``NAME`` or ``NAME:MODE``),
+    ``--lock-mode`` where no mode is named."""
+    return [split_phase(text, args.lock_mode) for text in args.builds]
+
+
+def new_phase(args: argparse.Namespace, index: int) -> Phase:
+    """The ``index``-th phase of the run: its build and lock mode, its business dates (after
+    every earlier phase's, so that their Airflow runs never collide), and its seed."""
+    build, mode = planned_builds(args)[index]
     dates = build.dates or args.dates
     first, last = phase_dates(args)[index]
     count = (last - first).days + 1
@@ -151,6 +169,7 @@ def new_phase(args: argparse.Namespace, build: Build, index: int) -> Phase:
         build=build,
         index=index,
         seed=seed,
+        lock_mode=mode,
         dates=[first + dt.timedelta(days=i) for i in range(count)],
         window_size=min(dates, count),
         rng=random.Random(seed),

@@ -22,7 +22,8 @@ def render_phase(phase: dict[str, Any]) -> list[str]:
     dates = list(phase.get("dates") or [])
     violations = phase.get("violations") or []
     return [
-        f"- Build `{phase.get('build', CORRECT)}`: seed **{phase.get('seed')}**; "
+        f"- Build `{phase.get('build', CORRECT)}`, lock mode "
+        f"{phase.get('lock_mode', 'advisory')}: seed **{phase.get('seed')}**; "
         f"**{phase.get('steps')} steps** after start-up in {phase.get('seconds')} s; "
         f"{len(dates)} business dates touched"
         + (f" ({dates[0]} .. {dates[-1]})" if dates else "")
@@ -32,7 +33,8 @@ def render_phase(phase: dict[str, Any]) -> list[str]:
         f"- Fault outcomes: {_counts(phase.get('fault_results'))}",
         f"- Faults that fired: {_counts(phase.get('fired'))}; crash points claimed (a worker "
         f"SIGKILLed there): {_counts(Counter(phase.get('crashes_claimed') or []))}",
-        f"- Attempts by outcome: {_counts(phase.get('attempt_outcomes'))}",
+        f"- Attempts by outcome: {_counts(phase.get('attempt_outcomes'))}; the lock mode "
+        f"checked: {phase.get('lock_mode_used', '-')}",
         f"- Witnesses: {_counts(phase.get('witness'))}; requests at the remote by outcome: "
         f"{_counts(phase.get('remote'))}",
         f"- Quiescent points: {phase.get('quiescent_points')}; Airflow components restarted "
@@ -75,14 +77,15 @@ def render_markdown(summary: dict[str, Any], command: str) -> str:
             "Broken builds (devtools/chaos/builds.py), each a patched copy of the provider run "
             "on the same stack, each to be caught:",
             "",
-            "| build | what is broken | seed | caught at step | seconds to catch | phase "
-            "seconds | caught by |",
-            "|---|---|---:|---:|---:|---:|---|",
+            "| build | lock mode | what is broken | seed | caught at step | seconds to catch "
+            "| phase seconds | caught by |",
+            "|---|---|---|---:|---:|---:|---:|---|",
         ]
         for phase in broken:
             build = BUILDS.get(str(phase.get("build")))
             lines.append(
-                f"| `{phase.get('build')}` | {build.what if build else ''} | {phase.get('seed')} "
+                f"| `{phase.get('build')}` | {phase.get('lock_mode', 'advisory')} "
+                f"| {build.what if build else ''} | {phase.get('seed')} "
                 f"| {phase.get('caught_at_step') or 'NOT CAUGHT'} "
                 f"| {phase.get('caught_after_seconds') or '-'} | {phase.get('seconds')} "
                 f"| {'; '.join(phase.get('violations') or []) or '-'} |"

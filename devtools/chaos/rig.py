@@ -5,13 +5,16 @@ fault may restart it); Airflow's metadata on a temporary database of the shared 
 SQLite with ``--airflow-db sqlite``). The accounting service is restarted on the same port
 whenever it died. Between phases (:meth:`Rig.switch_to`) the job database is made afresh under
 the same name (so the same DSN), the service restarted, and the scheduler restarted with the
-next build's PYTHONPATH and sleep points.
+next build's PYTHONPATH and sleep points, and with the next phase's lock mode in the job
+database's Airflow connection (its extra ``lock_mode``, which the task processes read):
+:meth:`Rig.check_mode_used` checks at the end of a phase that its runs held their keys so.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -27,7 +30,7 @@ from urllib.parse import quote, urlsplit
 import psycopg
 
 from devtools import invariants
-from devtools.airflow_env import DAGS_FOLDER, ROOT, connection_env
+from devtools.airflow_env import DAGS_FOLDER, ROOT, airflow_connection_json, connection_env
 from devtools.chaos.builds import Build, patched_copy
 from devtools.chaos.phases import Event, Phase, say
 from devtools.invariants import FINALIZE
@@ -41,6 +44,10 @@ DATABASE = "chaos"
 RECONCILE_DAGS = ("daily_reconciliation", "daily_reconciliation_pasted_twice")
 CHAOS_DAGS = (FINALIZE, *RECONCILE_DAGS)
 TERMINAL = frozenset({"success", "failed"})
+LEASE_TTL = 15
+"""The lease mode's ``lease_ttl`` in chaos (seconds; the default is 30): a crashed worker's key
+is free again sooner, and a heartbeat starved on a busy machine lets its key be taken over
+more often (the fence must hold then too)."""
 
 _T = TypeVar("_T")
 
@@ -171,7 +178,7 @@ class Rig:
             self.prepare_database(first)
             self.remote.start()
             stack.callback(self.stop_stack)
-            self.start_stack(first.build, metadata_dsn)
+            self.start_stack(first, metadata_dsn)
             yield
 
     # ---------------------------------------------------------------- reads and calls
@@ -250,7 +257,14 @@ class Rig:
             seed_orders(conn, dates[0], dates[-1], self.args.orders, phase.seed % 1000)
         invariants.prepare(self.dsn)
 
-    def phase_env(self, build: Build) -> dict[str, str]:
+    def phase_env(self, phase: Phase) -> dict[str, str]:
+        """The stack's variables that change with the phase: the build's PYTHONPATH and sleep
+        points, and the job database's connection with the phase's lock mode in its extra."""
+        build = phase.build
+        connection = json.loads(airflow_connection_json(self.dsn))
+        connection["extra"] = {"lock_mode": phase.lock_mode}
+        if phase.lock_mode == "lease":
+            connection["extra"]["lease_ttl"] = LEASE_TTL
         folder = None
         if build.broken:
             folder = str(patched_copy(build, self.workdir / "builds" / build.name))
@@ -258,24 +272,27 @@ class Rig:
         pythonpath = [
             p for p in (folder, str(ROOT), str(DAGS_FOLDER), os.environ.get("PYTHONPATH")) if p
         ]
-        env = {"PYTHONPATH": os.pathsep.join(pythonpath)}
+        env = {
+            "PYTHONPATH": os.pathsep.join(pythonpath),
+            "AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": json.dumps(connection),
+        }
         if build.sleep_at:
             env["AIRFLOW_IDEMPOTENCY_SLEEP_AT"] = build.sleep_at
         return env
 
-    def start_stack(self, build: Build, metadata_dsn: str | None) -> None:
+    def start_stack(self, phase: Phase, metadata_dsn: str | None) -> None:
         from devtools.airflow_stack import AirflowStack
 
         env = {
             **connection_env(self.dsn, self.remote.url, batch_size=10, unreachable_after=10),
             "AIRFLOW_IDEMPOTENCY_FAULT_DIR": str(self.fault_dir),
             "AIRFLOW__CORE__PARALLELISM": str(self.args.parallelism),
-            **self.phase_env(build),
+            **self.phase_env(phase),
         }
         self._stack = AirflowStack(
             self.workdir / "airflow", DAGS_FOLDER, env, metadata_dsn=metadata_dsn
         )
-        self.check_build_is_used(build)
+        self.check_build_is_used(phase.build)
         self.stack.start(300)
         for dag_id in CHAOS_DAGS:
             self.stack.unpause(dag_id, timeout=300)
@@ -298,6 +315,31 @@ class Rig:
         if not found.startswith(str(wanted)):
             raise SystemExit(f"build {build.name}: the stack would import {found}, not {wanted}")
 
+    def check_mode_used(self, phase: Phase) -> str:
+        """Whether ``phase``'s runs held their keys in its lock mode (sets
+        ``phase.mode_used``), said in words. The runs that started (not a no-op, a refusal or
+        a reset) record the backend of their lock session in the advisory mode, none in the
+        lease mode, where the job database drew a lease token for each."""
+        started, by_session = self.db_rows(
+            "SELECT count(*), count(lock_backend_pid) FROM idempotency.job_run_attempts"
+            " WHERE outcome NOT IN ('noop', 'lock_held', 'reset')"
+        )[0]
+        tokens = self.db_rows(
+            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END"
+            " FROM idempotency.run_lease_tokens"
+        )[0][0]
+        found = (
+            f"{started} attempts started, {by_session} of them under a lock session; "
+            f"{tokens} lease tokens drawn"
+        )
+        if phase.lock_mode == "lease":
+            phase.mode_used = started > 0 and by_session == 0 and tokens > 0
+        else:
+            phase.mode_used = started > 0 and by_session == started and tokens == 0
+        if not phase.mode_used:
+            say(f"phase {phase.name}: its runs did NOT hold their keys in that mode: {found}")
+        return found
+
     def switch_to(self, phase: Phase) -> None:
         """A fresh job database and service, and a scheduler that imports ``phase``'s build."""
         t0 = time.monotonic()
@@ -310,12 +352,12 @@ class Rig:
         self.remote.start()
         for name in ("AIRFLOW_IDEMPOTENCY_SLEEP_AT", "PYTHONPATH"):
             self.stack.env.pop(name, None)
-        self.stack.env.update(self.phase_env(phase.build))
+        self.stack.env.update(self.phase_env(phase))
         self.check_build_is_used(phase.build)
         self.stack.restart_component("scheduler")
         for dag_id in CHAOS_DAGS:
             self.stack.unpause(dag_id)
-        say(f"phase {phase.build.name}: switched in {time.monotonic() - t0:.0f} s")
+        say(f"phase {phase.name}: switched in {time.monotonic() - t0:.0f} s")
 
     def end_phase(self, phase: Phase) -> None:
         """Stop what a phase ended by a violation still runs: no new tasks, its runs failed,

@@ -19,7 +19,6 @@ from typing import Any
 
 from devtools import invariants
 from devtools.chaos.actions import Actions
-from devtools.chaos.builds import BUILDS
 from devtools.chaos.faults import PROOFS, Faults
 from devtools.chaos.phases import Event, Phase, PhaseOver, new_phase, say
 from devtools.chaos.rig import Rig, retrying
@@ -51,14 +50,14 @@ class Chaos:
             f"a correct phase (at most {self.args.minutes} min), {self.args.broken_steps} a "
             f"broken one; work folder {self.rig.workdir}"
         )
-        self.phase = new_phase(self.args, BUILDS[self.args.builds[0]], 0)
+        self.phase = new_phase(self.args, 0)
         with self.rig.up(self.p):
             try:
                 self.startup_seconds = time.monotonic() - self.t0
                 say(f"stack up after {self.startup_seconds:.0f} s")
-                for index, name in enumerate(self.args.builds):
+                for index in range(len(self.args.builds)):
                     if index:
-                        self.phase = new_phase(self.args, BUILDS[name], index)
+                        self.phase = new_phase(self.args, index)
                         self.rig.switch_to(self.p)
                     self.phases.append(self.p)
                     self.run_phase()
@@ -71,8 +70,9 @@ class Chaos:
         base = self.rig.stack.query("SELECT coalesce(max(id), 0) FROM dag_run")[0][0]
         phase.base_run_id = int(base)
         say(
-            f"phase {phase.index + 1}: build {phase.build.name}, seed {phase.seed}, dates "
-            f"{phase.dates[0]}..{phase.dates[-1]}, {self.args.orders} orders each"
+            f"phase {phase.index + 1}: build {phase.build.name}, lock mode {phase.lock_mode}, "
+            f"seed {phase.seed}, dates {phase.dates[0]}..{phase.dates[-1]}, "
+            f"{self.args.orders} orders each"
         )
         threads: list[threading.Thread] = []
         try:
@@ -86,7 +86,7 @@ class Chaos:
                 self.verify(("always", "quiescent", "converged"), final=True)
                 phase.summary["converged"] = True
             else:
-                say(f"phase {phase.build.name}: NOT caught in {phase.steps} steps")
+                say(f"phase {phase.name}: NOT caught in {phase.steps} steps")
         except PhaseOver:
             pass
         finally:
@@ -95,6 +95,8 @@ class Chaos:
             for thread in threads:  # the actions see their runs end; faults are short
                 thread.join(timeout=120)
             self.faults.disarm()
+            with contextlib.suppress(Exception):
+                phase.summary["lock_mode_used"] = self.rig.check_mode_used(phase)
             with contextlib.suppress(Exception):
                 phase.summary.update(self.summary())
 
@@ -148,7 +150,7 @@ class Chaos:
                     break
                 step = phase.steps + 1
                 phase.steps = step
-                kind = PROOFS[wanted]
+                kind = PROOFS[wanted]  # Faults.start: its counterpart in the lease mode
                 params = self.faults.params(phase, kind)
                 if kind == "crash":
                     params["point"] = "runner.after_lock"  # every run passes it
@@ -206,7 +208,7 @@ class Chaos:
         if when != ("always",) or violations:
             kind = "final" if final else "+".join(when)
             verdict = "OK" if not violations else f"{len(violations)} VIOLATED"
-            say(f"phase {phase.build.name} step {phase.steps}: invariants ({kind}): {verdict}")
+            say(f"phase {phase.name} step {phase.steps}: invariants ({kind}): {verdict}")
         if not violations:
             return
         phase.violations += violations
@@ -219,10 +221,10 @@ class Chaos:
 
     def report(self, violations: list[invariants.Violation]) -> None:
         phase = self.p
-        broken = f" --builds {phase.build.name}" if phase.build.broken else ""
+        broken = f" --builds {phase.name}" if phase.build.broken else ""
         print("\n" + "=" * 100)
         print(
-            f"CHAOS INVARIANT VIOLATION at step {phase.steps} of build {phase.build.name}: "
+            f"CHAOS INVARIANT VIOLATION at step {phase.steps} of build {phase.name}: "
             f"seed {phase.seed} (replay: python3 dev.py chaos --seed {self.seed}"
             f" --steps {self.args.steps}{broken})"
         )
@@ -241,6 +243,7 @@ class Chaos:
         caught_by = sorted({v.invariant.name for v in phase.violations})
         return {
             "build": phase.build.name,
+            "lock_mode": phase.lock_mode,
             "broken": phase.build.broken,
             "ok": phase.ok,
             "seed": phase.seed,
@@ -270,6 +273,7 @@ class Chaos:
             "witness": {
                 "work transactions": db_rows("SELECT count(*) FROM work_witness")[0][0],
                 "lock sessions ended": db_rows("SELECT count(*) FROM witness_lock_losses")[0][0],
+                "leases taken over": db_rows("SELECT count(*) FROM witness_lease_losses")[0][0],
             },
             # Every request that reached the remote, from its own log (all its instances).
             "remote": {

@@ -1,10 +1,14 @@
-"""Chaos (devtools/chaos/) in CI: a short run that proves its faults fired, and the broken
-builds it must catch, all on one Airflow stack (one chaos command, one phase per build).
+"""Chaos (devtools/chaos/) in CI: a short run in each lock mode that proves its faults fired,
+and the broken builds it must catch, all on one Airflow stack (one chaos command, one phase
+per build and lock mode).
 
 The short run's seed changes every time and is printed; ``CHAOS_SEED=N`` replays it (the same
 actions and faults; their interleaving depends on the machine's timing). The broken builds
 (devtools/chaos/builds.py) run with their own fixed seeds and the exposure that shows their
-bug at once, so that each is caught every time.
+bug at once, so that each is caught every time. They are split between the lock modes to keep
+CI short (tests/faults/test_chaos_builds.py catches each one in both modes, without Airflow):
+``lock-off`` and ``fence-off`` in the lease mode, whose lock and fence they break there too,
+the others in the advisory mode.
 """
 
 from __future__ import annotations
@@ -26,8 +30,18 @@ from support import ROOT
 
 pytestmark = pytest.mark.airflow_processes
 
-SHORT_STEPS = 30
-CI_BROKEN = ("lock-off", "completed-check-off", "fence-off", "skip-confirmed")
+SHORT_STEPS = 20  # per lock mode (30 when only the advisory mode ran: CI time)
+MODES = ("advisory", "lease")
+CI_BROKEN = (
+    ("lock-off", "lease"),
+    ("fence-off", "lease"),
+    ("completed-check-off", "advisory"),
+    ("skip-confirmed", "advisory"),
+)
+CI_PHASES = (
+    *((CORRECT, mode) for mode in MODES),
+    *CI_BROKEN,
+)
 REQUIRED_FAULTS = ("crash", "terminate_lock", "restart")
 
 
@@ -38,11 +52,13 @@ class ChaosRun:
     output: str
     summary: dict[str, Any]
 
-    def phase(self, build: str) -> dict[str, Any]:
+    def phase(self, build: str, mode: str) -> dict[str, Any]:
         for phase in self.summary.get("phases", []):
-            if phase.get("build") == build:
+            if phase.get("build") == build and phase.get("lock_mode") == mode:
                 return dict(phase)
-        raise AssertionError(f"no phase of build {build} (seed {self.seed}):\n{self.tail()}")
+        raise AssertionError(
+            f"no phase of build {build} in the {mode} mode (seed {self.seed}):\n{self.tail()}"
+        )
 
     def tail(self) -> str:
         return self.output[-6000:]
@@ -76,14 +92,14 @@ def run_chaos(workdir: Path, *args: str, timeout: float) -> tuple[int, str, dict
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> ChaosRun:
-    """One chaos command: the short run of this checkout's provider, then each broken build,
-    on one stack."""
+    """One chaos command: the short run of this checkout's provider in each lock mode, then each
+    broken build in its mode, on one stack."""
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1, 10**6))
     print(f"chaos seed {seed} (replay: CHAOS_SEED={seed})")
     code, out, summary = run_chaos(
         tmp_path_factory.mktemp("chaos"),
         "--seed", str(seed),
-        "--builds", ",".join((CORRECT, *CI_BROKEN)),
+        "--builds", ",".join(f"{build}:{mode}" for build, mode in CI_PHASES),
         "--steps", str(SHORT_STEPS),
         "--check-every", "10",
         "--dates", "3",
@@ -100,39 +116,45 @@ CHAOS_TIMEOUT = pytest.mark.timeout(1800)
 
 @pytest.mark.slow
 @CHAOS_TIMEOUT
-def test_short_run_keeps_every_invariant_and_its_faults_fired(chaos: ChaosRun) -> None:
-    """The short run of this checkout's provider: every step after start-up was done, a crash
-    point was claimed, a lock session ended and a server restarted, and every invariant held
+@pytest.mark.parametrize("mode", MODES)
+def test_short_run_keeps_every_invariant_and_its_faults_fired(chaos: ChaosRun, mode: str) -> None:
+    """The short run of this checkout's provider in lock mode ``mode`` (its runs held their
+    keys so): every step after start-up was done, a crash point was claimed, a lock lost (a
+    lock session ended; a lease taken over) and a server restarted, and every invariant held
     at every step, every quiescent point and after convergence."""
-    phase = chaos.phase(CORRECT)
+    phase = chaos.phase(CORRECT, mode)
     replay = f"CHAOS_SEED={chaos.seed} replays it"
     assert phase["violations"] == [], f"{phase['violations']} ({replay})\n{chaos.tail()}"
     assert phase["ok"], f"the short run did not converge ({replay})\n{chaos.tail()}"
     assert phase["steps"] >= SHORT_STEPS, phase
+    lost = "leases taken over" if mode == "lease" else "lock sessions ended"
+    assert phase["witness"][lost] >= 1, phase["witness"]  # the lock lost as the mode loses it
     fired = phase["fired"]
     assert all(fired[kind] >= 1 for kind in REQUIRED_FAULTS), f"faults fired: {fired}"
     checks = phase["invariant_checks"]
     assert checks["converged: every job of every touched date completed"] == 1
     assert checks["no commit after the lock was lost"] >= SHORT_STEPS
     print(
-        f"short run: {phase['steps']} steps in {phase['seconds']} s after a start-up of "
-        f"{chaos.summary['startup_seconds']} s; faults fired {fired}"
+        f"short run ({mode}): {phase['steps']} steps in {phase['seconds']} s after a start-up "
+        f"of {chaos.summary['startup_seconds']} s; faults fired {fired}; the lock mode: "
+        f"{phase['lock_mode_used']}"
     )
 
 
 @pytest.mark.slow
 @CHAOS_TIMEOUT
-@pytest.mark.parametrize("build", CI_BROKEN)
-def test_broken_build_is_caught(chaos: ChaosRun, build: str) -> None:
-    """A patched copy of the provider with one guarantee removed is caught, by an invariant
-    that counts what happened, within its phase's steps."""
-    phase = chaos.phase(build)
+@pytest.mark.parametrize(("build", "mode"), CI_BROKEN)
+def test_broken_build_is_caught(chaos: ChaosRun, build: str, mode: str) -> None:
+    """A patched copy of the provider with one guarantee removed is caught, in lock mode
+    ``mode`` (its runs held their keys so), by an invariant that counts what happened, within
+    its phase's steps."""
+    phase = chaos.phase(build, mode)
     expected = set(BUILDS[build].caught_by)
     assert phase["caught_at_step"] is not None, f"{build} was not caught\n{chaos.tail()}"
     assert expected & set(phase["violations"]), (phase["violations"], expected)
     assert phase["ok"]
     print(
-        f"{build}: caught at step {phase['caught_at_step']} after "
+        f"{build} ({mode}): caught at step {phase['caught_at_step']} after "
         f"{phase['caught_after_seconds']} s ({phase['seconds']} s for the whole phase) by "
         f"{phase['violations']}"
     )
@@ -143,7 +165,7 @@ def test_broken_build_is_caught(chaos: ChaosRun, build: str) -> None:
 def test_chaos_exits_0_only_when_every_phase_went_as_it_must(chaos: ChaosRun) -> None:
     """The command's exit status says whether every phase went as it must."""
     ok = [phase.get("ok") for phase in chaos.summary.get("phases", [])]
-    assert (chaos.code == 0) == (len(ok) == 1 + len(CI_BROKEN) and all(ok)), chaos.tail()
+    assert (chaos.code == 0) == (len(ok) == len(CI_PHASES) and all(ok)), chaos.tail()
 
 
 def test_faults_md_section_is_replaced_and_kept_by_the_fault_report(tmp_path: Path) -> None:
@@ -201,7 +223,7 @@ def test_a_plan_that_runs_out_of_ended_days_is_refused_before_anything_starts(
     steps = str(10 * ended)  # a new date every 10 steps (the default)
     builds = "correct,lock-off,fence-off"
     args = parser().parse_args(["--steps", steps, "--builds", builds])
-    with pytest.raises(ValueError, match=r"phase correct would need business dates up to"):
+    with pytest.raises(ValueError, match=r"phase correct:advisory would need business dates up"):
         phase_dates(args)
     with pytest.raises(SystemExit) as refused:
         main(["--steps", steps, "--builds", builds, "--workdir", str(tmp_path / "w")])
@@ -210,3 +232,21 @@ def test_a_plan_that_runs_out_of_ended_days_is_refused_before_anything_starts(
     plan = phase_dates(fits)
     assert [first for first, _ in plan] == sorted({first for first, _ in plan})
     assert all(plan[i][1] < plan[i + 1][0] for i in range(len(plan) - 1))
+
+
+def test_a_phase_names_its_build_and_lock_mode_or_is_refused() -> None:
+    """``--builds NAME:MODE`` runs that phase in lock mode MODE, ``--lock-mode`` every other;
+    an unknown build or mode is refused naming the choices."""
+    from devtools.chaos import parser
+    from devtools.chaos.phases import planned_builds
+
+    args = parser().parse_args(["--builds", "correct,fence-off:lease", "--lock-mode", "lease"])
+    assert [(b.name, m) for b, m in planned_builds(args)] == [
+        ("correct", "lease"),
+        ("fence-off", "lease"),
+    ]
+    args = parser().parse_args(["--builds", "correct:lease,lock-off"])
+    assert [m for _, m in planned_builds(args)] == ["lease", "advisory"]
+    for wrong in ("correct:leases", "lock-of:lease", ""):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--builds", wrong])

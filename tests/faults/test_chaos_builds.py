@@ -1,6 +1,7 @@
 """The broken builds of chaos (devtools/chaos/builds.py), each without Airflow: its patches
 apply to today's provider, they really remove the guarantee, and the invariant meant to
-catch it does, while this checkout's provider, in the very same scenario, breaks nothing.
+catch it does, while this checkout's provider, in the very same scenario, breaks nothing;
+in both lock modes (the advisory lock, and the lease: docs/locks.md).
 
 Seconds per build: the proof that the checker has teeth even where the full chaos run of
 tests/faults/test_chaos.py is not run.
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from devtools.chaos.builds import BROKEN, BUILDS, patched_copy
+from devtools.chaos.builds import BROKEN, BUILDS, LOCK_MODES, patched_copy
 from support import ROOT, TESTS
 
 pytestmark = pytest.mark.airflow_processes
@@ -31,11 +32,11 @@ EXPOSED_BY = {
 }
 
 
-def scenario(dsn: str, name: str, provider_folder: Path | None) -> dict[str, Any]:
+def scenario(dsn: str, name: str, provider_folder: Path | None, mode: str) -> dict[str, Any]:
     path = [str(p) for p in (provider_folder, ROOT, ROOT / "dags") if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, str(SCENARIO), dsn, name],
+        [sys.executable, str(SCENARIO), dsn, name, mode],
         env=env,
         capture_output=True,
         text=True,
@@ -55,24 +56,27 @@ def test_every_broken_build_has_a_scenario() -> None:
     assert all(set(BUILDS[b].caught_by) <= names for b in BROKEN)
 
 
+@pytest.mark.parametrize("mode", LOCK_MODES)
 @pytest.mark.parametrize("build", BROKEN)
 def test_broken_build_is_caught_where_the_correct_one_is_not(
-    build: str, pg_server: Any, tmp_path: Path
+    build: str, mode: str, pg_server: Any, tmp_path: Path
 ) -> None:
-    """The scenario that exposes the build: this checkout's provider violates nothing, the
-    patched copy violates an invariant the build names."""
+    """The scenario that exposes the build, in lock mode ``mode``: this checkout's provider
+    violates nothing, the patched copy violates an invariant the build names."""
     name = EXPOSED_BY[build]
     correct_db = pg_server.create_database("idem_build")
     broken_db = pg_server.create_database("idem_build")
     try:
-        correct = scenario(pg_server.dsn(correct_db), name, None)
+        correct = scenario(pg_server.dsn(correct_db), name, None, mode)
         copy = patched_copy(BUILDS[build], tmp_path / build)
-        broken = scenario(pg_server.dsn(broken_db), name, copy)
+        broken = scenario(pg_server.dsn(broken_db), name, copy, mode)
     finally:
         pg_server.drop_database(correct_db)
         pg_server.drop_database(broken_db)
     assert correct["provider"].startswith(str(ROOT / "provider")), correct
     assert correct["violated"] == [], correct
+    assert (correct["lease_tokens"] > 0) == (mode == "lease"), correct  # the mode was used
+    assert (broken["lease_tokens"] > 0) == (mode == "lease"), broken
     assert broken["provider"].startswith(str(copy)), broken
     assert set(broken["violated"]) & set(BUILDS[build].caught_by), broken
-    print(f"{build} ({name}): correct {correct['outcomes']}, broken {broken}")
+    print(f"{build} ({name}, {mode}): correct {correct['outcomes']}, broken {broken}")

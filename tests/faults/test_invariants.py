@@ -62,7 +62,7 @@ class History:
         force: bool = False,
         dry_run: bool = False,
         job: str = JOB,
-        lock_pid: int = 100,
+        lock_pid: int | None = 100,  # None: the lease mode (no lock session)
         lock_key: int = 42,
     ) -> None:
         self.conn.execute(
@@ -97,6 +97,14 @@ class History:
         times = {"backend_start": at(backend_start), "terminated_at": at(gone - 0.1)}
         params = {"pid": pid, "lock_key": lock_key, "gone_at": at(gone), **times}
         self.conn.execute(invariants.queries()["record_lock_loss"], params)
+
+    def lease_lost(self, attempt_id: int, lock_key: int, token: int, taken_over: float) -> None:
+        """Chaos took the lease ``token`` of ``attempt_id`` over at ``taken_over``."""
+        self.conn.execute(
+            "INSERT INTO witness_lease_losses (lock_key, token, attempt_id, taken_over_at)"
+            " VALUES (%s, %s, %s, %s)",
+            (lock_key, token, attempt_id, at(taken_over)),
+        )
 
     def confirmed(self, key: str, confirmed: float) -> None:
         self.conn.execute(
@@ -240,6 +248,49 @@ def test_commit_after_the_lock_session_was_gone_is_caught(history: History) -> N
     # The same pid and key before that session started: another session, not this loss.
     history.conn.execute("UPDATE idempotency.job_run_attempts SET started_at = %s", (at(8),))
     assert AFTER_LOCK_LOST not in history.violated()
+
+
+def test_commit_after_the_lease_was_taken_over_is_caught(history: History) -> None:
+    """The lease mode: work committed by an attempt after chaos took its lease over is
+    caught; a commit before that instant, or by another attempt of the key, is not."""
+    history.attempt(1, "lock_lost", 10, lock_pid=None, lock_key=42)
+    history.attempt(2, "completed", 13, lock_pid=None, lock_key=42)
+    history.lease_lost(1, 42, token=7, taken_over=12)
+    history.work(1, 11, 11.5)
+    history.work(2, 13.5, 14)
+    assert AFTER_LOCK_LOST not in history.violated()
+    history.work(1, 11.8, 12.5)
+    assert AFTER_LOCK_LOST in history.violated()
+
+
+def test_a_running_attempt_needs_its_lock_session_or_its_live_lease(history: History) -> None:
+    """After convergence a running attempt must still have its holder: its lock session (the
+    advisory mode), or a live lease of its key taken before it started (the lease mode)."""
+    holder = "no running attempt without a live holder"
+
+    def violated() -> set[str]:
+        found = invariants.check(history.conn, [D], ("converged",))
+        return {v.invariant.name for v in found}
+
+    live_pid = history.conn.execute("SELECT pg_backend_pid()").fetchone()
+    assert live_pid is not None
+    history.attempt(1, "running", 10, lock_pid=live_pid[0], lock_key=42)
+    assert holder not in violated()
+    history.attempt(2, "running", 10, lock_pid=None, lock_key=43)
+    assert holder in violated()  # no lease at all
+    history.conn.execute(
+        "INSERT INTO idempotency.run_leases (lock_key, holder, acquired_at, renewed_at,"
+        " expires_at) VALUES (43, 'w', %s, %s, clock_timestamp() + interval '1 minute')",
+        (at(9), at(9)),
+    )
+    assert holder not in violated()
+    history.conn.execute("UPDATE idempotency.run_leases SET acquired_at = %s", (at(11),))
+    assert holder in violated()  # a lease taken after it started: another run's
+    history.conn.execute(
+        "UPDATE idempotency.run_leases SET acquired_at = %s, expires_at = clock_timestamp()",
+        (at(9),),
+    )
+    assert holder in violated()  # its lease expired
 
 
 def test_commit_after_a_later_attempt_started_is_caught(history: History) -> None:
@@ -415,3 +466,10 @@ def test_end_state_invariants_hold_on_a_converged_date_and_catch_each_breakage(
     assert breaks(
         "UPDATE idempotency.job_runs SET status = 'failed' WHERE job_name = 'daily_reconciliation'"
     ) == {"converged: every job of every touched date completed"}
+
+
+def test_no_lock_or_lease_is_listed_before_the_provider_made_its_schema(pg_dsn: str) -> None:
+    """Chaos looks for a lock session or a lease to end from its first step on, before any
+    run created the bookkeeping schema: none is listed then (not an error)."""
+    assert invariants.run_lock_sessions(pg_dsn) == []
+    assert invariants.live_leases(pg_dsn) == []

@@ -2,12 +2,14 @@
 
 Run by tests/faults/test_chaos_builds.py.
 
-    python tests/support/broken_build_scenario.py DSN SCENARIO
+    python tests/support/broken_build_scenario.py DSN SCENARIO [LOCK_MODE]
 
 runs the example's work through ``run_idempotently`` of whatever ``airflow_idempotency`` is
-first on the PYTHONPATH (this checkout's provider, or a broken copy), then prints one JSON
-line: the provider's file, what each run returned, and the history invariants violated.
-Scenarios: ``fence`` (a run's lock session ended while it waits to do its work), ``lock``
+first on the PYTHONPATH (this checkout's provider, or a broken copy), in the lock mode
+``LOCK_MODE`` (``advisory`` by default, or ``lease``), then prints one JSON line: the
+provider's file, what each run returned, and the history invariants violated.
+Scenarios: ``fence`` (a run's lock session ended, in the lease mode its lease taken over, as
+chaos does, while it waits to do its work), ``lock``
 (a second run of the key while the first waits to do its work), ``completed`` (a completed
 key run again), ``resend`` (an export, then a forced rerun of it).
 """
@@ -28,7 +30,7 @@ import psycopg
 import airflow_idempotency
 from airflow_idempotency.runner import RunOptions, run_idempotently
 from devtools import invariants
-from devtools.chaos.faults import terminate_lock
+from devtools.chaos.faults import take_over_lease, terminate_lock
 from devtools.chaos.phases import Event
 from invoicing import tasks
 from invoicing.seed import seed_orders
@@ -36,6 +38,7 @@ from invoicing.seed import seed_orders
 D = "2026-10-01"
 CREATE = "finalize_invoices.create_invoices"
 EXPORT = "finalize_invoices.export_invoices"
+MODE = {"lock_mode": "advisory"}  # main() sets the scenario's
 
 
 def run(dsn: str, job: str, work: Callable[[Any], Any], force: bool = False) -> str:
@@ -47,6 +50,7 @@ def run(dsn: str, job: str, work: Callable[[Any], Any], force: bool = False) -> 
             run_key=D,
             work=work,
             options=RunOptions(force=force),
+            lock_mode=MODE["lock_mode"],
         ).outcome.value
     except Exception as exc:
         return type(exc).__name__
@@ -86,8 +90,9 @@ def while_creating(dsn: str, after: float, action: Callable[[list[str]], None]) 
 
 def fence(dsn: str) -> list[str]:
     def terminate_its_lock(outcomes: list[str]) -> None:
-        event = Event(1, "terminate_lock", "", 0)
-        outcomes.append(terminate_lock(dsn, event, {"pick": 0, "work": True}))
+        lose = take_over_lease if MODE["lock_mode"] == "lease" else terminate_lock
+        event = Event(1, lose.__name__, "", 0)
+        outcomes.append(lose(dsn, event, {"pick": 0, "work": True}))
 
     return while_creating(dsn, 1, terminate_its_lock)
 
@@ -116,9 +121,10 @@ def resend(dsn: str) -> list[str]:
 SCENARIOS = {"fence": fence, "lock": lock, "completed": completed, "resend": resend}
 
 
-def main(dsn: str, scenario: str) -> None:
+def main(dsn: str, scenario: str, lock_mode: str = "advisory") -> None:
     from accounting_service.store import ensure_schema as ensure_accounting_schema
 
+    MODE["lock_mode"] = lock_mode
     with psycopg.connect(dsn, autocommit=True) as conn:
         seed_orders(conn, dt.date(2026, 10, 1), dt.date(2026, 10, 1), 3, 1)
     asyncio.run(ensure_accounting_schema(dsn))
@@ -127,10 +133,26 @@ def main(dsn: str, scenario: str) -> None:
     violated = sorted(v.invariant.name for v in invariants.check(dsn, [D], ("always",)))
     print(
         json.dumps(
-            {"provider": airflow_idempotency.__file__, "outcomes": outcomes, "violated": violated}
+            {
+                "provider": airflow_idempotency.__file__,
+                "lock_mode": lock_mode,
+                "outcomes": outcomes,
+                "violated": violated,
+                "lease_tokens": lease_tokens(dsn),
+            }
         )
     )
 
 
+def lease_tokens(dsn: str) -> int:
+    """Lease tokens the job database drew (0 in the advisory mode)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END"
+            " FROM idempotency.run_lease_tokens"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
