@@ -39,10 +39,10 @@ from support.faults import (
     final_state,
     finish,
     invoicing_world,
-    service_counts,
     lease_rows,
     lock_extra,
     lock_modes_used,
+    service_counts,
     spawn_worker,
 )
 from support.locks import advisory_locks

@@ -41,9 +41,9 @@ from support.faults import (
     final_state,
     finish,
     kill_group,
+    lock_modes_used,
     refusal,
     service_counts,
-    lock_modes_used,
     spawn_worker,
 )
 from support.locks import advisory_locks

@@ -45,10 +45,10 @@ from support.faults import (
     final_state,
     finish,
     kill_group,
-    refusal,
-    service_counts,
     lock_extra,
     lock_modes_used,
+    refusal,
+    service_counts,
     spawn_worker,
 )
 from support.locks import advisory_locks, terminate_lock_session

@@ -268,9 +268,7 @@ STATEMENT_POOLING_LEASE = (
     "lock_mode",
     [
         "advisory",
-        pytest.param(
-            "lease", marks=pytest.mark.xfail(strict=True, reason=STATEMENT_POOLING_LEASE)
-        ),
+        pytest.param("lease", marks=pytest.mark.xfail(strict=True, reason=STATEMENT_POOLING_LEASE)),
     ],
     indirect=True,
 )
@@ -497,9 +495,9 @@ def test_lease_mode_more_runs_than_the_pool_hold_their_keys_at_once_and_complete
         took = time.monotonic() - began
     assert not any(t.is_alive() for t in threads), "a run did not finish"
     assert errors == [], errors
-    assert rows(
-        pg_dsn, "SELECT status, count(*) FROM idempotency.job_runs GROUP BY 1"
-    ) == [("completed", runs)]
+    assert rows(pg_dsn, "SELECT status, count(*) FROM idempotency.job_runs GROUP BY 1") == [
+        ("completed", runs)
+    ]
     assert lock_modes_used(pg_dsn) == {"lease"}
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
     figures(
