@@ -44,6 +44,7 @@ from support.faults import (
     lock_modes_used,
     service_counts,
     spawn_worker,
+    wait_for_expired_leases,
 )
 from support.locks import advisory_locks
 
@@ -176,6 +177,7 @@ class Outcome:
     final_locks: int = -1
     attempts: list[tuple[str, str, str | None]] = field(default_factory=list)
     middle_leases: int = -1
+    lease_wait: float = 0.0
     final_leases: int = -1
     modes: set[str] = field(default_factory=set)
 
@@ -214,6 +216,9 @@ def run_scenario(
             out.middle = final_state(dsn)
             out.middle_locks = advisory_locks(dsn)
             out.middle_leases = lease_rows(dsn)
+            # The rerun after the dead worker's lease expired (lease_ttl 5 s): one started
+            # sooner is refused lock_held until then, and waits for Airflow's retry.
+            out.lease_wait = wait_for_expired_leases(dsn)
         started = time.monotonic()
         rerun = spawn_worker(airflow_home, homes / f"{label}-run", dsn, env)
         out.rerun_code, out.rerun_output, _ = finish(rerun)
@@ -287,7 +292,8 @@ def test_crash_then_rerun_converges_to_the_uninterrupted_state(
         f"left {len(out.middle['invoices'])} invoices, "
         f"{sum(s == 'succeeded' for _, s in out.middle['ledger'])} confirmed of "
         f"{len(out.middle['ledger'])} ledger rows, {len(out.middle['remote'])} remote; "
-        f"rerun {out.rerun_seconds:.1f} s sent "
+        + (f"{out.lease_wait:.1f} s until its lease expired; " if lock_mode == "lease" else "")
+        + f"rerun {out.rerun_seconds:.1f} s sent "
         f"{out.final_counts['requests'] - out.middle_counts['requests']} requests "
         f"({out.final_counts['replays'] - out.middle_counts['replays']} replays)"
     )

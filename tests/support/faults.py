@@ -56,6 +56,17 @@ def lock_modes_used(dsn: str) -> set[str]:
     return {"lease" if leased else "advisory" for (leased,) in found}
 
 
+def wait_for_expired_leases(dsn: str, timeout: float = LEASE_TTL + 10) -> float:
+    """Wait until no lease of the database is live (a dead worker's expired: its key is free
+    to take over); return the seconds waited. Within ``timeout``, or an AssertionError."""
+    began = time.monotonic()
+    live = "SELECT count(*) FROM idempotency.run_leases WHERE expires_at > clock_timestamp()"
+    while db_rows(dsn, live) != [(0,)]:
+        assert time.monotonic() - began < timeout, f"a lease still live after {timeout} s"
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
 def lease_rows(dsn: str) -> int:
     """Rows of ``run_leases`` now (taken and not released: live, or left by a dead worker)."""
     return int(db_rows(dsn, "SELECT count(*) FROM idempotency.run_leases")[0][0])
