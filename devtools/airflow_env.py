@@ -28,8 +28,9 @@ AIRFLOW_2 = AIRFLOW_VERSION.startswith("2.")
 ACCOUNTING_OPTIONS: dict[str, Any] = {"timeout": 2, "backoff_initial": 0.05, "backoff_max": 0.5}
 
 
-def airflow_connection_json(dsn: str) -> str:
-    """Turn a libpq DSN into the JSON form of an Airflow connection of type postgres."""
+def airflow_connection_json(dsn: str, extra: dict[str, Any] | None = None) -> str:
+    """Turn a libpq DSN into the JSON form of an Airflow connection of type postgres, with
+    ``extra`` as its extra when given (e.g. ``{"lock_mode": "lease"}``; docs/locks.md)."""
     params = conninfo_to_dict(dsn)
     conn: dict[str, object] = {
         "conn_type": "postgres",
@@ -41,16 +42,23 @@ def airflow_connection_json(dsn: str) -> str:
         conn["port"] = int(str(params["port"]))
     if params.get("password"):
         conn["password"] = params["password"]
+    if extra:
+        conn["extra"] = extra
     return json.dumps(conn)
 
 
 def connection_env(
-    job_dsn: str, accounting_url: str | None = None, **options: Any
+    job_dsn: str,
+    accounting_url: str | None = None,
+    *,
+    job_extra: dict[str, Any] | None = None,
+    **options: Any,
 ) -> dict[str, str]:
-    """``AIRFLOW_CONN_*`` of the job database (``idempotency_default``) and, given its URL, of
-    the accounting service (``accounting_api``, an http connection whose extra holds
-    :data:`ACCOUNTING_OPTIONS` updated with ``options``)."""
-    env = {"AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_connection_json(job_dsn)}
+    """``AIRFLOW_CONN_*`` of the job database (``idempotency_default``, its extra
+    ``job_extra``: e.g. the lock mode, ``{"lock_mode": "lease", "lease_ttl": 5}``) and, given
+    its URL, of the accounting service (``accounting_api``, an http connection whose extra
+    holds :data:`ACCOUNTING_OPTIONS` updated with ``options``)."""
+    env = {"AIRFLOW_CONN_IDEMPOTENCY_DEFAULT": airflow_connection_json(job_dsn, job_extra)}
     if accounting_url is not None:
         url = urlsplit(accounting_url)
         extra = {**ACCOUNTING_OPTIONS, **options}

@@ -10,6 +10,10 @@ that task into its retry and the other worker completes the date.
 
 Nothing in the provider knows about Celery: the lock and the records in Postgres are what
 keep each date's work to one execution, wherever the task runs.
+
+The advisory mode only: it starts Airflow's processes (the critical path of CI) and a worker
+killed mid-export is the crash matrix's SIGKILL of a worker, which runs in the lease mode too
+(tests/faults/test_faults_crash_matrix.py, ``-lease``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,13 @@ without one duplicate and without resending an export the ledger had confirmed.
 Scenarios run two at a time in the background as soon as the module starts (one worker
 process per crash plus one per rerun); each test waits for its own scenario, so a test's
 pytest duration is its waiting time; the real worker times are among its printed figures.
+
+A subset runs in the lease mode too (ids ``-lease``: the job connection's extra
+``lock_mode: lease``, ``lease_ttl`` 5 s, support.faults.lock_extra): a crash right after the
+lease was taken, after the start, mid-export and mid-rebuild of the totals. The dead worker
+leaves its lease behind (no session ends with it); the rerun takes it over once it expired and
+must converge to the same reference state. The other points run the same code in both modes
+(the work and the ledger do not know how the key is held).
 """
 
 from __future__ import annotations
@@ -32,8 +39,12 @@ from support.faults import (
     final_state,
     finish,
     invoicing_world,
+    lease_rows,
+    lock_extra,
+    lock_modes_used,
     service_counts,
     spawn_worker,
+    wait_for_expired_leases,
 )
 from support.locks import advisory_locks
 
@@ -128,6 +139,25 @@ POINTS = [
 ]
 
 
+LEASE_POINTS = [
+    p
+    for p in POINTS
+    if p.spec
+    in (
+        "runner.after_lock@1",
+        "runner.after_started@1",
+        "totals.after_delete@1",
+        "ledger.before_record_outcomes@2",
+    )
+]
+"""The points that also run in the lease mode: where the run holds its lease and nothing else
+(just taken; its start recorded), and mid-work (a rebuild of the totals, an export batch)."""
+
+SCENARIOS = [pytest.param(p, "advisory", id=str(p)) for p in POINTS] + [
+    pytest.param(p, "lease", id=f"{p}-lease") for p in LEASE_POINTS
+]
+
+
 @dataclass
 class Outcome:
     """What one scenario did, measured in its worker thread, asserted by its test."""
@@ -146,6 +176,10 @@ class Outcome:
     problems: dict[str, Any] = field(default_factory=dict)
     final_locks: int = -1
     attempts: list[tuple[str, str, str | None]] = field(default_factory=list)
+    middle_leases: int = -1
+    lease_wait: float = 0.0
+    final_leases: int = -1
+    modes: set[str] = field(default_factory=set)
 
 
 def attempts(dsn: str) -> list[tuple[str, str, str | None]]:
@@ -158,12 +192,16 @@ def attempts(dsn: str) -> list[tuple[str, str, str | None]]:
     ]
 
 
-def run_scenario(pg_server: Any, airflow_home: Path, homes: Path, crash_at: str | None) -> Outcome:
-    """Seed a fresh world; crash a worker at ``crash_at`` (if any); rerun with no faults."""
+def run_scenario(
+    pg_server: Any, airflow_home: Path, homes: Path, crash_at: str | None, lock_mode: str
+) -> Outcome:
+    """Seed a fresh world; crash a worker at ``crash_at`` (if any); rerun with no faults; the
+    job connection's runs in ``lock_mode``."""
     out = Outcome()
     with invoicing_world(pg_server, ORDERS) as (dsn, service):
-        env = connection_env(dsn, service.url, batch_size=BATCH)
-        label = (crash_at or "reference").replace("@", "-")
+        extra = lock_extra(lock_mode)
+        env = connection_env(dsn, service.url, job_extra=extra, batch_size=BATCH)
+        label = f"{crash_at or 'reference'}-{lock_mode}".replace("@", "-")
         if crash_at:
             started = time.monotonic()
             crashed = spawn_worker(
@@ -177,6 +215,10 @@ def run_scenario(pg_server: Any, airflow_home: Path, homes: Path, crash_at: str 
             out.middle_counts = service_counts(service)  # also lets in-flight calls land
             out.middle = final_state(dsn)
             out.middle_locks = advisory_locks(dsn)
+            out.middle_leases = lease_rows(dsn)
+            # The rerun after the dead worker's lease expired (lease_ttl 5 s): one started
+            # sooner is refused lock_held until then, and waits for Airflow's retry.
+            out.lease_wait = wait_for_expired_leases(dsn)
         started = time.monotonic()
         rerun = spawn_worker(airflow_home, homes / f"{label}-run", dsn, env)
         out.rerun_code, out.rerun_output, _ = finish(rerun)
@@ -185,20 +227,23 @@ def run_scenario(pg_server: Any, airflow_home: Path, homes: Path, crash_at: str 
         out.final = final_state(dsn)
         out.problems = check_consistency(dsn)
         out.final_locks = advisory_locks(dsn)
+        out.final_leases = lease_rows(dsn)
         out.attempts = attempts(dsn)
+        out.modes = lock_modes_used(dsn)
     return out
 
 
 class Matrix:
     """The scenarios selected in this session, running ``PARALLEL`` at a time."""
 
-    def __init__(self, submit: Any, selected: list[str]) -> None:
-        self.futures: dict[str, Future[Outcome]] = {"reference": submit(None)}
-        for spec in selected:
-            self.futures[spec] = submit(spec)
+    def __init__(self, submit: Any, selected: list[tuple[str, str]]) -> None:
+        reference = ("reference", "advisory")
+        self.futures: dict[tuple[str, str], Future[Outcome]] = {reference: submit(None, "advisory")}
+        for spec, lock_mode in selected:
+            self.futures[spec, lock_mode] = submit(spec, lock_mode)
 
-    def result(self, spec: str) -> Outcome:
-        return self.futures[spec].result(timeout=1200)
+    def result(self, spec: str, lock_mode: str = "advisory") -> Outcome:
+        return self.futures[spec, lock_mode].result(timeout=1200)
 
 
 @pytest.fixture(scope="module")
@@ -210,14 +255,17 @@ def matrix(
 ) -> Any:
     """Start every selected scenario (and the reference run) in the background."""
     selected = [
-        str(item.callspec.params["point"])
+        (str(item.callspec.params["point"]), str(item.callspec.params["lock_mode"]))
         for item in request.session.items
         if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
     ]
     homes = tmp_path_factory.mktemp("crash-matrix")
     with ThreadPoolExecutor(PARALLEL, thread_name_prefix="crash") as pool:
         scenarios = Matrix(
-            lambda spec: pool.submit(run_scenario, pg_server, airflow_home, homes, spec), selected
+            lambda spec, mode: pool.submit(
+                run_scenario, pg_server, airflow_home, homes, spec, mode
+            ),
+            selected,
         )
         yield scenarios
         for future in scenarios.futures.values():
@@ -228,22 +276,24 @@ def tail(text: str) -> str:
     return text[-4000:]
 
 
-@pytest.mark.parametrize("point", POINTS, ids=str)
+@pytest.mark.parametrize(("point", "lock_mode"), SCENARIOS)
 def test_crash_then_rerun_converges_to_the_uninterrupted_state(
-    matrix: Matrix, point: CrashPoint
+    matrix: Matrix, point: CrashPoint, lock_mode: str
 ) -> None:
     """A worker SIGKILLed at this fault point leaves a state whose no-fault rerun equals an uninterrupted run row for row, with no duplicate and no confirmed export resent."""
     reference = matrix.result("reference")
     assert reference.rerun_code == 0, tail(reference.rerun_output)
     assert reference.problems == NO_PROBLEMS
     assert len(reference.final["remote"]) == ORDERS
-    out = matrix.result(point.spec)
+    out = matrix.result(point.spec, lock_mode)
     figures(
+        f"{lock_mode} mode: "
         f"crash worker {out.crash_seconds:.1f} s (exit {out.crash_code}), "
         f"left {len(out.middle['invoices'])} invoices, "
         f"{sum(s == 'succeeded' for _, s in out.middle['ledger'])} confirmed of "
         f"{len(out.middle['ledger'])} ledger rows, {len(out.middle['remote'])} remote; "
-        f"rerun {out.rerun_seconds:.1f} s sent "
+        + (f"{out.lease_wait:.1f} s until its lease expired; " if lock_mode == "lease" else "")
+        + f"rerun {out.rerun_seconds:.1f} s sent "
         f"{out.final_counts['requests'] - out.middle_counts['requests']} requests "
         f"({out.final_counts['replays'] - out.middle_counts['replays']} replays)"
     )
@@ -258,6 +308,8 @@ def test_crash_then_rerun_converges_to_the_uninterrupted_state(
         point.jobs_completed
     ), jobs
     assert out.middle_locks == 0  # the dead worker's locks went with its sessions
+    # Its lease (the lease mode) stays until it expires: nothing ends with its sessions.
+    assert out.middle_leases == (1 if lock_mode == "lease" else 0)
     middle = out.middle
     confirmed = sum(status == "succeeded" for _, status in middle["ledger"])
     assert len(middle["invoices"]) == point.invoices
@@ -272,6 +324,8 @@ def test_crash_then_rerun_converges_to_the_uninterrupted_state(
     assert out.final["uninvoiced_orders"] == 0
     assert set(out.final["jobs"].values()) == {"completed"}
     assert out.final_locks == 0
+    assert out.final_leases == 0  # the rerun took the dead worker's over, then released it
+    assert out.modes == {lock_mode}  # every attempt that held its key held it so
 
     # 3. The rerun sent only what the ledger had not confirmed, each key once (no retries
     #    were needed: no faults), and created exactly the invoices the service lacked.

@@ -5,6 +5,12 @@ under the checkout's .pgdata/) so that it can stop and start it without disturbi
 stop -m fast`` (a clean shutdown, sessions terminated) or ``-m immediate`` (like a crash
 of the server: no checkpoint, WAL recovery on the next start), a few seconds down, then
 the same server again on the same socket.
+
+The in-process restarts run in the lease mode too (``test_restart_mid_run_in_the_lease_mode_*``):
+a lease is a row, not a session, so it outlives the restart; the run's next fenced step then
+either goes on under its lease or ends ``lock_lost`` cleanly, and the rerun converges. The
+server down at the start (no decision reaches the database) and the Airflow export (its try
+fails on the ended session, as any run's does) are the same in both modes.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from support.faults import (
     final_state,
     finish,
     kill_group,
+    lock_modes_used,
     refusal,
     service_counts,
     spawn_worker,
@@ -94,9 +101,10 @@ def write_step(run: RunContext, step: str) -> None:
 
 
 def run_in_thread(
-    dsn: str, work: Callable[[RunContext], Any]
+    dsn: str, work: Callable[[RunContext], Any], lock_mode: str = "advisory"
 ) -> tuple[threading.Thread, dict[str, Any]]:
-    """run_idempotently in a thread; the dict gets 'result' or 'error' and 'seconds'."""
+    """run_idempotently in a thread (``lock_mode``); the dict gets 'result' or 'error' and
+    'seconds'."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -107,6 +115,7 @@ def run_in_thread(
                 job_name="nightly",
                 run_key=D,
                 work=work,
+                lock_mode=lock_mode,
             )
         except BaseException as exc:
             box["error"] = exc
@@ -173,6 +182,61 @@ def test_restart_mid_run_fails_cleanly_and_the_rerun_converges(
         ("second", 1),
     ]
     assert advisory_locks(private.dsn, whole_server=True) == 0
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+@pytest.mark.parametrize("when", ["during_work", "before_completion"])
+def test_restart_mid_run_in_the_lease_mode_goes_on_or_ends_lock_lost_and_converges(
+    private: PrivateServer, mode: str, when: str
+) -> None:
+    """The lease mode: a server restart does not end the lease (a row), and the run never hangs: a restart just before the completion is written leaves the run going on, and it completes (its completion on a new session, under its lease); one while the work runs ends the work's session, so its next write ends the attempt lock_lost cleanly (it cannot know whether that transaction committed). Either way the rerun converges, each effect once, no lease left."""
+    paused = threading.Event()
+    resume = threading.Event()
+
+    def work(run: RunContext) -> dict[str, int]:
+        write_step(run, "first")  # committed before the restart
+        paused.set()
+        assert resume.wait(120)
+        if when == "during_work":
+            write_step(run, "second")  # on a connection the restart has ended
+        return {"steps": 2}
+
+    thread, box = run_in_thread(private.dsn, work, lock_mode="lease")
+    assert paused.wait(60)
+    down = private.restart(mode)
+    resume.set()
+    thread.join(NO_HANG_SECONDS)
+    assert not thread.is_alive(), f"the run still hangs {NO_HANG_SECONDS}s after the restart"
+    error = box.get("error")
+    first = rows(private.dsn, "SELECT outcome FROM idempotency.job_run_attempts")
+    figures(
+        f"lease mode, {when}/{mode}: server down {down:.1f}s; the run "
+        + (f"raised {type(error).__name__}" if error else "completed")
+        + f" {box['seconds']:.1f}s after it began; attempts {[o for (o,) in first]}"
+    )
+    rerun = run_idempotently(
+        connect=lambda: psycopg.connect(private.dsn),
+        job_name="nightly",
+        run_key=D,
+        work=both_steps,
+        lock_mode="lease",
+    )
+    steps = rows(private.dsn, "SELECT step, count(*) FROM public.effects GROUP BY 1 ORDER BY 1")
+    assert lock_modes_used(private.dsn) == {"lease"}
+    assert rows(private.dsn, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
+    assert advisory_locks(private.dsn, whole_server=True) == 0
+    if when == "before_completion":  # the lease outlived the restart: the run went on
+        assert error is None and first == [("completed",)], (repr(error), first)
+        assert rerun.outcome is RunOutcome.NOOP
+        assert steps == [("first", 1)]  # this work writes "second" only during_work
+        return
+    assert isinstance(error, LockLostError), repr(error)
+    assert first == [("lock_lost",)]
+    assert rerun.outcome is RunOutcome.COMPLETED
+    assert rows(private.dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [
+        ("completed", 2)
+    ]
+    assert steps == [("first", 1), ("second", 1)]
 
 
 def test_server_down_at_the_start_fails_fast(private: PrivateServer) -> None:

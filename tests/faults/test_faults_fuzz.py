@@ -10,6 +10,10 @@ OutboundLedger.send_all against the real accounting service process.
 Every example starts from empty tables, so "nothing written" is checked, not assumed.
 The tests at the end pin the bugs this fuzzing found (fixed in 70ef64c): each was a
 strict xfail until the fix.
+
+The advisory mode only: what is fuzzed is input (its validation happens before any lock is
+taken, in both modes), and hypothesis refuses the function-scoped ``lock_mode`` fixture; the
+lease mode's decision writes the same records from the same checked values.
 """
 
 from __future__ import annotations

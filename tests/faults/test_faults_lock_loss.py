@@ -10,6 +10,16 @@ A must not send one more request, must not mark anything completed, and its task
 fail; its Airflow retry then finds the date completed and does nothing. The final state
 must be that of an uninterrupted run: one remote invoice per order, every ledger row
 confirmed with the remote's reference.
+
+The first scenario runs in the lease mode too (id ``[lease]``: the job connection's extra
+``lock_mode: lease``): A holds no session to terminate, so its lease is taken over instead
+(expired, a new token: support.locks.terminate_lock_session), as a successor does after A's
+heartbeat stopped for the lease's time to live. The in-process tests below stay in the
+advisory mode: they prove that the ledger sees an ENDED LOCK SESSION at once, before each call,
+without a round trip. A lease has no such session: its loss is seen by the ledger's database
+check (every ``lock_check_interval``, 0.5 s) or the heartbeat, so "no call begins after the
+loss" is bounded by that interval there, not immediate (tests/faults/test_faults_fence.py and
+tests/integration cover the lease mode's fenced writes).
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ from support.faults import (
     final_state,
     finish,
     kill_group,
+    lock_extra,
+    lock_modes_used,
     refusal,
     service_counts,
     spawn_worker,
@@ -67,10 +79,14 @@ def ledger(dsn: str) -> list[tuple[str, str, int, int, str | None]]:
     )
 
 
-def takeover(invoicing: Any, airflow_home: Path, tmp_path: Path, pause_at: str) -> dict[str, Any]:
-    """Run the scenario with A paused at ``pause_at``; return what each side did."""
+def takeover(
+    invoicing: Any, airflow_home: Path, tmp_path: Path, pause_at: str, lock_mode: str = "advisory"
+) -> dict[str, Any]:
+    """Run the scenario with A paused at ``pause_at``, the runs in ``lock_mode``; return what
+    each side did."""
     invoicing.seed(D, orders=ORDERS)
-    env = connection_env(invoicing.dsn, invoicing.service.url, batch_size=BATCH)
+    extra = lock_extra(lock_mode)
+    env = connection_env(invoicing.dsn, invoicing.service.url, job_extra=extra, batch_size=BATCH)
     a = Watched(
         spawn_worker(
             airflow_home,
@@ -111,6 +127,7 @@ def takeover(invoicing: Any, airflow_home: Path, tmp_path: Path, pause_at: str) 
         "ledger_after_b": ledger_after_b,
         "ledger_final": ledger(invoicing.dsn),
         "attempts": export_attempts(invoicing.dsn),
+        "modes": lock_modes_used(invoicing.dsn),
     }
 
 
@@ -143,11 +160,14 @@ def assert_a_lost_and_b_won(out: dict[str, Any], dsn: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.both_airflow_lines
+@pytest.mark.parametrize("lock_mode", ["advisory", "lease"])
 def test_paused_before_its_first_call_a_sends_nothing_after_losing_the_lock(
-    invoicing: Any, airflow_home: Path, tmp_path: Path
+    invoicing: Any, airflow_home: Path, tmp_path: Path, lock_mode: str
 ) -> None:
-    """A worker whose lock session is terminated while it is paused before its first export call sends nothing afterwards, never completes, and B's takeover converges."""
-    out = takeover(invoicing, airflow_home, tmp_path, "ledger.before_remote_call")
+    """A worker whose lock session is terminated (its lease taken over) while it is paused before its first export call sends nothing afterwards, never completes, and B's takeover converges."""
+    out = takeover(invoicing, airflow_home, tmp_path, "ledger.before_remote_call", lock_mode)
+    assert out["modes"] == {lock_mode}
+    assert (out["lock_pid"] == 0) == (lock_mode == "lease")  # a lease: taken over
     a_first = min(aid for aid, pid, _ in out["attempts"] if pid == out["a_pid"])
     figures(
         f"A paused with its first batch claimed; B took over in {out['b_seconds']:.1f}s and sent "
@@ -181,6 +201,7 @@ def test_paused_with_a_batch_in_hand_a_records_its_confirmations_then_stops(
 ) -> None:
     """A worker that loses its lock after its first batch was confirmed remotely but not yet recorded records those facts harmlessly and claims no further batch."""
     out = takeover(invoicing, airflow_home, tmp_path, "ledger.before_record_outcomes")
+    assert out["modes"] == {"advisory"}
     a_sent_before = out["before_b"]["requests"]
     figures(
         f"A had sent {a_sent_before} calls when paused; B sent "

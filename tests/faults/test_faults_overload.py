@@ -4,6 +4,11 @@ rule, its attempt recorded when it had a connection to record it on, and a retry
 A PRIVATE embedded PostgreSQL (devtools.postgres.private_embedded) with a small
 ``max_connections``, its every slot then taken by idle connections of the test: nobody else's
 server runs out of connections.
+
+In the lease mode (``test_lease_mode_*``) a run borrows one connection at a time (the decision,
+the start, the work's transactions, the completion): no slot at all is refused the same way,
+nothing recorded; a single free slot is enough for a run whose work opens no connection of
+its own to complete.
 """
 
 from __future__ import annotations
@@ -60,11 +65,11 @@ def every_slot_taken(dsn: str, leave_free: int = 0) -> Iterator[list[psycopg.Con
             conn.close()
 
 
-def attempt(dsn: str, run_key: str) -> BaseException:
+def attempt(dsn: str, run_key: str, lock_mode: str = "advisory") -> BaseException:
     with pytest.raises(PoolExhaustedError) as refused:
         run_idempotently(
             connect=lambda: psycopg.connect(dsn), job_name="job", run_key=run_key,
-            work=lambda run: {"done": 1},
+            work=lambda run: {"done": 1}, lock_mode=lock_mode,
         )  # fmt: skip
     return refused.value
 
@@ -98,4 +103,30 @@ def test_past_max_connections_the_run_names_the_sizing_rule_and_records_its_atte
         f"max_connections {MAX_CONNECTIONS}, {len(held)} taken by the test: no slot: "
         f"{refusal(none_free)} (nothing recorded); one slot: the attempt recorded failed; "
         "both keys completed once slots were free"
+    )
+
+
+def test_lease_mode_past_max_connections_no_slot_is_refused_and_one_slot_is_enough(
+    small_server: Any,
+) -> None:
+    """The lease mode: no slot at all fails with PoolExhaustedError naming the sizing rule, nothing recorded; a single free slot is enough: the run borrows one connection at a time and completes."""
+    _, dsn = small_server
+    with every_slot_taken(dsn) as held:
+        none_free = attempt(dsn, "2026-10-01", lock_mode="lease")
+    assert "max_connections" in str(none_free) and "too many clients already" in str(none_free)
+    sql = "SELECT count(*) FROM idempotency.job_run_attempts WHERE job_name = 'job'"
+    assert rows(dsn, sql) == [(0,)]
+    with every_slot_taken(dsn, leave_free=1):
+        done = run_idempotently(
+            connect=lambda: psycopg.connect(dsn), job_name="job", run_key="2026-10-02",
+            work=lambda run: {"done": 1}, lock_mode="lease",
+        )  # fmt: skip
+    assert done.outcome.value == "completed"
+    leased = (
+        "SELECT lock_backend_pid IS NULL FROM idempotency.job_run_attempts WHERE job_name = 'job'"
+    )
+    assert rows(dsn, leased) == [(True,)]  # a lease: no lock session recorded
+    figures(
+        f"lease mode, max_connections {MAX_CONNECTIONS}, {len(held)} taken by the test: no "
+        f"slot: {refusal(none_free)} (nothing recorded); one slot: the run completed"
     )

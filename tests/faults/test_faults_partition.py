@@ -6,6 +6,14 @@ the link down drops every packet, with no FIN and no reset: each end learns of i
 TCP keepalives and the user timeout (locks.DEAD_PEER_DEFAULTS, set on both ends of the lock
 session). With Linux's defaults the server would keep the dead worker's lock for over two
 hours. Needs root and iproute2.
+
+The lease mode (docs/locks.md) holds no session for the key: a cut-off worker's lease simply
+expires (``lease_ttl`` 5 s here) and a successor takes the key over, without waiting for the
+server to give up on a dead peer; its late write is fenced all the same
+(``test_lease_mode_*``, the first scenario's counterpart, on the 3.x line only). The other
+scenarios are about the server's bound on a dead peer's sessions (the notice within the
+bound, a work transaction's row locks, a ledger batch's open claim): the same sessions and the
+same bound in both modes.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ import psycopg
 import pytest
 
 from devtools import netns
+from devtools.airflow_env import connection_env
 from support.db import rows
-from support.faults import figures
+from support.faults import figures, lease_rows, lock_extra, lock_modes_used
 from support.locks import advisory_locks
 from support.workers import (
     TEST_DAGS,
@@ -192,6 +201,64 @@ def test_a_cut_off_worker_notices_within_the_bound(
     assert rows(local, "SELECT status FROM idempotency.job_runs") == [("completed",)]
     assert [phase for _, phase in work_log(local)] == ["start", "start"]
     figures(f"link cut before a commit: the worker gave up and exited {noticed:.1f} s later")
+
+
+def test_lease_mode_a_cut_off_workers_lease_expires_and_its_late_write_is_fenced(
+    link: netns.Link, server: tuple[netns.TcpPostgres, str], airflow_home: Path, tmp_path: Path
+) -> None:
+    """The lease mode, link cut mid-work: the cut-off worker's lease expires (5 s) and a second worker takes the key over and completes it, well within the bound and without the server freeing anything; when the link returns, the cut-off worker's last write is refused (fenced), it fails its attempt cleanly, and the key stays completed, once."""
+    pg, name = server
+    local, remote = pg.local_dsn(name), pg.dsn(name)
+    release = tmp_path / "release"
+    victim = cut_off_worker(
+        link,
+        airflow_home,
+        remote,
+        tmp_path,
+        IDEM_TEST_HOLD_FILE=str(release),
+        IDEM_TEST_HOLD_MAX="600",
+        IDEM_TEST_WRITE_AFTER_HOLD="1",
+        **connection_env(remote, job_extra=lock_extra("lease")),
+    )
+    successor = None
+    try:
+        wait_until(
+            lambda: len(work_log(local)) == 1, timeout=120, what="the worker to start working"
+        )
+        assert (advisory_locks(local), lease_rows(local)) == (0, 1)  # a lease, no lock session
+        link.cut()
+        cut_at = time.monotonic()
+        successor, successor_log = start_successor(
+            airflow_home,
+            local,
+            tmp_path,
+            "core_slow_job",
+            IDEM_TEST_WRITE_AFTER_HOLD="1",
+            **connection_env(local, job_extra=lock_extra("lease")),
+        )
+        taken_over = successor_completes(local, successor, successor_log, cut_at, timeout=120)
+        out_v = reconnected(link, release, victim)
+    finally:
+        clean_up(link, release, victim, successor)
+    assert taken_over <= BOUND, taken_over
+    assert victim.returncode == 1, out_v[-3000:]
+    assert "LockLostError" in out_v, out_v[-3000:]
+    phases = work_log(local)
+    assert [phase for pid, phase in phases if pid == victim.pid] == ["start"], phases
+    assert [phase for pid, phase in phases if pid == successor.pid] == ["start", "end"], phases
+    attempts = rows(
+        local, "SELECT pid, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id"
+    )
+    assert attempts[0] == (victim.pid, "lock_lost") and attempts[-1] == (successor.pid, "completed")
+    assert rows(local, "SELECT status FROM idempotency.job_runs") == [("completed",)]
+    assert lock_modes_used(local) == {"lease"}
+    assert (advisory_locks(local), lease_rows(local)) == (0, 0)
+    figures(
+        f"lease mode, link cut mid-work: a second worker had taken the expired lease over and "
+        f"completed the key {taken_over:.1f} s after the cut (lease_ttl 5 s); after the link "
+        "returned, the cut-off worker's fenced write was refused (LockLostError), 0 rows "
+        "written after the cut"
+    )
 
 
 def backends_from(dsn: str, address: str) -> list[tuple[Any, ...]]:

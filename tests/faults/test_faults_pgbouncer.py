@@ -11,6 +11,14 @@ connection that is handed back, reset, when the client leaves.
 
 PgBouncer runs as ``nobody`` (it refuses root), started and stopped by these tests; `.ci/run`
 installs it when missing.
+
+The lease mode (docs/locks.md) is the one a transaction pooler needs: it pins no server
+connection for the run. The one-key race, the example DAG, the session lock left on a pooled
+connection and statement pooling run in both modes (ids ``[lease]``); the pool sizing runs in
+the lease mode as its own test: more runs than the pool's server connections hold their keys
+at once and all complete. Session pooling (a direct connection lent for the client's
+lifetime) and the two Airflow workers on one key (the one-key race through Airflow: the same
+decision as the in-process race) stay in the advisory mode.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from devtools.postgres import PostgresServer
 from support.dag_runs import FAILED, SUCCESS, load_dag_bag, run_dag, scheduled_logical_date
 from support.db import rows
 from support.effects import run_once
-from support.faults import figures, refusal
+from support.faults import figures, lock_extra, lock_modes_used, refusal
 from support.locks import advisory_locks
 from support.workers import Until, race, start_worker, work_log_count
 
@@ -124,12 +132,13 @@ def race_one_key(dsn: str, job: str) -> tuple[list[str], list[BaseException]]:
 
 
 def test_transaction_pooling_one_key_runs_once(
-    tx_bouncer: pgbouncer.PgBouncer, pg_dsn: str
+    tx_bouncer: pgbouncer.PgBouncer, pg_dsn: str, lock_mode: str
 ) -> None:
     """Through transaction pooling, a second run of a key that is running is refused: the
     work runs once, the run completes once, no setting is left on a pooled connection."""
     dsn = tx_bouncer.dsn(dbname(pg_dsn))
     ran, errors = race_one_key(dsn, "tx_job")
+    assert lock_modes_used(pg_dsn) == {lock_mode}
     assert ran == ["first"], ran
     assert [type(e) for e in errors] == [RunLockedError], errors
     assert rows(pg_dsn, "SELECT status, attempt_count FROM idempotency.job_runs") == [
@@ -145,8 +154,9 @@ def test_transaction_pooling_one_key_runs_once(
     settings = pooled_settings(tx_bouncer, dbname(pg_dsn))
     assert settings == {('"$user", public', "")}, settings
     figures(
-        f"the work ran once; the second run {refusal(errors[0])}; attempts completed + lock_held;"
-        " 0 advisory locks left; 4 pooled clients see search_path and application_name reset"
+        f"{lock_mode} mode: the work ran once; the second run {refusal(errors[0])}; attempts"
+        " completed + lock_held; 0 advisory locks left; 4 pooled clients see search_path and"
+        " application_name reset"
     )
 
 
@@ -179,17 +189,21 @@ def test_transaction_pooling_airflow_workers_run_a_key_once(
 
 
 @pytest.mark.both_airflow_lines
+@pytest.mark.parametrize("lock_mode", ["advisory", "lease"])
 def test_transaction_pooling_example_dag_completes_with_its_invoices(
     tx_bouncer: pgbouncer.PgBouncer,
     invoicing: Any,
     airflow_home: Path,
     monkeypatch: pytest.MonkeyPatch,
+    lock_mode: str,
 ) -> None:
     """finalize_invoices for a date of 200 orders, its job database behind transaction
     pooling: 200 invoices, 200 exported and confirmed, once (before, all three jobs said
-    completed with 0 invoices: the lock session's search_path had leaked to the work)."""
+    completed with 0 invoices: the lock session's search_path had leaked to the work). The
+    lock mode is the job connection's extra ``lock_mode``, as an operator sets it."""
     invoicing.seed(D, orders=200)
-    for name, value in connection_env(tx_bouncer.dsn(dbname(invoicing.dsn))).items():
+    pooled = tx_bouncer.dsn(dbname(invoicing.dsn))
+    for name, value in connection_env(pooled, job_extra=lock_extra(lock_mode)).items():
         monkeypatch.setenv(name, value)
     dag = load_dag_bag(DAGS_FOLDER).dags["finalize_invoices"]
     fire = pendulum.parse(scheduled_logical_date(D))
@@ -205,6 +219,7 @@ def test_transaction_pooling_example_dag_completes_with_its_invoices(
         "SELECT job_name, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id",
     )
     assert [o for _, o in outcomes] == ["completed"] * 3 + ["noop"] * 3, outcomes
+    assert lock_modes_used(invoicing.dsn) == {lock_mode}
     # The example's own tables stayed where they belong, none in the bookkeeping schema.
     assert rows(
         invoicing.dsn,
@@ -212,13 +227,13 @@ def test_transaction_pooling_example_dag_completes_with_its_invoices(
     ) == [(0,)]
     assert pooled_settings(tx_bouncer, dbname(invoicing.dsn)) == {('"$user", public', "")}
     figures(
-        "200 invoices, 200 remote invoices (no duplicate order), 200 ledger rows succeeded;"
-        " attempts: 3 completed, then 3 noop on the rerun"
+        f"{lock_mode} mode: 200 invoices, 200 remote invoices (no duplicate order), 200 ledger"
+        " rows succeeded; attempts: 3 completed, then 3 noop on the rerun"
     )
 
 
 def test_a_session_lock_left_on_a_pooled_connection_is_refused(
-    pg_server: PostgresServer, pg_dsn: str
+    pg_server: PostgresServer, pg_dsn: str, lock_mode: str
 ) -> None:
     """A session-level lock left on a pooled server connection (an old client) would make
     taking the key "again" succeed there: the run refuses, writing nothing, running nothing."""
@@ -236,11 +251,29 @@ def test_a_session_lock_left_on_a_pooled_connection_is_refused(
             assert called == []
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_run_attempts") == [(0,)]
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_runs") == [(0,)]
-    figures(f"{refusal(refused.value)}; work not run, 0 attempts, 0 job_runs")
+    figures(f"{lock_mode} mode: {refusal(refused.value)}; work not run, 0 attempts, 0 job_runs")
 
 
+STATEMENT_POOLING_LEASE = (
+    "lease mode, statement pooling, a migrated database: the decision is one message (BEGIN; "
+    "run_decide_lease; COMMIT), which PgBouncer's statement mode lets through, so the lease is "
+    "taken before the start's transaction is refused (ConfigurationError naming statement mode, "
+    "the work not run, no job_runs row); attempt 1 is then recorded failed, and the lease's "
+    "release (a transaction too) is refused: the key stays leased until the lease expires "
+    "(30 s), a retry meanwhile is refused lock_held"
+)
+
+
+@pytest.mark.parametrize(
+    "lock_mode",
+    [
+        "advisory",
+        pytest.param("lease", marks=pytest.mark.xfail(strict=True, reason=STATEMENT_POOLING_LEASE)),
+    ],
+    indirect=True,
+)
 def test_statement_pooling_is_refused_before_anything(
-    pg_server: PostgresServer, pg_dsn: str
+    pg_server: PostgresServer, pg_dsn: str, lock_mode: str
 ) -> None:
     """Statement pooling cannot hold a transaction: the run fails with an error naming it and
     the fix, runs no work and records nothing (neither on a fresh database nor a migrated one)."""
@@ -262,7 +295,10 @@ def test_statement_pooling_is_refused_before_anything(
             run_once(dsn, lambda r: called.append(1), job="j", run_key=D)
     assert called == []
     assert rows(pg_dsn, "SELECT count(*) FROM idempotency.job_run_attempts") == [(0,)]
-    figures(f"{refusal(refused.value)}; work not run, no schema made, 0 attempts once migrated")
+    figures(
+        f"{lock_mode} mode: {refusal(refused.value)}; work not run, no schema made, 0 attempts"
+        " once migrated"
+    )
 
 
 @pytest.mark.both_airflow_lines
@@ -408,4 +444,63 @@ def test_pool_sizing_runs_below_the_pool_complete_and_others_fail_bounded(
             else f"{len(failed)} failed with PoolExhaustedError after at most {slowest:.1f} s "
             f"(query_wait_timeout {POOL_WAIT} s), then completed on a retry"
         )
+    )
+
+
+def test_lease_mode_more_runs_than_the_pool_hold_their_keys_at_once_and_complete(
+    pg_server: PostgresServer, pg_dsn: str
+) -> None:
+    """The lease mode through transaction pooling with default_pool_size 3 (query_wait_timeout
+    4 s): 8 runs of distinct keys are all inside their work at once (each holding its key, as
+    its lease) and all complete, each with two fenced transactions; the advisory mode's rule
+    (N runs need N + 1 server connections, above) does not apply: nothing is pinned."""
+    import time
+
+    from airflow_idempotency.schema import ensure_schema
+
+    runs = 8
+    with psycopg.connect(pg_dsn, autocommit=True) as direct:
+        ensure_schema(direct)
+    all_in = threading.Barrier(runs)
+
+    def work(run: RunContext) -> None:
+        all_in.wait(60)  # every run holds its key now
+        for _ in range(2):
+            with run.transaction() as cur:
+                cur.execute("SELECT pg_sleep(0.2)")
+
+    settings = {"query_wait_timeout": str(POOL_WAIT)}
+    errors: list[BaseException] = []
+    with pgbouncer.run_pgbouncer(pg_server, "transaction", POOL_SIZE, settings) as bouncer:
+        dsn = bouncer.dsn(dbname(pg_dsn))
+
+        def one(key: str) -> None:
+            try:
+                run_idempotently(
+                    connect=connect_through(dsn),
+                    job_name="pooled",
+                    run_key=key,
+                    work=work,
+                    lock_mode="lease",
+                )
+            except BaseException as exc:
+                errors.append(exc)
+
+        began = time.monotonic()
+        threads = [threading.Thread(target=one, args=(f"k{i}",)) for i in range(runs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        took = time.monotonic() - began
+    assert not any(t.is_alive() for t in threads), "a run did not finish"
+    assert errors == [], errors
+    assert rows(pg_dsn, "SELECT status, count(*) FROM idempotency.job_runs GROUP BY 1") == [
+        ("completed", runs)
+    ]
+    assert lock_modes_used(pg_dsn) == {"lease"}
+    assert rows(pg_dsn, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
+    figures(
+        f"lease mode, pool of {POOL_SIZE}: {runs} runs inside their work at once, all "
+        f"completed in {took:.1f} s"
     )

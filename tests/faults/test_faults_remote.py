@@ -7,6 +7,10 @@ client's 2 s timeout, added latency, and all of them at once. The DAG runs in-pr
 effects pending (every try of some key failed), the date is run again, at most 5 times.
 The end is always the same: one remote invoice per order, every ledger row confirmed with
 the remote's reference, and every request the service saw accounted for in the ledger.
+
+The advisory mode only: the faults are the remote's, and what answers them (the ledger's
+retries, its unknown outcomes, the replays under the same keys) does not know how the run
+holds its key; a lease lost mid-export is tests/faults/test_faults_lock_loss.py's.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ barrier; the barrier releases all 32 at once into ``run_idempotently``.
 The storm runs on a private embedded PostgreSQL: 32 to 64 sessions at once would eat the
 shared server's connection budget (max_connections 100, much of it used by other work),
 and its pg_locks then shows only our locks.
+
+The one-key storm runs in the lease mode too (``[lease]``: 32 decisions racing for one lease
+row instead of one advisory lock). The 32-key storm counts the advisory locks held at once,
+which the lease mode does not take: tests/faults/test_faults_pgbouncer.py shows its
+counterpart (more runs than server connections, all holding their keys at once).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from airflow_idempotency.exceptions import RunLockedError
 from airflow_idempotency.runner import RunContext, run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from support.db import rows
-from support.faults import figures
+from support.faults import figures, lock_modes_used
 from support.locks import advisory_locks
 
 pytestmark = pytest.mark.slow
@@ -44,8 +49,10 @@ def contender(
     inside: Any,
     counted: Any,
     results: Any,
+    lock_mode: str = "advisory",
 ) -> None:
-    """One storm process: wait for the start, run the key, report outcome and timing."""
+    """One storm process: wait for the start, run the key (``lock_mode``), report outcome
+    and timing."""
     observed: dict[str, int] = {}
 
     def work(ctx: RunContext) -> dict[str, int]:
@@ -71,7 +78,11 @@ def contender(
     began = time.perf_counter()
     try:
         result = run_idempotently(
-            connect=lambda: psycopg.connect(dsn), job_name=JOB, run_key=run_key, work=work
+            connect=lambda: psycopg.connect(dsn),
+            job_name=JOB,
+            run_key=run_key,
+            work=work,
+            lock_mode=lock_mode,
         )
         outcome = result.outcome.value
     except RunLockedError:
@@ -81,7 +92,9 @@ def contender(
     results.put((os.getpid(), run_key, outcome, time.perf_counter() - began, observed))
 
 
-def storm(dsn: str, keys: list[str], *, wait_inside: bool) -> list[tuple[Any, ...]]:
+def storm(
+    dsn: str, keys: list[str], *, wait_inside: bool, lock_mode: str = "advisory"
+) -> list[tuple[Any, ...]]:
     """Start one process per key, release them together, collect what each reports."""
     ctx = mp.get_context("spawn")
     start = ctx.Barrier(len(keys))
@@ -89,7 +102,7 @@ def storm(dsn: str, keys: list[str], *, wait_inside: bool) -> list[tuple[Any, ..
     counted = ctx.Barrier(len(keys)) if wait_inside else None
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=contender, args=(dsn, key, start, inside, counted, results))
+        ctx.Process(target=contender, args=(dsn, key, start, inside, counted, results, lock_mode))
         for key in keys
     ]
     for proc in procs:
@@ -146,15 +159,19 @@ def summary(seconds: list[float]) -> str:
     )
 
 
-def test_32_processes_on_one_key_run_the_work_exactly_once(storm_dsn: str) -> None:
+@pytest.mark.parametrize("lock_mode", ["advisory", "lease"])
+def test_32_processes_on_one_key_run_the_work_exactly_once(storm_dsn: str, lock_mode: str) -> None:
     """32 processes released together on one (job, key): one runs the work, 31 are refused by the lock or find it completed, all 32 attempts are recorded and no lock is left."""
-    reported = storm(storm_dsn, ["2026-10-01"] * PROCESSES, wait_inside=False)
+    keys = ["2026-10-01"] * PROCESSES
+    reported = storm(storm_dsn, keys, wait_inside=False, lock_mode=lock_mode)
     outcomes = Counter(outcome for _, _, outcome, _, _ in reported)
     losers = [seconds for _, _, outcome, seconds, _ in reported if outcome != "completed"]
     winner = [seconds for _, _, outcome, seconds, _ in reported if outcome == "completed"]
     figures(
-        f"same key: outcomes {dict(outcomes)}; winner {summary(winner)}; losers {summary(losers)}"
+        f"{lock_mode} mode, same key: outcomes {dict(outcomes)}; winner {summary(winner)}; "
+        f"losers {summary(losers)}"
     )
+    assert lock_modes_used(storm_dsn) == {lock_mode}
     assert outcomes["completed"] == 1, outcomes
     assert outcomes["locked"] + outcomes["noop"] == PROCESSES - 1, outcomes
     assert rows(storm_dsn, "SELECT count(*) FROM public.storm_work") == [(1,)]
@@ -180,6 +197,7 @@ def test_32_processes_on_one_key_run_the_work_exactly_once(storm_dsn: str) -> No
     # A refusal is decided at once: nobody waits for the winner's 1 s of work.
     assert max(losers) < 30.0
     assert advisory_locks(storm_dsn, whole_server=True) == 0
+    assert rows(storm_dsn, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
 
 
 def test_32_processes_on_32_keys_all_run_at_the_same_time(storm_dsn: str) -> None:

@@ -4,6 +4,10 @@ workers of the current release, and a migrating worker that stops mid-migration.
 The next release is this code with one more migration (an ALTER TABLE of job_runs and of
 outbound_ledger, support.upgrades); the migration runs with the default bounds (each lock wait
 2 s, a silent client's transaction 10 s) except where a scenario shortens the overall wait.
+
+The advisory mode only: the scenarios are about the migration's own locks (its advisory
+migration lock, the ALTER TABLEs' lock waits) beside a fleet, which the fleet's lock mode
+does not change.
 """
 
 from __future__ import annotations

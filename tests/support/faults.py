@@ -21,6 +21,7 @@ from devtools import invariants
 from devtools.airflow_env import AIRFLOW_2, DAGS_FOLDER, connection_env
 from devtools.invariants import fire_time
 from devtools.workers import dags_test, kill_group
+from support.db import rows as db_rows
 from support.workers import private_airflow_env
 
 __all__ = ["connection_env", "kill_group"]  # the scenarios import them from here too
@@ -30,6 +31,45 @@ D = "2026-10-01"  # the business date of every finalize_invoices scenario
 # Airflow 3; Airflow 2 names it by the start of its interval, D 01:00.
 FIRE = fire_time(D, interval_start=AIRFLOW_2)
 JOBS = ("create_invoices", "rebuild_totals", "export_invoices")
+
+LEASE_TTL = 5.0
+"""The lease mode's time to live in the scenarios (docs/locks.md): a crashed worker's key is
+free again within it, so a rerun started after it does not wait (the default is 30 s)."""
+
+
+def lock_extra(lock_mode: str, lease_ttl: float = LEASE_TTL) -> dict[str, Any]:
+    """The job connection's extra that makes its runs use ``lock_mode`` (connection_env's
+    ``job_extra``): none for the advisory mode, the default."""
+    if lock_mode == "advisory":
+        return {}
+    return {"lock_mode": lock_mode, "lease_ttl": lease_ttl}
+
+
+def lock_modes_used(dsn: str) -> set[str]:
+    """The lock mode of every attempt that held its key (not a no-op nor a refusal): an
+    attempt of the lease mode records no lock session (``lock_backend_pid`` NULL)."""
+    found = db_rows(
+        dsn,
+        "SELECT DISTINCT lock_backend_pid IS NULL FROM idempotency.job_run_attempts"
+        " WHERE outcome NOT IN ('noop', 'lock_held')",
+    )
+    return {"lease" if leased else "advisory" for (leased,) in found}
+
+
+def wait_for_expired_leases(dsn: str, timeout: float = LEASE_TTL + 10) -> float:
+    """Wait until no lease of the database is live (a dead worker's expired: its key is free
+    to take over); return the seconds waited. Within ``timeout``, or an AssertionError."""
+    began = time.monotonic()
+    live = "SELECT count(*) FROM idempotency.run_leases WHERE expires_at > clock_timestamp()"
+    while db_rows(dsn, live) != [(0,)]:
+        assert time.monotonic() - began < timeout, f"a lease still live after {timeout} s"
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
+def lease_rows(dsn: str) -> int:
+    """Rows of ``run_leases`` now (taken and not released: live, or left by a dead worker)."""
+    return int(db_rows(dsn, "SELECT count(*) FROM idempotency.run_leases")[0][0])
 
 
 def spawn_worker(
