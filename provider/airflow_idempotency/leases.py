@@ -192,11 +192,9 @@ def release_lease(conn: psycopg.Connection, lock: RunLock, *, schema: str) -> bo
         "lock_holder": lock.holder,
         "lock_wait_ms": lock_wait_ms(),
     }
-    _, cursor = in_one_transaction(
-        conn,
-        [(query("bound_lock_waits", schema), params), (query("lease_release", schema), params)],
-    )
-    return cursor.fetchone() is not None
+    # one statement, its lock waits bounded by itself (sql: lease_release): no transaction
+    # block, so that a pooler in statement mode lets it through
+    return conn.execute(query("lease_release", schema), params).fetchone() is not None
 
 
 def lease_is_live(conn: psycopg.Connection, job_name: str, run_key: str, *, schema: str) -> bool:

@@ -116,6 +116,28 @@ def test_a_lease_is_taken_only_when_free_or_expired_with_a_new_token_each_time(
         assert third is not None and leases.lease_token(third) > leases.lease_token(second)
 
 
+def test_a_release_is_one_statement_whose_lock_wait_is_bounded(
+    lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release (sql: lease_release) runs as one statement in autocommit, no transaction
+    block (a pooler in statement mode lets it through), and its lock waits are still bounded:
+    behind a session holding the lease's row it gives up after the bound (1 s here), with the
+    session's own lock_timeout untouched; then it releases."""
+    monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
+    with psycopg.connect(lease_db, autocommit=True) as conn:
+        lease = acquire_lease(conn, LOCK_KEY, schema="idempotency", ttl=30)
+        assert lease is not None
+        with psycopg.connect(lease_db) as holder:
+            holder.execute("SELECT 1 FROM idempotency.run_leases FOR UPDATE")
+            began = time.monotonic()
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                release_lease(conn, lease, schema="idempotency")
+            assert 0.9 < time.monotonic() - began < 10
+        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
+        assert release_lease(conn, lease, schema="idempotency")
+    assert rows(lease_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
+
+
 def test_the_two_modes_exclude_each_other(lease_db: str) -> None:
     """A run of the advisory mode holding the key refuses a lease; a live lease refuses a run
     of the advisory mode at its start (nothing of it is written)."""

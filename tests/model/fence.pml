@@ -69,8 +69,14 @@
  * variant -DSTART_TAKES_COMPLETED: the decision's read refuses a completed key in the
  * acquisition step, the start step reads again (a no-op leaves by the failure's path: nothing
  * is open), and every landing of a completion asserts that none landed before.
+ * Reviewed for sql: lease_release as one statement in autocommit (no transaction block, so
+ * that a pooler in statement mode lets the release of a refused start through; its lock waits
+ * bounded by a set_config local to the statement, evaluated before either DELETE): it deletes
+ * the same rows under the same conditions (the lease only while its token stands, the spent
+ * arms of its holder) in one atomic statement, as the model's release step does; nothing
+ * else changed.
  *
- * fence-sql-sha256: e3ae773b269e5ab7c97d645c3b5f2412566da1214d644eacdb28a5d4707d1038
+ * fence-sql-sha256: 0878ca4342a9187a499de8d90d5a73ac5f7b5b32e4ac29dd53d73c24292961c0
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;

@@ -44,7 +44,6 @@ SITES: dict[tuple[str, str, str], str] = {
     ("leases.py", "acquire_lease", "in_one_transaction"): "bound_lock_waits first: "
     "lock_timeout for the lease's transaction; the advisory run lock is only tried",
     ("leases.py", "renew_lease", "in_one_transaction"): "bound_lock_waits first (the heartbeat)",
-    ("leases.py", "release_lease", "in_one_transaction"): "bound_lock_waits first",
     ("lease_run.py", "_run_lease", "bounded_transaction"): _BOUNDED + " (a lease-mode dry run's "
     "record)",
     ("lease_run.py", "_complete_and_release", "BEGIN"): _FENCED + ", and bound_lock_waits "
