@@ -130,3 +130,31 @@ def test_lease_mode_past_max_connections_no_slot_is_refused_and_one_slot_is_enou
         f"lease mode, max_connections {MAX_CONNECTIONS}, {len(held)} taken by the test: no "
         f"slot: {refusal(none_free)} (nothing recorded); one slot: the run completed"
     )
+
+
+def test_lease_mode_a_completion_refused_a_connection_names_the_sizing_rule(
+    small_server: Any,
+) -> None:
+    """The lease mode's completion borrows a connection of its own after the work: refused one
+    (the work took the last slot and keeps it), the run fails with PoolExhaustedError naming the
+    sizing rule, not with a LockLostError that says the lock was lost (the scale benchmark's
+    direct lease cell at N=1,000 counts LockLostErrors among its refused runs: not this)."""
+    _, dsn = small_server
+    taken: list[psycopg.Connection] = []
+
+    def work(run: Any) -> dict[str, int]:
+        taken.append(psycopg.connect(dsn, autocommit=True))  # the last free slot, kept
+        return {"done": 1}
+
+    try:
+        with every_slot_taken(dsn, leave_free=1), pytest.raises(PoolExhaustedError) as refused:
+            run_idempotently(
+                connect=lambda: psycopg.connect(dsn), job_name="job", run_key="2026-10-03",
+                work=work, lock_mode="lease",
+            )  # fmt: skip
+    finally:
+        for conn in taken:
+            conn.close()
+    said = str(refused.value)
+    assert "max_connections" in said and "too many clients already" in said, said
+    figures(f"lease mode, the completion refused a connection: {refusal(refused.value)}")
