@@ -265,6 +265,18 @@ def _lease_rows(result: BenchResult, v: Variant, rounds: list[dict[str, Any]], l
             at_most(ratio, FLOOR_FACTOR) if limit else None,
             f"floor {floor:.2f} ms, as the advisory row's",
         )
+    lease_noops = median([r["throughput"]["lease_noop_per_s"] for r in rounds])
+    select = median([r["throughput"]["select_1_per_s"] for r in rounds])
+    ratio = lease_noops / select
+    result.add(
+        f"{v.name}: lease: no-op/s through pool vs SELECT 1 loop",
+        ratio,
+        "x",
+        f">= {THROUGHPUT_RATIO:g}" if limit else "",
+        ratio >= THROUGHPUT_RATIO if limit else None,
+        f"{lease_noops:.0f} no-op decisions/s, {select:.0f} SELECT 1/s (the advisory row's "
+        "loop); 8 threads, a pool of 8",
+    )
 
 
 def run(size: Size, server: PostgresServer) -> BenchResult:

@@ -262,28 +262,36 @@ def _loop(threads: int, seconds: float, step: Callable[[int, int], None]) -> flo
     return sum(done) / (time.monotonic() - started)
 
 
-def _throughput(dsn: str, call: Callable[..., float], round_no: int) -> dict[str, float]:
+def _throughput(
+    dsn: str, call: Callable[..., float], round_no: int, modes: tuple[str, ...]
+) -> dict[str, float]:
     """No-op decisions per second through a pool of THREADS connections, THREADS threads,
-    against a SELECT 1 loop on the same pool's connections (issue 32, goal 4)."""
-    keys = [f"r{round_no}-tp-{t}" for t in range(THREADS)]
+    against a SELECT 1 loop on the same pool's connections (issue 32, goal 4), in each lock
+    mode of ``modes`` ("" the advisory mode, "lease_" the lease mode) one after the other."""
+    keys = {m: [f"r{round_no}-{m}tp-{t}" for t in range(THREADS)] for m in modes}
     with ConnectionPool(dsn, min_size=THREADS, max_size=THREADS, open=True, name="tp") as pool:
         pool.wait()
-        for key in keys:
-            call(pool.connection, key, _completed())
+        for mode, mode_keys in keys.items():
+            for key in mode_keys:
+                call(pool.connection, key, _completed(), mode)
 
         def select_1(t: int, i: int) -> None:
             with pool.connection() as c:
                 c.autocommit = True
                 c.execute("SELECT 1").fetchone()
 
-        def decision(t: int, i: int) -> None:
-            # each thread its own completed key: two decisions of one key at once would
-            # refuse one of them (lock_held), not measure a no-op
-            call(pool.connection, keys[t], _noop_outcome())
+        def decision(mode: str) -> Callable[[int, int], None]:
+            def step(t: int, i: int) -> None:
+                # each thread its own completed key: two decisions of one key at once would
+                # refuse one of them (lock_held), not measure a no-op
+                call(pool.connection, keys[mode][t], _noop_outcome(), mode)
 
-        select = _loop(THREADS, SPAN_S, select_1)
-        noops = _loop(THREADS, SPAN_S, decision)
-    return {"select_1_per_s": select, "noop_per_s": noops}
+            return step
+
+        found = {"select_1_per_s": _loop(THREADS, SPAN_S, select_1)}
+        for mode in modes:
+            found[f"{mode}noop_per_s"] = _loop(THREADS, SPAN_S, decision(mode))
+    return found
 
 
 def _completed() -> Any:
@@ -356,7 +364,7 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
                 for values in cpu.values():
                     values.clear()
     cpu_samples = {kind: list(values) for kind, values in cpu.items()}
-    throughput = _throughput(dsn, call, round_no)
+    throughput = _throughput(dsn, call, round_no, modes)
 
     params = conninfo_to_dict(dsn)
     proxy = CountingProxy(str(params.get("host", "127.0.0.1")), int(str(params.get("port", 5432))))
