@@ -42,7 +42,7 @@ from airflow_idempotency.leases import (
     shared_session_error,
     worker_name,
 )
-from airflow_idempotency.locks import RunLock, lock_wait_ms
+from airflow_idempotency.locks import RunLock, lock_wait_ms, pooler_refusal
 from airflow_idempotency.records import RunRecord, RunRecords
 from airflow_idempotency.run_context import RunSpec, autocommit_connection
 from airflow_idempotency.run_failures import named_failure, record_deferral, record_failure
@@ -297,7 +297,10 @@ class LeaseRun(Run):
                     raise translated from exc
         except (psycopg.Error, IdempotencyError) as exc:
             failure: BaseException = exc
-            if isinstance(exc, psycopg.OperationalError):
+            refusal = pooler_refusal(exc) if isinstance(exc, psycopg.Error) else None
+            if refusal is not None:  # no connection for it: the sizing rule, not a lost lock
+                failure = refusal
+            elif isinstance(exc, psycopg.OperationalError):
                 failure = LockLostError(
                     f"job {self.job_name!r} run_key {self.run_key!r}: the connection was lost "
                     f"before the completion could be recorded ({exc}); it is not marked "

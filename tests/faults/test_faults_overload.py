@@ -14,6 +14,7 @@ its own to complete.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,25 +137,37 @@ def test_lease_mode_a_completion_refused_a_connection_names_the_sizing_rule(
     small_server: Any,
 ) -> None:
     """The lease mode's completion borrows a connection of its own after the work: refused one
-    (the work took the last slot and keeps it), the run fails with PoolExhaustedError naming the
-    sizing rule, not with a LockLostError that says the lock was lost (the scale benchmark's
-    direct lease cell at N=1,000 counts LockLostErrors among its refused runs: not this)."""
+    (PostgreSQL has no slot left), the run fails with PoolExhaustedError naming the sizing
+    rule, not with a LockLostError saying the connection was lost (the scale benchmark's direct
+    lease cell at N=1,000: 28 runs so named, nobody had taken their keys). The job's connect
+    callable takes every free slot just before the completion's connection is opened."""
     _, dsn = small_server
-    taken: list[psycopg.Connection] = []
+    worked = threading.Event()
+    held: list[psycopg.Connection] = []
+
+    def connect() -> psycopg.Connection:
+        if worked.is_set() and not held:  # the first connection after the work: the completion's
+            with every_slot_taken(dsn) as taken:
+                held.extend(taken)
+                taken.clear()  # kept open until the test ends
+        return psycopg.connect(dsn)
 
     def work(run: Any) -> dict[str, int]:
-        taken.append(psycopg.connect(dsn, autocommit=True))  # the last free slot, kept
+        worked.set()
         return {"done": 1}
 
     try:
-        with every_slot_taken(dsn, leave_free=1), pytest.raises(PoolExhaustedError) as refused:
+        with pytest.raises(PoolExhaustedError) as refused:
             run_idempotently(
-                connect=lambda: psycopg.connect(dsn), job_name="job", run_key="2026-10-03",
-                work=work, lock_mode="lease",
+                connect=connect, job_name="job", run_key="2026-10-03", work=work,
+                lock_mode="lease",
             )  # fmt: skip
     finally:
-        for conn in taken:
+        for conn in held:
             conn.close()
     said = str(refused.value)
+    assert held, "the completion's connection was not the one refused"
     assert "max_connections" in said and "too many clients already" in said, said
+    completed = "SELECT status FROM idempotency.job_runs WHERE run_key = '2026-10-03'"
+    assert rows(dsn, completed) == [("started",)]  # not marked completed: a rerun converges
     figures(f"lease mode, the completion refused a connection: {refusal(refused.value)}")
