@@ -205,16 +205,26 @@ def _goal_rows(
             at_most(cpu, CPU_LIMIT_MS) if limit else None,
             "this thread's CPU time (the provider, psycopg and the pool)",
         )
-    noops = median([r["throughput"]["noop_per_s"] for r in rounds])
+    _throughput_row(result, v, rounds, "", limit)
+
+
+def _throughput_row(
+    result: BenchResult, v: Variant, rounds: list[dict[str, Any]], mode: str, limit: bool
+) -> None:
+    """No-op decisions per second through the pool in ``mode`` ("" the advisory mode,
+    "lease_" the lease mode) against the SELECT 1 loop on the same pool's connections."""
+    noops = median([r["throughput"][f"{mode}noop_per_s"] for r in rounds])
     select = median([r["throughput"]["select_1_per_s"] for r in rounds])
     ratio = noops / select
     result.add(
-        f"{v.name}: no-op/s through pool vs SELECT 1 loop",
+        f"{v.name}: {'lease: ' if mode else ''}no-op/s through pool vs SELECT 1 loop",
         ratio,
         "x",
         f">= {THROUGHPUT_RATIO:g}" if limit else "",
         ratio >= THROUGHPUT_RATIO if limit else None,
-        f"{noops:.0f} no-op decisions/s, {select:.0f} SELECT 1/s; 8 threads, a pool of 8",
+        f"{noops:.0f} no-op decisions/s, {select:.0f} SELECT 1/s"
+        + (" (the advisory row's loop)" if mode else "")
+        + "; 8 threads, a pool of 8",
     )
 
 
@@ -265,18 +275,7 @@ def _lease_rows(result: BenchResult, v: Variant, rounds: list[dict[str, Any]], l
             at_most(ratio, FLOOR_FACTOR) if limit else None,
             f"floor {floor:.2f} ms, as the advisory row's",
         )
-    lease_noops = median([r["throughput"]["lease_noop_per_s"] for r in rounds])
-    select = median([r["throughput"]["select_1_per_s"] for r in rounds])
-    ratio = lease_noops / select
-    result.add(
-        f"{v.name}: lease: no-op/s through pool vs SELECT 1 loop",
-        ratio,
-        "x",
-        f">= {THROUGHPUT_RATIO:g}" if limit else "",
-        ratio >= THROUGHPUT_RATIO if limit else None,
-        f"{lease_noops:.0f} no-op decisions/s, {select:.0f} SELECT 1/s (the advisory row's "
-        "loop); 8 threads, a pool of 8",
-    )
+    _throughput_row(result, v, rounds, "lease_", limit)
 
 
 def run(size: Size, server: PostgresServer) -> BenchResult:
