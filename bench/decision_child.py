@@ -288,7 +288,16 @@ def _throughput(
 
             return step
 
-        found = {"select_1_per_s": _loop(THREADS, SPAN_S, select_1)}
+        def commit_1(t: int, i: int) -> None:
+            # a no-op's physical floor: one round trip that commits one row durably
+            with pool.connection() as c:
+                c.autocommit = True
+                c.execute("INSERT INTO public.bench_commit_probe DEFAULT VALUES")
+
+        found = {
+            "select_1_per_s": _loop(THREADS, SPAN_S, select_1),
+            "commit_1_per_s": _loop(THREADS, SPAN_S, commit_1),
+        }
         for mode in modes:
             found[f"{mode}noop_per_s"] = _loop(THREADS, SPAN_S, decision(mode))
     return found

@@ -86,9 +86,9 @@ COMPLETED_CHECK_OFF = Build(
     "completed-check-off",
     "a completed key is run again: the runner no longer no-ops on a completed key",
     patches=(
-        # The advisory mode decides in SQL (migration 0016's run_decide) ...
+        # The advisory mode decides in SQL (run_decide: migration 0021's, after 0016's) ...
         Patch(
-            "sql/migrations/0016_run_decide.sql",
+            "sql/migrations/0021_decision_plans.sql",
             "IF r.status IS DISTINCT FROM 'completed' OR p_force THEN",
             "IF true THEN  -- broken build: completed-check-off",
         ),

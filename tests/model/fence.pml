@@ -75,8 +75,14 @@
  * the same rows under the same conditions (the lease only while its token stands, the spent
  * arms of its holder) in one atomic statement, as the model's release step does; nothing
  * else changed.
+ * Reviewed for 0021 (issue 32: a cheaper decision): fence_live_lease and bound_dead_peer are
+ * the same statements in plpgsql (whose plans a session keeps) instead of SQL functions that
+ * every transaction planned again; run_decide reads the lock table once for this backend (the
+ * key's run lock held already, the virtual transaction id) instead of twice, and assigns the
+ * holder only after its try of the run lock, as before. Same reads, same results, same order
+ * against every other statement: the model's steps and properties are unchanged.
  *
- * fence-sql-sha256: 0878ca4342a9187a499de8d90d5a73ac5f7b5b32e4ac29dd53d73c24292961c0
+ * fence-sql-sha256: fbe63a814f57295ca715214c4eafec51df2c732d9e3dbcfa41d48aa6b1cbbe44
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;
