@@ -288,6 +288,18 @@ def shared_session_error(backend_pid: int, lock_key: int) -> SharedSessionError:
     )
 
 
+def no_slot(exc: BaseException) -> bool:
+    """Whether ``exc`` is a new connection refused for want of a slot: PostgreSQL past
+    max_connections (or a role's or database's limit), or PgBouncer past max_client_conn. The
+    connection was never opened, so nothing of it was sent: a later try is safe."""
+    if isinstance(exc, psycopg.errors.TooManyConnections):
+        return True
+    text = str(exc)
+    return isinstance(exc, psycopg.OperationalError) and (
+        _CLIENT_LIMIT in text or any(t in text for t in _TOO_MANY)
+    )
+
+
 def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
     """The error to raise when ``exc`` is a connection pooler refusing the provider's work,
     else ``None``: a pooler in statement mode refusing a transaction (a configuration that

@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 from psycopg import IsolationLevel
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
@@ -24,6 +25,7 @@ from airflow_idempotency.fence import Fence, lock_wait_refusal
 from airflow_idempotency.locks import (
     RunLock,
     lock_is_held,
+    no_slot,
     session_ended,
 )
 from airflow_idempotency.metrics import NO_METRICS, Metrics
@@ -238,6 +240,46 @@ class RunContext:
     def bookkeeping_connection(self) -> AbstractContextManager[psycopg.Connection]:
         """A new autocommit connection to the job database (the ledger writes through one)."""
         return autocommit_connection(self._connect)
+
+
+def connect_when_room(
+    connect: ConnectionFactory,
+    seconds: float,
+    waiting: Callable[[BaseException], None],
+    waited: Callable[[float], None],
+) -> ConnectionFactory:
+    """``connect``, tried again while the database or the pooler refuses the new connection for
+    want of a slot (:func:`~airflow_idempotency.locks.no_slot`), for at most ``seconds`` in all
+    (pauses drawn at random up to 50 ms, doubling to 1 s). ``waiting`` is called before each pause with
+    the refusal, ``waited`` once with the seconds paused when there was a pause; the last
+    refusal is raised once the bound is spent. For a step that must not be lost to a moment's
+    overload (the lease mode's completion: its work is committed)."""
+
+    @contextlib.contextmanager
+    def connection() -> Iterator[psycopg.Connection]:
+        retrying = Retrying(
+            stop=stop_after_delay(seconds),
+            wait=wait_random_exponential(multiplier=0.05, min=0.02, max=1.0),
+            retry=retry_if_exception(no_slot),
+            before_sleep=lambda state: waiting(_refusal(state.outcome)),
+            reraise=True,
+        )
+        with contextlib.ExitStack() as stack:
+            try:
+                conn = retrying(lambda: stack.enter_context(connect()))
+            finally:
+                paused = float(retrying.statistics.get("idle_for", 0.0))
+                if paused:
+                    waited(paused)
+            yield conn
+
+    return connection
+
+
+def _refusal(outcome: Any) -> BaseException:
+    """The exception of a tenacity attempt's outcome (a refused connection)."""
+    exc = outcome.exception() if outcome is not None else None
+    return exc if exc is not None else RuntimeError("no outcome")
 
 
 @contextlib.contextmanager

@@ -14,15 +14,18 @@ its own to complete.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
-from airflow_idempotency import run_idempotently
+from airflow_idempotency import RunOutcome, run_idempotently
 from airflow_idempotency.exceptions import PoolExhaustedError
+from airflow_idempotency.locks import LOCK_WAIT_ENV
 from devtools.postgres import PostgresServer, private_embedded
 from support.db import rows
 from support.faults import figures, refusal
@@ -134,13 +137,15 @@ def test_lease_mode_past_max_connections_no_slot_is_refused_and_one_slot_is_enou
 
 
 def test_lease_mode_a_completion_refused_a_connection_names_the_sizing_rule(
-    small_server: Any,
+    small_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The lease mode's completion borrows a connection of its own after the work: refused one
-    (PostgreSQL has no slot left), the run fails with PoolExhaustedError naming the sizing
-    rule, not with a LockLostError saying the connection was lost (the scale benchmark's direct
-    lease cell at N=1,000: 28 runs so named, nobody had taken their keys). The job's connect
-    callable takes every free slot just before the completion's connection is opened."""
+    (PostgreSQL has no slot left) for longer than the bound of its wait (the lock wait, 2 s
+    here), the run fails with PoolExhaustedError naming the sizing rule, not with a
+    LockLostError saying the connection was lost (the scale benchmark's direct lease cell at
+    N=1,000: 28 runs so named, nobody had taken their keys). The job's connect callable takes
+    every free slot just before the completion's connection is opened."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "2")
     _, dsn = small_server
     worked = threading.Event()
     held: list[psycopg.Connection] = []
@@ -156,6 +161,7 @@ def test_lease_mode_a_completion_refused_a_connection_names_the_sizing_rule(
         worked.set()
         return {"done": 1}
 
+    began = time.monotonic()
     try:
         with pytest.raises(PoolExhaustedError) as refused:
             run_idempotently(
@@ -165,9 +171,61 @@ def test_lease_mode_a_completion_refused_a_connection_names_the_sizing_rule(
     finally:
         for conn in held:
             conn.close()
+    assert time.monotonic() - began >= 2  # it waited its bound for a slot first
     said = str(refused.value)
     assert held, "the completion's connection was not the one refused"
     assert "max_connections" in said and "too many clients already" in said, said
     completed = "SELECT status FROM idempotency.job_runs WHERE run_key = '2026-10-03'"
     assert rows(dsn, completed) == [("started",)]  # not marked completed: a rerun converges
     figures(f"lease mode, the completion refused a connection: {refusal(refused.value)}")
+
+
+def test_lease_mode_a_completion_refused_a_connection_waits_for_a_slot_and_completes(
+    small_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The completion refused a connection for want of a slot waits for one (its work is
+    committed: failing now would make the rerun do it again), says so, and completes once a
+    slot is free (here 1.5 s later): the work committed once, the run completed, one attempt."""
+    _, dsn = small_server
+    worked = threading.Event()
+    held: list[psycopg.Connection] = []
+    freed: list[threading.Timer] = []
+
+    def free_slots() -> None:
+        for conn in held:
+            conn.close()
+
+    def connect() -> psycopg.Connection:
+        if worked.is_set() and not held:  # the first connection after the work: the completion's
+            with every_slot_taken(dsn) as taken:
+                held.extend(taken)
+                taken.clear()
+            freed.append(threading.Timer(1.5, free_slots))
+            freed[0].start()
+        return psycopg.connect(dsn)
+
+    def work(run: Any) -> dict[str, int]:
+        with run.transaction() as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS done (k text)")
+            conn.execute("INSERT INTO done VALUES ('2026-10-04')")
+        worked.set()
+        return {"done": 1}
+
+    caplog.set_level(logging.WARNING)
+    try:
+        result = run_idempotently(
+            connect=connect, job_name="job", run_key="2026-10-04", work=work, lock_mode="lease"
+        )
+    finally:
+        for timer in freed:
+            timer.join()
+        free_slots()
+    assert held, "the completion's connection was not the one refused"
+    assert result.outcome is RunOutcome.COMPLETED
+    assert rows(dsn, "SELECT count(*) FROM done") == [(1,)]
+    assert rows(dsn, "SELECT status FROM idempotency.job_runs WHERE run_key = '2026-10-04'") == [
+        ("completed",)
+    ]
+    said = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    assert len(said) == 1 and "too many clients already" in said[0], said
+    figures(f"lease mode, the completion refused a connection for 1.5 s: waited, {said[0]}")

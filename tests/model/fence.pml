@@ -82,7 +82,7 @@
  * holder only after its try of the run lock, as before. Same reads, same results, same order
  * against every other statement: the model's steps and properties are unchanged.
  *
- * fence-sql-sha256: fbe63a814f57295ca715214c4eafec51df2c732d9e3dbcfa41d48aa6b1cbbe44
+ * fence-sql-sha256: e481789ff2fc04baf2008bf68f234737a552b7dd6e0d558f474375736a9eb46c
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;

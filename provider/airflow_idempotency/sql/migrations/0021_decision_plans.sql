@@ -89,7 +89,7 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    -- one scan of the lock table, for this backend: the key's run lock held already (the test
+    -- one scan of pg_lock_status, for this backend: the key's run lock held already (the test
     -- of held_run_locks) and this transaction's virtual transaction id (the holder)
     SELECT coalesce(bool_or(l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
                             AND ((l.classid::bigint << 32) | l.objid::bigint) = p_lock_key
