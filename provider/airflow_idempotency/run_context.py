@@ -250,10 +250,11 @@ def connect_when_room(
 ) -> ConnectionFactory:
     """``connect``, tried again while the database or the pooler refuses the new connection for
     want of a slot (:func:`~airflow_idempotency.locks.no_slot`), for at most ``seconds`` in all
-    (pauses drawn at random up to 50 ms, doubling to 1 s). ``waiting`` is called before each pause with
-    the refusal, ``waited`` once with the seconds paused when there was a pause; the last
-    refusal is raised once the bound is spent. For a step that must not be lost to a moment's
-    overload (the lease mode's completion: its work is committed)."""
+    (each pause drawn at random below a cap that starts at 50 ms and doubles up to 1 s).
+    ``waiting`` is called before each pause with the refusal, ``waited`` once with the seconds
+    paused when there was a pause; the last refusal is raised once the bound is spent. For a
+    step that must not be lost to a moment's overload (the lease mode's completion: its work is
+    committed)."""
 
     @contextlib.contextmanager
     def connection() -> Iterator[psycopg.Connection]:

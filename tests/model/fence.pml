@@ -82,7 +82,7 @@
  * holder only after its try of the run lock, as before. Same reads, same results, same order
  * against every other statement: the model's steps and properties are unchanged.
  *
- * fence-sql-sha256: e481789ff2fc04baf2008bf68f234737a552b7dd6e0d558f474375736a9eb46c
+ * fence-sql-sha256: 1171e3804ee25b90d1226a5f4d10abe35c0211811a38467e8e6acbdcacb55a75
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;

@@ -3,12 +3,13 @@
 --
 -- What a decision cost on the server, measured per call (a backend's CPU around 3,000 calls):
 -- every transaction PLANNED AGAIN the body of each SQL-language function it called that
--- PostgreSQL cannot inline (one with a SET clause, or a void result): such a body is planned
--- once per calling statement, and a plpgsql caller's statement is a new one in every
--- transaction. fence_live_lease (SET search_path) cost about 85 us of the lease mode's no-op
--- (313 us in all), bound_dead_peer (a void result) about 25 us of the advisory mode's. As
--- plpgsql functions their plans are kept by the session, as every other function of the
--- fence's is. Same statements, same results: only the language changes.
+-- PostgreSQL cannot inline (one with a SET clause; one whose SELECT is not its result, as four
+-- values selected for a void result): such a body is planned once per calling statement, and
+-- a plpgsql caller's statement is a new one in every transaction. fence_live_lease (SET
+-- search_path) cost about 85 us of the lease mode's no-op (313 us in all), bound_dead_peer
+-- about 25 us of the advisory mode's. As plpgsql functions their plans are kept by the
+-- session, as every other function of the fence's is. Same statements, same results: only
+-- the language changes.
 --
 -- run_decide (migration 16) read the lock table twice (pg_lock_status, a scan of every lock of
 -- the server under each of its partition locks: held_run_locks for the key's lock held already
