@@ -44,7 +44,12 @@ from airflow_idempotency.leases import (
 )
 from airflow_idempotency.locks import RunLock, lock_wait_ms, pooler_refusal
 from airflow_idempotency.records import RunRecord, RunRecords
-from airflow_idempotency.run_context import RunSpec, autocommit_connection, connect_when_room
+from airflow_idempotency.run_context import (
+    ConnectionFactory,
+    RunSpec,
+    autocommit_connection,
+    connect_when_room,
+)
 from airflow_idempotency.run_failures import named_failure, record_deferral, record_failure
 from airflow_idempotency.run_steps import (
     CompletedBeforeStart,
@@ -312,25 +317,14 @@ class LeaseRun(Run):
             raise failure from exc
         return self._result(RunOutcome.COMPLETED, counts)
 
-    def _completion_connect(self) -> Any:
+    def _completion_connect(self) -> ConnectionFactory:
         """The completion's connection: the work is committed, so a connection refused for want
-        of a slot is asked for again, up to the bound of every lock wait (lock_wait_ms), while
-        the heartbeat keeps the lease; the wait is logged once and timed (database_wait)."""
-        bound = int(lock_wait_ms()) / 1000
-        said: list[bool] = []
-
-        def waiting(refusal: BaseException) -> None:
-            if not said:
-                said.append(True)
-                self.log.warning(
-                    "the job database refused the completion a connection (%s): the work is "
-                    "committed; waiting up to %g s for a free slot (see docs/deploying.md, "
-                    "pool sizing)",
-                    refusal,
-                    bound,
-                )
-
-        return connect_when_room(self.spec.connect, bound, waiting, self._database_wait)
+        of a slot is asked for again, within the lock wait, while the heartbeat keeps the lease
+        (:func:`~airflow_idempotency.run_context.connect_when_room`)."""
+        return connect_when_room(
+            self.spec.connect, "the completion (its work is committed)", self.log,
+            self._database_wait,
+        )  # fmt: skip
 
     def _release(self, lease: RunLock) -> None:
         """Release the lease (the run's outcome is recorded, or nothing was); a release that

@@ -25,10 +25,11 @@ from airflow_idempotency.fence import Fence, lock_wait_refusal
 from airflow_idempotency.locks import (
     RunLock,
     lock_is_held,
+    lock_wait_ms,
     no_slot,
     session_ended,
 )
-from airflow_idempotency.metrics import NO_METRICS, Metrics
+from airflow_idempotency.metrics import NO_METRICS, Metrics, run_timing
 from airflow_idempotency.records import RunIdentity, RunOptions
 from airflow_idempotency.schema import DEFAULT_SCHEMA
 
@@ -238,23 +239,43 @@ class RunContext:
             )
 
     def bookkeeping_connection(self) -> AbstractContextManager[psycopg.Connection]:
-        """A new autocommit connection to the job database (the ledger writes through one)."""
-        return autocommit_connection(self._connect)
+        """A new autocommit connection to the job database (the ledger writes through one); one
+        refused for want of a slot is asked for again, within the lock wait
+        (:func:`connect_when_room`)."""
+
+        def waited(seconds: float) -> None:
+            run_timing(self.metrics, "database_wait", seconds, self.job_name)
+
+        return autocommit_connection(
+            connect_when_room(self._connect, "the outbound ledger", self.log, waited)
+        )
 
 
 def connect_when_room(
-    connect: ConnectionFactory,
-    seconds: float,
-    waiting: Callable[[BaseException], None],
-    waited: Callable[[float], None],
+    connect: ConnectionFactory, what: str, log: Any, waited: Callable[[float], None]
 ) -> ConnectionFactory:
     """``connect``, tried again while the database or the pooler refuses the new connection for
-    want of a slot (:func:`~airflow_idempotency.locks.no_slot`), for at most ``seconds`` in all
-    (each pause drawn at random below a cap that starts at 50 ms and doubles up to 1 s).
-    ``waiting`` is called before each pause with the refusal, ``waited`` once with the seconds
-    paused when there was a pause; the last refusal is raised once the bound is spent. For a
-    step that must not be lost to a moment's overload (the lease mode's completion: its work is
-    committed)."""
+    want of a slot (:func:`~airflow_idempotency.locks.no_slot`), for at most the bound of every
+    lock wait (:func:`~airflow_idempotency.locks.lock_wait_ms`) in all (each pause drawn at
+    random below a cap that starts at 50 ms and doubles up to 1 s). The first refusal is logged
+    on ``log`` with ``what`` the connection is for, ``waited`` is called once with the seconds
+    paused when there was a pause; the last refusal is raised once the bound is spent. For the
+    connections a run opens after its work committed (the lease mode's completion, the
+    outbound ledger's): refused, the run would fail and its rerun do the work again."""
+    seconds = int(lock_wait_ms()) / 1000
+
+    def waiting(refusal: BaseException) -> None:
+        if not said:
+            said.append(True)
+            log.warning(
+                "the job database refused %s a connection (%s): waiting up to %g s for a free "
+                "slot (see docs/deploying.md, pool sizing)",
+                what,
+                refusal,
+                seconds,
+            )
+
+    said: list[bool] = []
 
     @contextlib.contextmanager
     def connection() -> Iterator[psycopg.Connection]:

@@ -229,3 +229,55 @@ def test_lease_mode_a_completion_refused_a_connection_waits_for_a_slot_and_compl
     said = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
     assert len(said) == 1 and "too many clients already" in said[0], said
     figures(f"lease mode, the completion refused a connection for 1.5 s: waited, {said[0]}")
+
+
+@pytest.mark.parametrize("lock_mode", ["advisory", "lease"])
+def test_the_ledgers_connection_refused_after_the_work_waits_for_a_slot(
+    small_server: Any, caplog: pytest.LogCaptureFixture, lock_mode: str
+) -> None:
+    """The outbound ledger's connection (``run.bookkeeping_connection()``), opened after the
+    work committed, refused for want of a slot for 1.5 s: it waits for one, says so, and the run
+    completes with its work committed once (the issue's case: a run that failed at the ledger's
+    connection had already committed its work, so its retry did the work again)."""
+    _, dsn = small_server
+    timers: list[threading.Timer] = []
+    held: list[psycopg.Connection] = []
+
+    def free_slots() -> None:
+        for conn in held:
+            conn.close()
+
+    def work(run: Any) -> dict[str, int]:
+        with run.transaction() as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS done (k text)")
+            conn.execute("INSERT INTO done VALUES (%s)", (run.run_key,))
+        with every_slot_taken(dsn) as taken:
+            held.extend(taken)
+            taken.clear()
+        timers.append(threading.Timer(1.5, free_slots))
+        timers[0].start()
+        with run.bookkeeping_connection() as conn:
+            conn.execute("SELECT 1")
+        return {"done": 1}
+
+    caplog.set_level(logging.WARNING)
+    key = f"2026-10-0{5 if lock_mode == 'advisory' else 6}"
+    try:
+        result = run_idempotently(
+            connect=lambda: psycopg.connect(dsn), job_name="job", run_key=key, work=work,
+            lock_mode=lock_mode,
+        )  # fmt: skip
+    finally:
+        for timer in timers:
+            timer.join()
+        free_slots()
+    assert held, "no slot was taken"
+    assert result.outcome is RunOutcome.COMPLETED
+    assert rows(dsn, "SELECT count(*) FROM done WHERE k = %s", (key,)) == [(1,)]
+    said = [
+        r.getMessage() for r in caplog.records if "refused the outbound ledger" in r.getMessage()
+    ]
+    assert len(said) == 1 and "too many clients already" in said[0], said
+    figures(
+        f"{lock_mode}: the ledger's connection refused for 1.5 s after the work: waited, completed"
+    )
