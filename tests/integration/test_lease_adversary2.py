@@ -6,7 +6,6 @@ attack that held."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -18,8 +17,6 @@ from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.leases import LockMode
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunResult, run_idempotently
-from airflow_idempotency.schema import ensure_schema
-from devtools.postgres import PostgresServer, temporary_database
 from support.db import rows
 from support.locks import Background, expire_lease, wait_for
 
@@ -27,16 +24,6 @@ JOB, KEY = "adv2_job", "2026-11-03"
 LOCK_KEY = run_lock_key(JOB, KEY)
 # renewed every 100 s: no renewal during a test; expire_lease ends it when the test says
 LONG = LockMode("lease", lease_ttl=300)
-
-
-@pytest.fixture
-def adv_db(pg_server: PostgresServer) -> Iterator[str]:
-    """A fresh database with the bookkeeping schema and ``public.facts`` the work writes to."""
-    with temporary_database(pg_server, "lease_adv2") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            ensure_schema(conn)
-            conn.execute("CREATE TABLE public.facts (writer text NOT NULL, k text)")
-        yield dsn
 
 
 def run_in(dsn: str, work: Any, lock_mode: str | LockMode = LONG, **more: Any) -> RunResult:
