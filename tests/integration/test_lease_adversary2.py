@@ -18,7 +18,7 @@ from airflow_idempotency.leases import LockMode
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunResult, run_idempotently
 from support.db import rows
-from support.locks import Background, expire_lease, wait_for
+from support.locks import Background, expire_lease, lock_waiters, wait_for
 
 JOB, KEY = "adv2_job", "2026-11-03"
 LOCK_KEY = run_lock_key(JOB, KEY)
@@ -39,18 +39,6 @@ def run_in(dsn: str, work: Any, lock_mode: str | LockMode = LONG, **more: Any) -
 
 def written(dsn: str) -> list[str]:
     return [w for (w,) in rows(dsn, "SELECT writer FROM public.facts ORDER BY writer")]
-
-
-def lock_waiters(dsn: str) -> list[int]:
-    """Backends of this database waiting for a lock: a row, a transaction or an advisory key."""
-    return [
-        pid
-        for (pid,) in rows(
-            dsn,
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-            "AND wait_event_type = 'Lock'",
-        )
-    ]
 
 
 def chain(exc: BaseException | None) -> str:
