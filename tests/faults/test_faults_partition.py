@@ -9,11 +9,11 @@ hours. Needs root and iproute2.
 
 The lease mode (docs/locks.md) holds no session for the key: a cut-off worker's lease simply
 expires (``lease_ttl`` 5 s here) and a successor takes the key over, without waiting for the
-server to give up on a dead peer; its late write is fenced all the same
-(``test_lease_mode_*``, the first scenario's counterpart, on the 3.x line only). The other
-scenarios are about the server's bound on a dead peer's sessions (the notice within the
-bound, a work transaction's row locks, a ledger batch's open claim): the same sessions and the
-same bound in both modes.
+server to give up on a dead peer; its late write is fenced all the same (the first scenario
+runs in both modes, its ``lease`` case on the 3.x line only). The other scenarios are about
+the server's bound on a dead peer's sessions (the notice within the bound, a work
+transaction's row locks, a ledger batch's open claim): the same sessions and the same bound
+in both modes.
 """
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ def cut_off_worker(
 
 
 def writing_after_the_hold(
-    link: netns.Link, airflow_home: Path, dsn: str, tmp_path: Path, release: Path
+    link: netns.Link, airflow_home: Path, dsn: str, tmp_path: Path, release: Path, **env: str
 ) -> subprocess.Popen[str]:
     """The cut-off worker of core_slow_job: its work holds until ``release`` exists (at most
-    600 s), then writes once more, fenced."""
+    600 s), then writes once more, fenced; ``env`` added to its environment."""
     return cut_off_worker(
         link,
         airflow_home,
@@ -104,44 +104,73 @@ def writing_after_the_hold(
         IDEM_TEST_HOLD_FILE=str(release),
         IDEM_TEST_HOLD_MAX="600",
         IDEM_TEST_WRITE_AFTER_HOLD="1",
+        **env,
     )
 
 
-@ON_BOTH_LINES
-def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
-    link: netns.Link, server: tuple[netns.TcpPostgres, str], airflow_home: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    "lock_mode", [pytest.param("advisory", marks=ON_BOTH_LINES), "lease"]
+)  # the lease mode on the 3.x line only
+def test_a_cut_off_workers_lock_is_freed_and_its_late_writes_are_fenced(
+    link: netns.Link,
+    server: tuple[netns.TcpPostgres, str],
+    airflow_home: Path,
+    tmp_path: Path,
+    lock_mode: str,
 ) -> None:
-    """Link cut mid-work: Postgres frees the lock within the bound, a second worker takes the
-    key over and completes it; when the link returns, the cut-off worker's last write is
-    refused (fenced), it fails its attempt cleanly, and the key stays completed, once."""
+    """Link cut mid-work: the cut-off worker's lock is freed (the advisory mode: Postgres frees
+    it within the bound; the lease mode: its lease expires (5 s), without the server freeing
+    anything), a second worker takes the key over and completes it, well within the bound; when
+    the link returns, the cut-off worker's last write is refused (fenced), it fails its attempt
+    cleanly, and the key stays completed, once."""
     pg, name = server
     local, remote = pg.local_dsn(name), pg.dsn(name)
+    lease = lock_mode == "lease"
     release = tmp_path / "release"
-    victim = writing_after_the_hold(link, airflow_home, remote, tmp_path, release)
+    victim = writing_after_the_hold(
+        link,
+        airflow_home,
+        remote,
+        tmp_path,
+        release,
+        **connection_env(remote, job_extra=lock_extra(lock_mode)),
+    )
     successor = None
     try:
         wait_until(
             lambda: len(work_log(local)) == 1, timeout=120, what="the worker to start working"
         )
-        assert advisory_locks(local) == 1
+        if lease:
+            assert (advisory_locks(local), lease_rows(local)) == (0, 1)  # no lock session
+        else:
+            assert advisory_locks(local) == 1
         link.cut()
         cut_at = time.monotonic()
         # The successor runs on this side, rescheduling every second while the key is held.
         successor, successor_log = start_successor(
-            airflow_home, local, tmp_path, "core_slow_job", IDEM_TEST_WRITE_AFTER_HOLD="1"
+            airflow_home,
+            local,
+            tmp_path,
+            "core_slow_job",
+            IDEM_TEST_WRITE_AFTER_HOLD="1",
+            **connection_env(local, job_extra=lock_extra(lock_mode)),
         )
-        wait_until(
-            lambda: advisory_locks(local) == 0 or None,
-            timeout=BOUND + 30,
-            interval=0.2,
-            what="the lock to be freed",
-        )
-        freed = time.monotonic() - cut_at
+        if not lease:
+            wait_until(
+                lambda: advisory_locks(local) == 0 or None,
+                timeout=BOUND + 30,
+                interval=0.2,
+                what="the lock to be freed",
+            )
+            freed = time.monotonic() - cut_at
         taken_over = successor_completes(local, successor, successor_log, cut_at, timeout=120)
         out_v = reconnected(link, release, victim)
     finally:
         clean_up(link, release, victim, successor)
-    assert freed <= BOUND, freed
+    if lease:
+        assert taken_over <= BOUND, taken_over
+    else:
+        assert freed <= BOUND, freed
     assert victim.returncode == 1, out_v[-3000:]
     assert "LockLostError" in out_v, out_v[-3000:]
     phases = work_log(local)
@@ -151,13 +180,24 @@ def test_the_server_frees_a_cut_off_workers_lock_and_its_late_writes_are_fenced(
         local, "SELECT pid, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id"
     )
     assert attempts[0] == (victim.pid, "lock_lost") and attempts[-1] == (successor.pid, "completed")
-    assert rows(
-        local, "SELECT status, current_attempt_id IS NOT NULL FROM idempotency.job_runs"
-    ) == [("completed", True)]
-    assert advisory_locks(local) == 0
+    if lease:
+        assert rows(local, "SELECT status FROM idempotency.job_runs") == [("completed",)]
+        assert lock_modes_used(local) == {"lease"}
+        assert (advisory_locks(local), lease_rows(local)) == (0, 0)
+    else:
+        assert rows(
+            local, "SELECT status, current_attempt_id IS NOT NULL FROM idempotency.job_runs"
+        ) == [("completed", True)]
+        assert advisory_locks(local) == 0
+    freeing = (
+        "a second worker had taken the expired lease over and completed the key "
+        f"{taken_over:.1f} s after the cut (lease_ttl 5 s)"
+        if lease
+        else f"Postgres freed the lock after {freed:.1f} s (bound {BOUND} s), a second worker "
+        f"had completed the key {taken_over:.1f} s after the cut"
+    )
     figures(
-        f"link cut mid-work: Postgres freed the lock after {freed:.1f} s (bound {BOUND} s), a "
-        f"second worker had completed the key {taken_over:.1f} s after the cut; after the link "
+        f"{'lease mode, ' if lease else ''}link cut mid-work: {freeing}; after the link "
         "returned, the cut-off worker's fenced write was refused (LockLostError), 0 rows "
         "written after the cut"
     )
@@ -201,64 +241,6 @@ def test_a_cut_off_worker_notices_within_the_bound(
     assert rows(local, "SELECT status FROM idempotency.job_runs") == [("completed",)]
     assert [phase for _, phase in work_log(local)] == ["start", "start"]
     figures(f"link cut before a commit: the worker gave up and exited {noticed:.1f} s later")
-
-
-def test_lease_mode_a_cut_off_workers_lease_expires_and_its_late_write_is_fenced(
-    link: netns.Link, server: tuple[netns.TcpPostgres, str], airflow_home: Path, tmp_path: Path
-) -> None:
-    """The lease mode, link cut mid-work: the cut-off worker's lease expires (5 s) and a second worker takes the key over and completes it, well within the bound and without the server freeing anything; when the link returns, the cut-off worker's last write is refused (fenced), it fails its attempt cleanly, and the key stays completed, once."""
-    pg, name = server
-    local, remote = pg.local_dsn(name), pg.dsn(name)
-    release = tmp_path / "release"
-    victim = cut_off_worker(
-        link,
-        airflow_home,
-        remote,
-        tmp_path,
-        IDEM_TEST_HOLD_FILE=str(release),
-        IDEM_TEST_HOLD_MAX="600",
-        IDEM_TEST_WRITE_AFTER_HOLD="1",
-        **connection_env(remote, job_extra=lock_extra("lease")),
-    )
-    successor = None
-    try:
-        wait_until(
-            lambda: len(work_log(local)) == 1, timeout=120, what="the worker to start working"
-        )
-        assert (advisory_locks(local), lease_rows(local)) == (0, 1)  # a lease, no lock session
-        link.cut()
-        cut_at = time.monotonic()
-        successor, successor_log = start_successor(
-            airflow_home,
-            local,
-            tmp_path,
-            "core_slow_job",
-            IDEM_TEST_WRITE_AFTER_HOLD="1",
-            **connection_env(local, job_extra=lock_extra("lease")),
-        )
-        taken_over = successor_completes(local, successor, successor_log, cut_at, timeout=120)
-        out_v = reconnected(link, release, victim)
-    finally:
-        clean_up(link, release, victim, successor)
-    assert taken_over <= BOUND, taken_over
-    assert victim.returncode == 1, out_v[-3000:]
-    assert "LockLostError" in out_v, out_v[-3000:]
-    phases = work_log(local)
-    assert [phase for pid, phase in phases if pid == victim.pid] == ["start"], phases
-    assert [phase for pid, phase in phases if pid == successor.pid] == ["start", "end"], phases
-    attempts = rows(
-        local, "SELECT pid, outcome FROM idempotency.job_run_attempts ORDER BY attempt_id"
-    )
-    assert attempts[0] == (victim.pid, "lock_lost") and attempts[-1] == (successor.pid, "completed")
-    assert rows(local, "SELECT status FROM idempotency.job_runs") == [("completed",)]
-    assert lock_modes_used(local) == {"lease"}
-    assert (advisory_locks(local), lease_rows(local)) == (0, 0)
-    figures(
-        f"lease mode, link cut mid-work: a second worker had taken the expired lease over and "
-        f"completed the key {taken_over:.1f} s after the cut (lease_ttl 5 s); after the link "
-        "returned, the cut-off worker's fenced write was refused (LockLostError), 0 rows "
-        "written after the cut"
-    )
 
 
 def backends_from(dsn: str, address: str) -> list[tuple[Any, ...]]:

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -22,24 +22,13 @@ from airflow_idempotency.exceptions import LockWaitError
 from airflow_idempotency.leases import LeaseHeartbeat, LockMode
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
-from airflow_idempotency.schema import ensure_schema
-from devtools.postgres import PostgresServer, temporary_database
+from devtools.postgres import PostgresServer
 from support import ROOT
 from support.db import rows
 from support.locks import Background, wait_for, waiting_backends
 
 JOB, KEY = "adv_job", "2026-11-02"
 LOCK_KEY = run_lock_key(JOB, KEY)
-
-
-@pytest.fixture
-def adv_db(pg_server: PostgresServer) -> Iterator[str]:
-    """A fresh database with the bookkeeping schema and ``public.facts`` the work writes to."""
-    with temporary_database(pg_server, "lease_adv") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            ensure_schema(conn)
-            conn.execute("CREATE TABLE public.facts (writer text NOT NULL, k text)")
-        yield dsn
 
 
 @pytest.fixture

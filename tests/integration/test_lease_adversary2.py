@@ -6,7 +6,6 @@ attack that held."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -18,25 +17,13 @@ from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.leases import LockMode
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunResult, run_idempotently
-from airflow_idempotency.schema import ensure_schema
-from devtools.postgres import PostgresServer, temporary_database
 from support.db import rows
-from support.locks import Background, expire_lease, wait_for
+from support.locks import Background, expire_lease, lock_waiters, wait_for
 
 JOB, KEY = "adv2_job", "2026-11-03"
 LOCK_KEY = run_lock_key(JOB, KEY)
 # renewed every 100 s: no renewal during a test; expire_lease ends it when the test says
 LONG = LockMode("lease", lease_ttl=300)
-
-
-@pytest.fixture
-def adv_db(pg_server: PostgresServer) -> Iterator[str]:
-    """A fresh database with the bookkeeping schema and ``public.facts`` the work writes to."""
-    with temporary_database(pg_server, "lease_adv2") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            ensure_schema(conn)
-            conn.execute("CREATE TABLE public.facts (writer text NOT NULL, k text)")
-        yield dsn
 
 
 def run_in(dsn: str, work: Any, lock_mode: str | LockMode = LONG, **more: Any) -> RunResult:
@@ -52,18 +39,6 @@ def run_in(dsn: str, work: Any, lock_mode: str | LockMode = LONG, **more: Any) -
 
 def written(dsn: str) -> list[str]:
     return [w for (w,) in rows(dsn, "SELECT writer FROM public.facts ORDER BY writer")]
-
-
-def lock_waiters(dsn: str) -> list[int]:
-    """Backends of this database waiting for a lock: a row, a transaction or an advisory key."""
-    return [
-        pid
-        for (pid,) in rows(
-            dsn,
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-            "AND wait_event_type = 'Lock'",
-        )
-    ]
 
 
 def chain(exc: BaseException | None) -> str:

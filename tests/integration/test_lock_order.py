@@ -18,21 +18,9 @@ import psycopg
 
 from airflow_idempotency.runner import RunContext, run_idempotently
 from support.db import rows
-from support.locks import Background, wait_for
+from support.locks import ROW_LOCKS, Background, lock_waiters, wait_for
 
 JOB, KEY = "lock_order_job", "2026-12-01"
-
-
-def lock_waiters(dsn: str) -> list[int]:
-    """Backends of this test's database waiting for a row or transaction lock."""
-    return [
-        pid
-        for (pid,) in rows(
-            dsn,
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-            "AND wait_event_type = 'Lock' AND wait_event IN ('transactionid', 'tuple')",
-        )
-    ]
 
 
 def test_a_failure_written_while_a_successor_starts_never_deadlocks(
@@ -63,7 +51,10 @@ def test_a_failure_written_while_a_successor_starts_never_deadlocks(
             (JOB, KEY),
         )
         go.set()
-        wait_for("the failure to wait for the run's row", lambda: bool(lock_waiters(pg_dsn)))
+        wait_for(
+            "the failure to wait for the run's row",
+            lambda: bool(lock_waiters(pg_dsn, ROW_LOCKS)),
+        )
         # then its second: the running attempt, closed as abandoned. It must not wait for the
         # failing attempt (which waits for this session): bounded below deadlock_timeout (1 s),
         # so that a wait fails here rather than one side being killed by the detector

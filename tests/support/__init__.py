@@ -4,7 +4,8 @@
 - :mod:`support.locks`: who holds which lock, read through the provider's
   ``held_run_locks()``; a key held by a run in a thread (``key_held``); ending a lock's
   session as a lost connection would; who waits for which advisory key space
-  (``waiting_backends``); a call in a thread (``Background``), ``wait_for`` a condition;
+  (``waiting_backends``), for any lock or a row's (``lock_waiters``); a call in a thread
+  (``Background``), ``wait_for`` a condition;
 - :mod:`support.fenced_work`: the fence tests' table (``public.facts``, the ``facts``
   fixture), work that writes it, and a remote that records its calls;
 - :mod:`support.workers`: ``airflow dags test`` workers in private Airflow homes, and

@@ -6,14 +6,15 @@ Run locks are read through the provider's own reader, the SQL function ``held_ru
 of the bookkeeping schema (this database's granted run locks, as the fencing checks, the
 CLI's ``locks`` and the view see them); the keys through :func:`run_lock_key`. What a test
 proves is left behind counts every advisory lock of the database instead: run locks, fence
-keys, the migration and named locks (none may outlive a run)."""
+keys, the migration and named locks (none may outlive a run). Who waits: for an advisory key
+space (:func:`waiting_backends`), for any lock or a row's (:func:`lock_waiters`)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -202,3 +203,21 @@ def waiting_backends(dsn: str, objsubid: int) -> list[int]:
         (objsubid,),
     )
     return [pid for (pid,) in found]
+
+
+ROW_LOCKS = ("transactionid", "tuple")
+"""The wait events (``pg_stat_activity.wait_event``) of a wait for a row's lock: its tuple, or
+the transaction that holds it."""
+
+
+def lock_waiters(dsn: str, events: Sequence[str] | None = None) -> list[int]:
+    """Backends of this database waiting for a lock (``wait_event_type`` 'Lock': a row, a
+    transaction, an advisory key, a relation); only those whose wait event is one of
+    ``events`` when given (:data:`ROW_LOCKS`: a row's lock)."""
+    sql = (
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock'"
+    )
+    if events is None:
+        return [pid for (pid,) in rows(dsn, sql)]
+    return [pid for (pid,) in rows(dsn, sql + " AND wait_event = ANY(%s)", (list(events),))]
