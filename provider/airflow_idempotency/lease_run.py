@@ -323,9 +323,9 @@ class LeaseRun(Run):
             if not said:
                 said.append(True)
                 self.log.warning(
-                    "the job database refused the completion a connection (%s): the work is "
-                    "committed; waiting up to %g s for a free slot (see docs/deploying.md, "
-                    "pool sizing)",
+                    "the completion was refused a connection for want of a slot (%s): the "
+                    "work is committed; waiting up to %g s for a free slot (see "
+                    "docs/deploying.md, pool sizing)",
                     refusal,
                     bound,
                 )

@@ -17,7 +17,13 @@ from typing import Any
 
 import psycopg
 from psycopg import IsolationLevel
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
@@ -249,17 +255,23 @@ def connect_when_room(
     waited: Callable[[float], None],
 ) -> ConnectionFactory:
     """``connect``, tried again while the database or the pooler refuses the new connection for
-    want of a slot (:func:`~airflow_idempotency.locks.no_slot`), for at most ``seconds`` in all
-    (pauses drawn at random up to 50 ms, doubling to 1 s). ``waiting`` is called before each pause with
-    the refusal, ``waited`` once with the seconds paused when there was a pause; the last
+    want of a slot (:func:`~airflow_idempotency.locks.no_slot`), pausing for at most
+    ``seconds`` in all (pauses drawn at random up to 50 ms, doubling to 1 s, the last one cut
+    to what is left: then one last try). ``waiting`` is called before each pause with the
+    refusal, ``waited`` once with the seconds paused when there was a pause; the last
     refusal is raised once the bound is spent. For a step that must not be lost to a moment's
     overload (the lease mode's completion: its work is committed)."""
+    backoff = wait_random_exponential(multiplier=0.05, min=0.02, max=1.0)
+
+    def pause(state: RetryCallState) -> float:
+        left = seconds - (state.seconds_since_start or 0.0)
+        return max(0.0, min(backoff(state), left))
 
     @contextlib.contextmanager
     def connection() -> Iterator[psycopg.Connection]:
         retrying = Retrying(
             stop=stop_after_delay(seconds),
-            wait=wait_random_exponential(multiplier=0.05, min=0.02, max=1.0),
+            wait=pause,
             retry=retry_if_exception(no_slot),
             before_sleep=lambda state: waiting(_refusal(state.outcome)),
             reraise=True,

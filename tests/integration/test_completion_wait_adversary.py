@@ -75,7 +75,12 @@ def _pool_and_connect(
     def connect() -> Any:
         if worked.is_set() and not timers:
             taken = [pool.getconn(), pool.getconn()]
-            timers.append(threading.Timer(free_after, lambda: [pool.putconn(c) for c in taken]))
+
+            def give_back() -> None:
+                for conn in taken:
+                    pool.putconn(conn)
+
+            timers.append(threading.Timer(free_after, give_back))
             timers[0].start()
         return pool.connection()
 
