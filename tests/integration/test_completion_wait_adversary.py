@@ -3,14 +3,15 @@
 one attack on a database of its own: a failing test is a defect found (its docstring says what
 breaks); a passing one is an attack that held.
 
-Tried and held (no test here, see the pass's note): the retry commits once; a key taken over
-while the completion waits (its heartbeat refused too, the lease expired, another worker's
-lease or start) is refused by the fence; no password of the DSN reaches the log line; an error
-that is not a slot refusal is not retried; PgBouncer's max_client_conn is waited out.
+Tried and held (no test here but the takeover's, see the pass's note): the retry commits
+once; a key taken over while the completion waits (its heartbeat refused too, the lease
+expired) is refused by the fence; no password of the DSN reaches the log line; an error that
+is not a slot refusal is not retried; PgBouncer's max_client_conn is waited out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -23,7 +24,8 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool
 
 from airflow_idempotency import RunOutcome, run_idempotently
-from airflow_idempotency.exceptions import PoolExhaustedError
+from airflow_idempotency.exceptions import LockLostError, PoolExhaustedError
+from airflow_idempotency.leases import LockMode
 from airflow_idempotency.locks import LOCK_WAIT_ENV
 from airflow_idempotency.run_context import connect_when_room
 from support.db import rows
@@ -147,3 +149,115 @@ def test_a_pools_timeout_past_the_bound_names_the_sizing_rule(
     said = str(refused.value)
     assert "pool" in said and "docs/deploying.md" in said, said
     assert "lost" not in said, said
+
+
+@pytest.fixture
+def role_of_four(pg_dsn: str) -> Iterator[str]:
+    """The test database as a role (not a superuser) of CONNECTION LIMIT 4, the bookkeeping
+    schema made and ``public.done`` (the work's table) granted to it."""
+    role = f"adv_four_{uuid.uuid4().hex[:8]}"
+    rows(pg_dsn, f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 4')
+    run_idempotently(  # the bookkeeping schema, made as the test's superuser
+        connect=lambda: psycopg.connect(pg_dsn), job_name="setup", run_key="k", work=lambda r: None
+    )
+    rows(pg_dsn, "CREATE TABLE public.done (who text NOT NULL)")
+    for grant in (
+        "ALL ON SCHEMA idempotency",
+        "ALL ON ALL TABLES IN SCHEMA idempotency",
+        "ALL ON ALL SEQUENCES IN SCHEMA idempotency",
+        "ALL ON public.done",
+    ):
+        rows(pg_dsn, f'GRANT {grant} TO "{role}"')
+    try:
+        yield make_conninfo(pg_dsn, user=role)
+    finally:
+        rows(pg_dsn, f'DROP OWNED BY "{role}"')
+        rows(pg_dsn, f'DROP ROLE "{role}"')
+
+
+def test_a_key_taken_over_while_the_completion_waits_is_refused_its_completion(
+    role_of_four: str, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held. A's work is committed; its completion, and its heartbeat, are refused every
+    connection (the role's 4 slots taken by the test), so its lease (ttl 2 s) expires. Worker B,
+    on the test's connections, takes the key over and, in the middle of its work, gives the
+    slots back: A's completion gets its connection while B holds the key, and the fence refuses
+    it (LockLostError, nothing of A's completion committed); B completes the key."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "15")
+    held: list[psycopg.Connection] = []
+    guard = threading.Lock()
+    worked, taken = threading.Event(), threading.Event()
+    results: list[Any] = []
+
+    @contextlib.contextmanager
+    def lend() -> Iterator[psycopg.Connection]:
+        with guard:
+            conn = held.pop()
+        try:
+            yield conn
+        finally:
+            with guard:
+                held.append(conn)
+
+    def give_back() -> None:
+        with guard:
+            for conn in held:
+                conn.close()
+            held.clear()
+
+    def work_of(who: str) -> Any:
+        def work(run: Any) -> dict[str, int]:
+            with run.transaction() as conn:
+                conn.execute("INSERT INTO public.done VALUES (%s)", (who,))
+            if who == "A":
+                worked.set()
+            else:
+                give_back()  # A's completion connects while B holds the key
+                time.sleep(2)
+            return {"done": 1}
+
+        return work
+
+    def run_b() -> None:
+        time.sleep(3.5)  # A's lease (ttl 2 s) has expired: its renewals were refused
+        try:
+            done = run_idempotently(
+                connect=lend, job_name="job", run_key="2026-10-07", work=work_of("B"),
+                lock_mode=LockMode("lease", 2),
+            )  # fmt: skip
+        except BaseException as exc:
+            results.append(exc)
+        else:
+            results.append(done.outcome)
+
+    b = threading.Thread(target=run_b)
+
+    def connect_a() -> psycopg.Connection:
+        if worked.is_set() and not taken.is_set():  # the completion's connection
+            taken.set()
+            with contextlib.suppress(psycopg.OperationalError):
+                while True:
+                    held.append(psycopg.connect(role_of_four, autocommit=True))
+            b.start()
+        return psycopg.connect(role_of_four)
+
+    try:
+        with pytest.raises(LockLostError):
+            run_idempotently(
+                connect=connect_a, job_name="job", run_key="2026-10-07", work=work_of("A"),
+                lock_mode=LockMode("lease", 2),
+            )  # fmt: skip
+    finally:
+        if b.is_alive() or taken.is_set():
+            b.join(30)
+        give_back()
+    assert len(held) == 0 and taken.is_set()
+    assert results == [RunOutcome.COMPLETED]
+    attempts = rows(
+        pg_dsn,
+        "SELECT a.outcome, a.attempt_id = j.current_attempt_id FROM idempotency.job_run_attempts"
+        " AS a JOIN idempotency.job_runs AS j USING (job_name, run_key)"
+        " WHERE a.run_key = '2026-10-07' ORDER BY a.attempt_id",
+    )
+    assert attempts == [("lock_lost", False), ("completed", True)], attempts
+    assert rows(pg_dsn, "SELECT who FROM public.done ORDER BY who") == [("A",), ("B",)]
