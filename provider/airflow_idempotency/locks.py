@@ -37,6 +37,7 @@ import logging
 import os
 import select
 import socket
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -290,13 +291,34 @@ def shared_session_error(backend_pid: int, lock_key: int) -> SharedSessionError:
 
 def no_slot(exc: BaseException) -> bool:
     """Whether ``exc`` is a new connection refused for want of a slot: PostgreSQL past
-    max_connections (or a role's or database's limit), or PgBouncer past max_client_conn. The
-    connection was never opened, so nothing of it was sent: a later try is safe."""
-    if isinstance(exc, psycopg.errors.TooManyConnections):
+    max_connections (or a role's or database's limit), PgBouncer past max_client_conn, or a
+    psycopg_pool whose every connection stayed in use (:func:`pool_refused`). The connection
+    was never opened (or never lent), so nothing of it was sent: a later try is safe."""
+    if isinstance(exc, psycopg.errors.TooManyConnections) or pool_refused(exc):
         return True
     text = str(exc)
     return isinstance(exc, psycopg.OperationalError) and (
         _CLIENT_LIMIT in text or any(t in text for t in _TOO_MANY)
+    )
+
+
+def pool_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is a psycopg_pool's ``connection()`` lending nothing: no connection free
+    within the pool's timeout (PoolTimeout) or its queue full (TooManyRequests). Read without
+    importing psycopg_pool (a task process need not load it): its errors exist once it is."""
+    pool = sys.modules.get("psycopg_pool")
+    return pool is not None and isinstance(exc, (pool.PoolTimeout, pool.TooManyRequests))
+
+
+def _pool_exhausted(text: str) -> PoolExhaustedError:
+    """A psycopg_pool of the job's ``connect`` that lent no connection (:func:`pool_refused`)."""
+    return PoolExhaustedError(
+        f"the connection pool of the job's connect lent no connection ({text}): every "
+        "connection of it stayed in use. A running idempotent task borrows up to 3 at once "
+        "(its lock or decision, its work, the outbound ledger's) plus a lease heartbeat's in "
+        f"lock_mode lease: size the pool's max_size for every task running at once ({_SIZING}), "
+        "or raise its timeout. Nothing was committed by the refused connection; a retry "
+        "converges."
     )
 
 
@@ -333,6 +355,8 @@ def pooler_refusal(exc: psycopg.Error) -> IdempotencyError | None:
             f"cover 4 per task running at once plus every other client ({_SIZING}). Nothing "
             "was committed by the refused connection; a retry converges."
         )
+    if pool_refused(exc):
+        return _pool_exhausted(text)
     if isinstance(exc, psycopg.errors.ConnectionTimeout):
         return ConnectionWaitError(
             f"no connection to the job database within its connect_timeout ({text}): the "

@@ -17,7 +17,13 @@ from typing import Any
 
 import psycopg
 from psycopg import IsolationLevel
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
@@ -255,14 +261,21 @@ def connect_when_room(
     connect: ConnectionFactory, what: str, log: Any, waited: Callable[[float], None]
 ) -> ConnectionFactory:
     """``connect``, tried again while the database or the pooler refuses the new connection for
-    want of a slot (:func:`~airflow_idempotency.locks.no_slot`), for at most the bound of every
-    lock wait (:func:`~airflow_idempotency.locks.lock_wait_ms`) in all (each pause drawn at
-    random below a cap that starts at 50 ms and doubles up to 1 s). The first refusal is logged
-    on ``log`` with ``what`` the connection is for, ``waited`` is called once with the seconds
-    paused when there was a pause; the last refusal is raised once the bound is spent. For the
-    connections a run opens after its work committed (the lease mode's completion, the
-    outbound ledger's): refused, the run would fail and its rerun do the work again."""
+    want of a slot (:func:`~airflow_idempotency.locks.no_slot`), pausing for at most the bound
+    of every lock wait (:func:`~airflow_idempotency.locks.lock_wait_ms`) in all (each pause
+    drawn at random below a cap that starts at 50 ms and doubles up to 1 s, the last one cut to
+    what is left: then one last try). The first refusal is logged on ``log`` with ``what`` the
+    connection is for, ``waited`` is called once with the seconds paused when there was a
+    pause; the last refusal is raised once the bound is spent. For the connections a run opens
+    after its work committed (the lease mode's completion, the outbound ledger's): refused, the
+    run would fail and its rerun do the work again."""
     seconds = int(lock_wait_ms()) / 1000
+    backoff = wait_random_exponential(multiplier=0.05, min=0.02, max=1.0)
+    said: list[bool] = []
+
+    def pause(state: RetryCallState) -> float:
+        left = seconds - (state.seconds_since_start or 0.0)
+        return max(0.0, min(backoff(state), left))
 
     def waiting(refusal: BaseException) -> None:
         if not said:
@@ -275,13 +288,11 @@ def connect_when_room(
                 seconds,
             )
 
-    said: list[bool] = []
-
     @contextlib.contextmanager
     def connection() -> Iterator[psycopg.Connection]:
         retrying = Retrying(
             stop=stop_after_delay(seconds),
-            wait=wait_random_exponential(multiplier=0.05, min=0.02, max=1.0),
+            wait=pause,
             retry=retry_if_exception(no_slot),
             before_sleep=lambda state: waiting(_refusal(state.outcome)),
             reraise=True,
