@@ -76,12 +76,14 @@ def crash_point(name: str) -> None:
     nth = _parse(os.environ.get(CRASH_ENV, ""), "@").get(name)
     if nth is None:
         return
+    # The kill happens while the lock is held: the print releases the GIL, and another thread
+    # must not pass this point (as hit nth + 1, which kills nobody) and go on to record its
+    # outcome meanwhile: the process dies at the nth hit, as if nothing ran after it.
     with _hits_lock:
         _hits[name] += 1
-        hit = _hits[name]
-    if hit == int(nth or 1):
-        print(f"fault point {name}@{nth or 1}: SIGKILL", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        if _hits[name] == int(nth or 1):
+            print(f"fault point {name}@{nth or 1}: SIGKILL", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _claim(armed: str) -> str | None:
