@@ -32,7 +32,7 @@ from devtools import airflow_env
 from devtools.airflow_stack import free_port
 from devtools.workers import kill_group, start_airflow
 from support import TESTS
-from support.browser import new_page
+from support.browser import follow, new_page
 from support.db import rows
 
 pytestmark = [pytest.mark.airflow2_only, pytest.mark.slow]
@@ -404,8 +404,7 @@ def test_in_the_browser_on_airflow2_operator_reads_and_reruns_a_key(
     page.fill("input[name=password]", "operator")
     page.click("input[type=submit], button[type=submit]")
     page.wait_for_url(lambda url: "/login" not in url)
-    page.get_by_role("link", name="Run keys").first.click()
-    page.wait_for_url("**/runkeys/")
+    follow(page, page.get_by_role("link", name="Run keys").first, "**/runkeys/")
     frame = page.frame_locator("#run-keys-frame")
     frame.locator("table.runs").wait_for()
     assert frame.locator("table.runs tbody tr").count() == 5

@@ -25,7 +25,7 @@ from devtools import airflow_env
 from devtools.airflow_stack import AirflowStack
 from support import TESTS
 from support.auth_manager import DENIED_ENV
-from support.browser import new_page
+from support.browser import follow, new_page
 from support.db import rows
 
 pytestmark = pytest.mark.slow
@@ -210,8 +210,7 @@ def test_in_the_browser_operator_reads_and_reruns_a_key(
     nav = page.get_by_role("link", name="Run keys").first
     nav.wait_for()
     assert page.locator('img[src^="data:image/svg+xml"]').count() >= 1  # the entry's icon
-    nav.click()
-    page.wait_for_url("**/plugin/run-keys")
+    follow(page, nav, "**/plugin/run-keys")
     frame = view(page)
     frame.locator("table.runs").wait_for()
     assert frame.locator("table.runs tbody tr").count() == 5
