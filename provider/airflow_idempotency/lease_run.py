@@ -11,12 +11,12 @@ heartbeat and released at the end. The start and the work are the advisory mode'
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from airflow_idempotency import metrics
@@ -43,7 +43,7 @@ from airflow_idempotency.leases import (
     worker_name,
 )
 from airflow_idempotency.locks import RunLock, lock_wait_ms, pooler_refusal
-from airflow_idempotency.records import RunRecord, RunRecords
+from airflow_idempotency.records import RunRecord, RunRecords, decided_run
 from airflow_idempotency.run_context import (
     ConnectionFactory,
     RunSpec,
@@ -76,11 +76,6 @@ class LeaseDecision:
     noop_attempt_id: int | None = None
 
 
-_RECORD_FIELDS = tuple(
-    f.name for f in dataclasses.fields(RunRecord) if f.name not in ("job_name", "run_key")
-)
-
-
 def decide_lease(
     conn: psycopg.Connection, spec: RunSpec, records: RunRecords, zone_checked: bool = False
 ) -> LeaseDecision:
@@ -92,15 +87,16 @@ def decide_lease(
     params = records.decision_params(spec.options, lease)
     if zone_checked:
         params["key_zone"] = None
-    cursor = psycopg.ClientCursor(conn, row_factory=dict_row)
+    cursor = psycopg.ClientCursor(conn)
     try:
         cursor.execute(query("decide_lease", spec.environment.schema), params)
         cursor.nextset()
-        row = cursor.fetchone()
+        found = cursor.fetchone()
     except BaseException:
         rollback_quietly(conn)
         raise
-    assert row is not None
+    assert found is not None
+    row = json.loads(found[0])  # one JSON text, as the decide query's
     decision = row["decision"]
     if decision == "zone":
         zone = run.trigger.key_zone
@@ -111,11 +107,7 @@ def decide_lease(
         raise shared_session_error(run.lock_key)
     if decision == "locked":
         return LeaseDecision("locked")
-    existing = (
-        RunRecord(run.job_name, run.run_key, **{name: row[name] for name in _RECORD_FIELDS})
-        if row["run_found"]
-        else None
-    )
+    existing = decided_run(run.job_name, run.run_key, row) if row["run_found"] else None
     if decision == "noop":
         return LeaseDecision("noop", existing=existing, noop_attempt_id=row["noop_attempt_id"])
     lease_lock = RunLock(run.lock_key, 0, f"lease:{row['token']}", lost=threading.Event())

@@ -19,6 +19,7 @@ lease expires (within ``ttl``), not at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -123,7 +124,12 @@ def lease_token(lock: RunLock) -> int:
 
 def worker_name() -> str:
     """The holder a lease records: this worker's host and pid (for the refusal message)."""
-    return f"{socket.gethostname()} pid {os.getpid()}"
+    return _worker_name_of(os.getpid())
+
+
+@functools.cache
+def _worker_name_of(pid: int) -> str:
+    return f"{socket.gethostname()} pid {pid}"
 
 
 def shared_session_error(lock_key: int) -> SharedSessionError:

@@ -32,6 +32,7 @@ of the bookkeeping schema (migration 0004): every statement that asks goes throu
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -90,7 +91,13 @@ LOCK_WAIT_DEFAULT = 60.0
 def lock_wait_ms() -> str:
     """The bound of every lock wait of the provider's statements, in ms (``lock_timeout``'s
     unit), from :data:`LOCK_WAIT_ENV` or :data:`LOCK_WAIT_DEFAULT`."""
-    given = os.environ.get(LOCK_WAIT_ENV, "").strip()
+    return _lock_wait_ms(os.environ.get(LOCK_WAIT_ENV, ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _lock_wait_ms(setting: str) -> str:
+    """:func:`lock_wait_ms` of the variable's text: parsed once per text (every run asks)."""
+    given = setting.strip()
     try:
         seconds = float(given) if given else LOCK_WAIT_DEFAULT
     except ValueError:

@@ -81,8 +81,12 @@
  * key's run lock held already, the virtual transaction id) instead of twice, and assigns the
  * holder only after its try of the run lock, as before. Same reads, same results, same order
  * against every other statement: the model's steps and properties are unchanged.
+ * Reviewed for the decide_lease query's result (issue 32: a cheaper decision): the same call of
+ * run_decide_lease, between the same BEGIN and COMMIT in the same message, returns its row as
+ * one JSON text (row_to_json), as decide does; the client reads the same fields. No statement
+ * or order changed: the model is unchanged.
  *
- * fence-sql-sha256: 1171e3804ee25b90d1226a5f4d10abe35c0211811a38467e8e6acbdcacb55a75
+ * fence-sql-sha256: 75656ebfe2822037d828232b5b057c7bb5874797e091549bc18eb45908ae9550
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;

@@ -165,10 +165,12 @@ FROM advisory LEFT JOIN taken ON true;
 -- (migration 19: zone check, the key's advisory run lock for this transaction, a live lease
 -- refused, the read, the no-op's record without a lease, or the lease taken) and its COMMIT in
 -- ONE simple-protocol message, values bound by psycopg's client-side cursor: one round trip, and
--- a pooler's refusal reaches the client (see decide).
+-- a pooler's refusal reaches the client (see decide). The row comes back as one JSON text, as
+-- decide's does (lease_run.decide_lease parses it).
 BEGIN ISOLATION LEVEL READ COMMITTED;
-SELECT * FROM {schema}.run_decide_lease(%(lock_key)s, %(job_name)s, %(run_key)s, %(force)s,
-                                        %(key_zone)s, %(session)s, %(attempt)s);
+SELECT row_to_json(d)::text
+FROM {schema}.run_decide_lease(%(lock_key)s, %(job_name)s, %(run_key)s, %(force)s,
+                               %(key_zone)s, %(session)s, %(attempt)s) AS d;
 COMMIT;
 
 -- name: lease_release_at_commit
