@@ -205,7 +205,32 @@ def _goal_rows(
             at_most(cpu, CPU_LIMIT_MS) if limit else None,
             "this thread's CPU time (the provider, psycopg and the pool)",
         )
+    _own_cpu_row(result, v, rounds, "", limit)
     _throughput_row(result, v, rounds, "", limit)
+
+
+def _own_cpu_row(
+    result: BenchResult, v: Variant, rounds: list[dict[str, Any]], mode: str, limit: bool
+) -> None:
+    """The provider's own client CPU per no-op in ``mode``: the call's less that of its
+    statements sent bare through the same pool, each time for the same completed key just
+    after the call (decision_child._bare_noop), so both pay the same sockets, psycopg and
+    pool. Left out for a checkout that cannot be measured so."""
+    bare = [x for r in rounds for x in r.get("bare_cpu", {}).get(f"{mode}noop", [])]
+    if not bare:
+        return
+    call = median([x for r in rounds for x in r["cpu"][f"{mode}noop"]])
+    own = call - median(bare)
+    result.add(
+        f"{v.name}: {'lease: ' if mode else ''}provider's own CPU per no-op, median",
+        own,
+        "ms",
+        f"<= {CPU_LIMIT_MS:g} ms" if limit else "",
+        at_most(own, CPU_LIMIT_MS) if limit else None,
+        f"the call's {call:.3f} ms less {median(bare):.3f} ms for its statements sent bare "
+        f"(a pooled connection, {'one message' if mode else 'its message and COMMIT'}, the "
+        "JSON row parsed), measured alternately in this thread",
+    )
 
 
 def _throughput_row(
@@ -268,6 +293,8 @@ def _lease_rows(result: BenchResult, v: Variant, rounds: list[dict[str, Any]], l
             at_most(cpu, CPU_LIMIT_MS) if limit else None,
             "this thread's CPU time (the provider, psycopg and the pool)",
         )
+        if kind == "noop":
+            _own_cpu_row(result, v, rounds, "lease_", limit)
         ratio = median(wall) / floor
         result.add(
             f"{v.name}: lease: {label} / its floor",

@@ -315,6 +315,53 @@ def _noop_outcome() -> Any:
     return RunOutcome.NOOP
 
 
+def _bare_noop(mode: str) -> Callable[[Callable[[], Any], str], float] | None:
+    """The statements of a no-op in ``mode`` sent bare (no provider around them), for a
+    completed key: its parameters built beforehand, then, timed in this thread's CPU, a
+    connection from the pool, the decision's one message through a client-side cursor, its
+    JSON row parsed, the COMMIT (the advisory mode's second round trip) and the connection
+    given back as it came. What the provider's own work adds to a no-op is the call's CPU less
+    this. ``None`` for a checkout whose decision does not return one JSON text (an older one)."""
+    from airflow_idempotency import _sql
+    from airflow_idempotency.locks import DEAD_PEER_DEFAULTS, lock_wait_ms
+    from airflow_idempotency.records import RunIdentity, RunOptions, RunRecords
+
+    try:
+        text = _sql.query("decide_lease" if mode else "decide", "idempotency")
+    except (KeyError, TypeError):
+        return None
+    if "row_to_json" not in text:
+        return None
+    if mode:
+        session = {"holder": "bench bare", "ttl": "30", "lock_wait_ms": lock_wait_ms()}
+    else:
+        session = {"lock_wait_ms": lock_wait_ms(), "application_name": "bench bare"}
+        session.update({name: str(v) for name, v in DEAD_PEER_DEFAULTS.items()})
+
+    def call(connect: Callable[[], Any], key: str) -> float:
+        params = RunRecords("idempotency", RunIdentity(JOB, key)).decision_params(
+            RunOptions(), session
+        )
+        c0 = time.thread_time_ns()
+        with connect() as conn:
+            conn.autocommit = True
+            cursor = psycopg.ClientCursor(conn)
+            cursor.execute(text, params)
+            cursor.nextset()
+            found = cursor.fetchone()
+            assert found is not None
+            row = json.loads(found[0])
+            if not mode:
+                conn.commit()
+            conn.autocommit = False
+        spent = (time.thread_time_ns() - c0) / 1e6
+        if row["decision"] != "noop":
+            raise AssertionError(f"{key}: the bare statements decided {row['decision']!r}")
+        return spent
+
+    return call
+
+
 def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]:
     from airflow_idempotency.runner import RunOutcome, run_idempotently
     from airflow_idempotency.schema import ensure_schema
@@ -326,6 +373,8 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
     lease = "lock_mode" in inspect.signature(run_idempotently).parameters
     modes = ("", "lease_") if lease else ("",)
     cpu: dict[str, list[float]] = {f"{m}{k}": [] for m in modes for k in ("new", "noop")}
+    bare = {m: _bare_noop(m) for m in modes}
+    bare_cpu: dict[str, list[float]] = {f"{m}noop": [] for m in modes if bare[m]}
 
     def call(connect: Callable[[], Any], key: str, expect: RunOutcome, mode: str = "") -> float:
         c0 = time.thread_time_ns()
@@ -356,6 +405,9 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
                 key = f"r{round_no}-{mode}lat-{i}"
                 walls[f"{mode}new"] = call(pool.connection, key, RunOutcome.COMPLETED, mode)
                 walls[f"{mode}noop"] = call(pool.connection, key, RunOutcome.NOOP, mode)
+                bare_call = bare[mode]
+                if bare_call is not None:  # the same statements again, for the completed key
+                    bare_cpu[f"{mode}noop"].append(bare_call(pool.connection, key))
             with pool.connection() as c:
                 c.autocommit = True
                 t0 = time.perf_counter_ns()
@@ -370,7 +422,7 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
                 samples["rtt"].append(rtt)
                 samples["commit"].append(commit)
             else:
-                for values in cpu.values():
+                for values in (*cpu.values(), *bare_cpu.values()):
                     values.clear()
     cpu_samples = {kind: list(values) for kind, values in cpu.items()}
     throughput = _throughput(dsn, call, round_no, modes)
@@ -430,6 +482,7 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
         "latency": {k: stats(v) for k, v in samples.items()},
         "samples": samples,
         "cpu": cpu_samples,
+        "bare_cpu": bare_cpu,
         "throughput": throughput,
         "trips": trips,
         "server_ms": {
