@@ -309,6 +309,26 @@ def no_slot(exc: BaseException) -> bool:
     )
 
 
+_UNREACHABLE = (
+    "Connection refused",
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "the database system is not yet accepting connections",
+    "the database system is not accepting connections",
+)
+
+
+def unreachable_for_now(exc: BaseException) -> bool:
+    """Whether ``exc`` is a new connection the database could not take for the moment: nothing
+    listening (a server restarting, a writer failing over), a server starting up, shutting
+    down or in recovery, or no answer within ``connect_timeout``. The connection was never
+    opened, so nothing of it was sent: a later try is safe."""
+    if isinstance(exc, (psycopg.errors.ConnectionTimeout, psycopg.errors.CannotConnectNow)):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and any(t in str(exc) for t in _UNREACHABLE)
+
+
 def pool_refused(exc: BaseException) -> bool:
     """Whether ``exc`` is a psycopg_pool's ``connection()`` lending nothing: no connection free
     within the pool's timeout (PoolTimeout) or its queue full (TooManyRequests). Read without

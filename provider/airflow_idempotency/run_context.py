@@ -29,11 +29,13 @@ from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.fence import Fence, lock_wait_refusal
 from airflow_idempotency.locks import (
+    LOCK_WAIT_ENV,
     RunLock,
     lock_is_held,
     lock_wait_ms,
     no_slot,
     session_ended,
+    unreachable_for_now,
 )
 from airflow_idempotency.metrics import NO_METRICS, Metrics, run_timing
 from airflow_idempotency.records import RunIdentity, RunOptions
@@ -261,14 +263,16 @@ def connect_when_room(
     connect: ConnectionFactory, what: str, log: Any, waited: Callable[[float], None]
 ) -> ConnectionFactory:
     """``connect``, tried again while the database or the pooler refuses the new connection for
-    want of a slot (:func:`~airflow_idempotency.locks.no_slot`), pausing for at most the bound
-    of every lock wait (:func:`~airflow_idempotency.locks.lock_wait_ms`) in all (each pause
-    drawn at random below a cap that starts at 50 ms and doubles up to 1 s, the last one cut to
-    what is left: then one last try). The first refusal is logged on ``log`` with ``what`` the
-    connection is for, ``waited`` is called once with the seconds paused when there was a
-    pause; the last refusal is raised once the bound is spent. For the connections a run opens
-    after its work committed (the lease mode's completion, the outbound ledger's): refused, the
-    run would fail and its rerun do the work again."""
+    want of a slot (:func:`~airflow_idempotency.locks.no_slot`) or cannot take it for the
+    moment (:func:`~airflow_idempotency.locks.unreachable_for_now`: a failover, a restart),
+    pausing for at most the bound of every lock wait
+    (:func:`~airflow_idempotency.locks.lock_wait_ms`) in all (each pause drawn at random below a
+    cap that starts at 50 ms and doubles up to 1 s, the last one cut to what is left: then one
+    last try, which a ``connect_timeout`` may lengthen). The first refusal is logged on ``log``
+    with ``what`` the connection is for, and so is the last one when the bound is spent, before
+    it is raised; ``waited`` is called once with the seconds paused when there was a pause.
+    For the connections a run opens after its work committed (the lease mode's completion, the
+    outbound ledger's): refused, the run would fail and its rerun do the work again."""
     seconds = int(lock_wait_ms()) / 1000
     backoff = wait_random_exponential(multiplier=0.05, min=0.02, max=1.0)
     said: list[bool] = []
@@ -281,11 +285,13 @@ def connect_when_room(
         if not said:
             said.append(True)
             log.warning(
-                "the job database refused %s a connection (%s): waiting up to %g s for a free "
-                "slot (see docs/deploying.md, pool sizing)",
+                "the job database refused %s a connection (%s): waiting up to %g s for %s",
                 what,
                 refusal,
                 seconds,
+                "a free slot (see docs/deploying.md, pool sizing)"
+                if no_slot(refusal)
+                else "it to answer again",
             )
 
     @contextlib.contextmanager
@@ -293,13 +299,25 @@ def connect_when_room(
         retrying = Retrying(
             stop=stop_after_delay(seconds),
             wait=pause,
-            retry=retry_if_exception(no_slot),
+            retry=retry_if_exception(lambda exc: no_slot(exc) or unreachable_for_now(exc)),
             before_sleep=lambda state: waiting(_refusal(state.outcome)),
             reraise=True,
         )
+        began = time.monotonic()
         with contextlib.ExitStack() as stack:
             try:
                 conn = retrying(lambda: stack.enter_context(connect()))
+            except BaseException as exc:
+                if said:
+                    log.warning(
+                        "the job database still refused %s a connection after %.1f s of "
+                        "waiting (the bound of every lock wait, %s): giving up (%s)",
+                        what,
+                        time.monotonic() - began,
+                        LOCK_WAIT_ENV,
+                        exc,
+                    )
+                raise
             finally:
                 paused = float(retrying.statistics.get("idle_for", 0.0))
                 if paused:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -137,7 +138,7 @@ def test_lease_mode_past_max_connections_no_slot_is_refused_and_one_slot_is_enou
 
 
 def test_lease_mode_a_completion_refused_a_connection_names_the_sizing_rule(
-    small_server: Any, monkeypatch: pytest.MonkeyPatch
+    small_server: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The lease mode's completion borrows a connection of its own after the work: refused one
     (PostgreSQL has no slot left) for longer than the bound of its wait (the lock wait, 2 s
@@ -161,6 +162,7 @@ def test_lease_mode_a_completion_refused_a_connection_names_the_sizing_rule(
         worked.set()
         return {"done": 1}
 
+    caplog.set_level(logging.WARNING)
     began = time.monotonic()
     try:
         with pytest.raises(PoolExhaustedError) as refused:
@@ -177,6 +179,9 @@ def test_lease_mode_a_completion_refused_a_connection_names_the_sizing_rule(
     assert "max_connections" in said and "too many clients already" in said, said
     completed = "SELECT status FROM idempotency.job_runs WHERE run_key = '2026-10-03'"
     assert rows(dsn, completed) == [("started",)]  # not marked completed: a rerun converges
+    gave_up = [r.getMessage() for r in caplog.records if "giving up" in r.getMessage()]
+    assert len(gave_up) == 1 and LOCK_WAIT_ENV in gave_up[0], gave_up
+    assert re.search(r"after [234]\.\d s of waiting", gave_up[0]), gave_up  # its bound, 2 s
     figures(f"lease mode, the completion refused a connection: {refusal(refused.value)}")
 
 

@@ -8,11 +8,12 @@ the run's work connection died with its backends, so its next transaction ends t
 
 from __future__ import annotations
 
+import logging
 import shlex
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -43,20 +44,30 @@ def cluster() -> Iterator[PostgresServer]:
         yield server
 
 
-def fail_over(server: PostgresServer, seconds: float) -> None:
-    """End every backend at once (an immediate stop: no goodbye to any client), refuse
-    connections for ``seconds``, then start the server again with its own options."""
+def stop_at_once(server: PostgresServer) -> Callable[[], None]:
+    """End every backend at once (an immediate stop: no goodbye to any client; connections
+    are refused from now on); returns what starts the server again with its own options."""
     with psycopg.connect(server.admin_dsn) as conn:
         (data,) = conn.execute("SHOW data_directory").fetchone() or ("",)
     opts = shlex.split((Path(data) / "postmaster.opts").read_text())[1:]  # after the binary
     pg_ctl = [*_as_nobody(), str(system_binaries() / "pg_ctl"), "-D", data, "-w", "-t", "60"]  # type: ignore[operator]
     subprocess.run([*pg_ctl, "-m", "immediate", "stop"], check=True, capture_output=True)
-    time.sleep(seconds)
     options = shlex.join(o for o in opts if o not in ("-D", data))
-    subprocess.run(
-        [*pg_ctl, "-l", str(Path(data).parent / "server.log"), "-o", options, "start"],
-        check=True, capture_output=True, timeout=90,
-    )  # fmt: skip
+
+    def start() -> None:
+        subprocess.run(
+            [*pg_ctl, "-l", str(Path(data).parent / "server.log"), "-o", options, "start"],
+            check=True, capture_output=True, timeout=90,
+        )  # fmt: skip
+
+    return start
+
+
+def fail_over(server: PostgresServer, seconds: float) -> None:
+    """End every backend at once, refuse connections for ``seconds``, then start again."""
+    start = stop_at_once(server)
+    time.sleep(seconds)
+    start()
 
 
 def test_a_failover_ends_a_lease_run_lock_lost_cleanly_and_a_rerun_converges(
@@ -108,3 +119,39 @@ def test_a_failover_ends_a_lease_run_lock_lost_cleanly_and_a_rerun_converges(
     )
     assert steps == [(old, "first", 1), (new, "first", 1), (new, "second", 1)]
     assert rows(dsn, "SELECT count(*) FROM idempotency.run_leases")[0] == (0,)
+
+
+def test_a_failover_while_the_completion_connects_is_waited_out_and_the_run_completes(
+    cluster: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The work committed, then the database fails over before the completion's connection is
+    opened (every backend ended, connections refused for 3 s, then the server's own start): the
+    completion waits for the database to answer again, within the lock wait, says so, and
+    completes. The work committed once, one attempt, completed (the completion used to fail,
+    and the rerun did the work again)."""
+    dsn = cluster.admin_dsn
+    restarts: list[threading.Timer] = []
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.steps VALUES (%s, 'only')", (ctx.attempt_id,))
+        restarts.append(threading.Timer(3.0, stop_at_once(cluster)))
+        restarts[0].start()
+        return {"steps": 1}
+
+    caplog.set_level(logging.WARNING)
+    try:
+        result = run_idempotently(
+            connect=lambda: psycopg.connect(dsn), job_name="failover", run_key="2026-10-02",
+            work=work, lock_mode=LockMode("lease", lease_ttl=TTL),
+        )  # fmt: skip
+    finally:
+        for timer in restarts:
+            timer.join()
+    assert restarts, "the work did not run"
+    assert result.outcome is RunOutcome.COMPLETED
+    attempts = rows(dsn, "SELECT attempt_id, outcome FROM idempotency.job_run_attempts")
+    assert [outcome for _, outcome in attempts] == ["completed"]
+    assert rows(dsn, "SELECT step, count(*) FROM public.steps GROUP BY 1") == [("only", 1)]
+    said = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    assert said and "it to answer again" in said[0], said
