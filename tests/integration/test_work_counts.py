@@ -21,7 +21,7 @@ from airflow_idempotency.run_steps import _jsonable_counts
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from support.db import rows
 
-UNSTORABLE = {
+UNSTORABLE: dict[str, dict[Any, Any]] = {
     "nan": {"ratio": math.nan},
     "infinity": {"ratio": -math.inf},
     "nul in a string": {"note": "a\x00b"},
