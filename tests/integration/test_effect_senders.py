@@ -13,7 +13,10 @@ from email.message import Message
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from airflow_idempotency import OutboundLedger, Retries, RunContext
 from airflow_idempotency.exceptions import (
@@ -31,6 +34,7 @@ from airflow_idempotency.ledger import (
     EffectSender,
     webhook,
 )
+from airflow_idempotency.ledger.outcomes import storable
 from support.effects import LocalEndpoint, RecordedMetrics, ledger, run_once, statuses
 
 
@@ -229,3 +233,49 @@ def test_a_blocking_sender_that_deduplicates(pg_dsn: str, tmp_path: Path) -> Non
     again = FilePerKey(tmp_path, busy=set())
     assert deliver(pg_dsn, items, again).ok
     assert again.calls == ["f3"] and set(statuses(pg_dsn).values()) == {"succeeded"}
+
+
+class Unprintable(BlockingEffectSender[None]):
+    """A remote whose confirmation and refusal carry what a PostgreSQL text cannot hold: a NUL
+    character and half of a surrogate pair (a JSON answer may spell both: "\\u0000", "\\ud800")."""
+
+    kind = "notification"
+    deduplicating = True
+    target = "unprintable://"
+
+    def connect(self) -> None:
+        return None
+
+    def send(self, connection: None, effect: Effect) -> Confirmation:
+        if effect.request["n"] == 0:
+            return Confirmation("ref\x00\ud800")
+        raise PermanentRemoteError("refused: \x00 \ud800")
+
+
+def test_a_reference_or_error_a_text_column_cannot_hold_is_recorded_escaped(pg_dsn: str) -> None:
+    """The remote confirmed the first effect and refused the second, in words a text column
+    cannot hold: both outcomes are recorded (NUL and the lone surrogate backslash-escaped), so
+    the rerun does not send the confirmed effect again. Before, recording the batch failed
+    after the calls (psycopg refuses both), and every confirmation of it was lost."""
+    items = [Effect("u0", {"n": 0}), Effect("u1", {"n": 1})]
+    error = deliver(pg_dsn, items, Unprintable())
+    assert isinstance(error, RemoteCallError), error
+    with psycopg.connect(pg_dsn) as conn:
+        found = conn.execute(
+            "SELECT idempotency_key, status, remote_reference, last_error"
+            " FROM idempotency.outbound_ledger WHERE idempotency_key IN ('u0', 'u1')"
+            " ORDER BY 1"
+        ).fetchall()
+    (_, sent, reference, _), (_, refused, _, said) = found
+    assert (sent, refused) == ("succeeded", "failed"), found
+    assert reference == "ref\\x00\\ud800", found
+    assert "refused: \\x00 \\ud800" in said, found
+
+
+@given(text=st.text())
+def test_storable_text_is_unchanged_unless_a_text_column_cannot_hold_it(text: str) -> None:
+    kept = storable(text)
+    assert kept is not None and "\x00" not in kept
+    kept.encode("utf-8")  # no half of a surrogate pair left
+    clean = "\x00" not in text and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+    assert (kept == text) == clean

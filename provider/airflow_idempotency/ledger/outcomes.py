@@ -87,6 +87,22 @@ def tally(outcomes: list[Outcome], summary: LedgerSummary) -> None:
             summary.errors.append(f"{outcome.key}: {outcome.error}")
 
 
+def storable(text: str | None) -> str | None:
+    """``text`` as a PostgreSQL text value can hold it: a NUL character and half of a surrogate
+    pair (both of which a remote's JSON answer may spell, ``\\u0000``, ``\\ud800``)
+    backslash-escaped (``\\x00``, ``\\ud800``), anything else unchanged. A confirmation the
+    ledger could not record would be lost, and its effect sent again by the rerun."""
+    if text is None:
+        return None
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def write_outcomes(
     conn: psycopg.Connection, run: LedgerScope, remote_system: str, outcomes: list[Outcome]
 ) -> None:
@@ -94,8 +110,8 @@ def write_outcomes(
     params: dict[str, Any] = {
         "keys": [o.key for o in outcomes],
         "statuses": [o.status for o in outcomes],
-        "references": [o.reference for o in outcomes],
-        "errors": [o.error for o in outcomes],
+        "references": [storable(o.reference) for o in outcomes],
+        "errors": [storable(o.error) for o in outcomes],
         "calls": [o.calls for o in outcomes],
         "remote_system": remote_system,
         "attempt_id": run.attempt_id,
