@@ -157,6 +157,24 @@ def decided_run(job_name: str, run_key: str, row: dict[str, Any]) -> RunRecord:
     return RunRecord(job_name=job_name, run_key=run_key, **columns, **times)
 
 
+def storable_text(text: str | None) -> str | None:
+    """``text`` as a PostgreSQL text value can hold it: a NUL character and half of a surrogate
+    pair (both of which a remote's JSON answer may spell, ``\\u0000``, ``\\ud800``)
+    backslash-escaped (``\\x00``, ``\\ud800``), anything else unchanged. For the texts the
+    records store that come from elsewhere (an error's message, a remote's reference), which
+    are written after work or a call was done: refused there, the record would be lost (a
+    failure left ``running``, a confirmation not recorded and its effect sent again)."""
+    if text is None:
+        return None
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _text(value: object) -> str | None:
     return None if value is None else str(value)
 
@@ -266,7 +284,10 @@ class RunRecords:
         """
         params = self._attempt_params(lock, options)
         params.update(
-            outcome=outcome, dry_run=options.dry_run, error=error, details=Jsonb(details or {})
+            outcome=outcome,
+            dry_run=options.dry_run,
+            error=storable_text(error),
+            details=Jsonb(details or {}),
         )
         row = _execute(conn, query("insert_attempt", self.schema), params, and_commit).fetchone()
         assert row is not None
@@ -329,7 +350,7 @@ class RunRecords:
             {
                 "attempt_id": attempt_id,
                 "outcome": outcome,
-                "error": error,
+                "error": storable_text(error),
                 "details": Jsonb(details or {}),
             },
         )
@@ -372,5 +393,5 @@ class RunRecords:
 
     def mark_failed(self, conn: psycopg.Connection, attempt_id: int, error: str) -> bool:
         """Mark the run failed, if ``attempt_id`` still owns it."""
-        params = {**self.run.key_params, "attempt_id": attempt_id, "error": error}
+        params = {**self.run.key_params, "attempt_id": attempt_id, "error": storable_text(error)}
         return conn.execute(query("mark_failed", self.schema), params).fetchone() is not None

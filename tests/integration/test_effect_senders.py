@@ -34,7 +34,7 @@ from airflow_idempotency.ledger import (
     EffectSender,
     webhook,
 )
-from airflow_idempotency.ledger.outcomes import storable
+from airflow_idempotency.records import storable_text
 from support.effects import LocalEndpoint, RecordedMetrics, ledger, run_once, statuses
 
 
@@ -274,7 +274,7 @@ def test_a_reference_or_error_a_text_column_cannot_hold_is_recorded_escaped(pg_d
 
 @given(text=st.text())
 def test_storable_text_is_unchanged_unless_a_text_column_cannot_hold_it(text: str) -> None:
-    kept = storable(text)
+    kept = storable_text(text)
     assert kept is not None and "\x00" not in kept
     kept.encode("utf-8")  # no half of a surrogate pair left
     clean = "\x00" not in text and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)

@@ -3,7 +3,8 @@ completion, after the work committed. Counts that jsonb cannot hold (NaN, an inf
 character, half of a surrogate pair, a key JSON has no spelling for) are refused with an error
 naming them as soon as the work returns: the attempt and the run are recorded ``failed``, in
 both lock modes. (They used to fail the completion's write itself with PostgreSQL's words, the
-attempt left ``running`` and the run ``started`` in the advisory mode.)"""
+attempt left ``running`` and the run ``started`` in the advisory mode.) So is the message of an
+error the work raises: recorded escaped where a text column cannot hold it, never masked."""
 
 from __future__ import annotations
 
@@ -117,3 +118,32 @@ def _same(stored: Any, counts: Any) -> bool:
         return json.loads(json.dumps(value), parse_int=float, parse_float=float)
 
     return bool(normal(stored) == normal(counts))
+
+
+@pytest.mark.parametrize("lock_mode", ["advisory", "lease"])
+def test_a_work_error_a_text_column_cannot_hold_is_recorded_escaped(
+    pg_dsn: str, lock_mode: str
+) -> None:
+    """The work's error carries a NUL character and half of a surrogate pair (words of a remote,
+    say): the work's own error reaches the caller, and the attempt and the run are recorded
+    failed with the message backslash-escaped. (Recording it failed: psycopg's
+    UnicodeEncodeError replaced the work's error, the attempt was left running.)"""
+    key = f"{lock_mode}-error"
+
+    def work(run: RunContext) -> None:
+        raise ValueError("the remote said \x00 and \ud800")
+
+    with pytest.raises(ValueError, match="the remote said"):
+        run_idempotently(
+            connect=lambda: psycopg.connect(pg_dsn), job_name="errors", run_key=key, work=work,
+            lock_mode=lock_mode,
+        )  # fmt: skip
+    found = rows(
+        pg_dsn,
+        "SELECT r.status, a.outcome, a.error FROM idempotency.job_runs r"
+        " JOIN idempotency.job_run_attempts a USING (job_name, run_key)"
+        " WHERE job_name = 'errors' AND run_key = %s",
+        (key,),
+    )
+    assert [(s, o) for s, o, _ in found] == [("failed", "failed")], found
+    assert "the remote said \\x00 and \\ud800" in found[0][2], found

@@ -13,6 +13,7 @@ import psycopg
 
 from airflow_idempotency._sql import query
 from airflow_idempotency.ledger.scope import LedgerScope
+from airflow_idempotency.records import storable_text
 
 NOT_SENT = "not sent: this run lost its lock (another attempt may own the key now)"
 UNREACHABLE = "not sent: the remote stopped answering; a rerun sends it with the same key"
@@ -87,22 +88,6 @@ def tally(outcomes: list[Outcome], summary: LedgerSummary) -> None:
             summary.errors.append(f"{outcome.key}: {outcome.error}")
 
 
-def storable(text: str | None) -> str | None:
-    """``text`` as a PostgreSQL text value can hold it: a NUL character and half of a surrogate
-    pair (both of which a remote's JSON answer may spell, ``\\u0000``, ``\\ud800``)
-    backslash-escaped (``\\x00``, ``\\ud800``), anything else unchanged. A confirmation the
-    ledger could not record would be lost, and its effect sent again by the rerun."""
-    if text is None:
-        return None
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
-
-
 def write_outcomes(
     conn: psycopg.Connection, run: LedgerScope, remote_system: str, outcomes: list[Outcome]
 ) -> None:
@@ -110,8 +95,8 @@ def write_outcomes(
     params: dict[str, Any] = {
         "keys": [o.key for o in outcomes],
         "statuses": [o.status for o in outcomes],
-        "references": [storable(o.reference) for o in outcomes],
-        "errors": [storable(o.error) for o in outcomes],
+        "references": [storable_text(o.reference) for o in outcomes],
+        "errors": [storable_text(o.error) for o in outcomes],
         "calls": [o.calls for o in outcomes],
         "remote_system": remote_system,
         "attempt_id": run.attempt_id,
