@@ -11,8 +11,10 @@ the caller); every statement names its tables with it, so no connection's search
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +23,7 @@ from psycopg.types.json import Jsonb
 
 from airflow_idempotency._sql import query, query_row
 from airflow_idempotency._transactions import in_one_transaction
+from airflow_idempotency.exceptions import InvalidInputError
 from airflow_idempotency.locks import (
     RunLock,
     lock_wait_ms,
@@ -173,6 +176,47 @@ def storable_text(text: str | None) -> str | None:
     except UnicodeEncodeError:
         text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
+
+
+def storable_counts(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What the work function returned, as the completion stores it in ``job_runs.details``
+    (jsonb); refused with an error naming what to return when jsonb could not hold it."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"the work function must return a dict of counts or None, got {type(value).__name__}"
+        )
+    counts = dict(value)
+    # Checked here, before the completion: a value PostgreSQL's jsonb refuses (NaN, an
+    # infinity, a NUL character, half of a surrogate pair) would fail the completion's write
+    # after the work committed, with the attempt left running.
+    try:
+        text = json.dumps(counts, allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+        raise InvalidInputError(
+            f"the work function returned counts that the run record cannot hold ({exc}): "
+            "return a dict whose values are numbers (not NaN or infinite), strings, booleans, "
+            "None, lists or dicts of them"
+        ) from None
+    if _has_nul(counts):
+        raise InvalidInputError(
+            "the work function returned counts with a NUL character (\\x00) in a key or a "
+            "string, which PostgreSQL's jsonb cannot store: remove it from the counts"
+        )
+    return counts
+
+
+def _has_nul(value: Any) -> bool:
+    """Whether a NUL character stands in a string or a key anywhere in ``value``."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, Mapping):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 def _text(value: object) -> str | None:

@@ -274,57 +274,80 @@ def connect_when_room(
     For the connections a run opens after its work committed (the lease mode's completion, the
     outbound ledger's): refused, the run would fail and its rerun do the work again."""
     seconds = int(lock_wait_ms()) / 1000
-    backoff = wait_random_exponential(multiplier=0.05, min=0.02, max=1.0)
-    said: list[bool] = []
-
-    def pause(state: RetryCallState) -> float:
-        left = seconds - (state.seconds_since_start or 0.0)
-        return max(0.0, min(backoff(state), left))
-
-    def waiting(refusal: BaseException) -> None:
-        if not said:
-            said.append(True)
-            log.warning(
-                "the job database refused %s a connection (%s): waiting up to %g s for %s",
-                what,
-                refusal,
-                seconds,
-                "a free slot (see docs/deploying.md, pool sizing)"
-                if no_slot(refusal)
-                else "it to answer again",
-            )
 
     @contextlib.contextmanager
     def connection() -> Iterator[psycopg.Connection]:
-        retrying = Retrying(
-            stop=stop_after_delay(seconds),
-            wait=pause,
-            retry=retry_if_exception(lambda exc: no_slot(exc) or unreachable_for_now(exc)),
-            before_sleep=lambda state: waiting(_refusal(state.outcome)),
-            reraise=True,
-        )
-        began = time.monotonic()
+        wait = _RoomWait(what, log, seconds)
         with contextlib.ExitStack() as stack:
             try:
-                conn = retrying(lambda: stack.enter_context(connect()))
+                conn = wait.retrying(lambda: stack.enter_context(connect()))
             except BaseException as exc:
-                if said:
-                    log.warning(
-                        "the job database still refused %s a connection after %.1f s of "
-                        "waiting (the bound of every lock wait, %s): giving up (%s)",
-                        what,
-                        time.monotonic() - began,
-                        LOCK_WAIT_ENV,
-                        exc,
-                    )
+                wait.gave_up(exc)
                 raise
             finally:
-                paused = float(retrying.statistics.get("idle_for", 0.0))
-                if paused:
-                    waited(paused)
+                if wait.paused:
+                    waited(wait.paused)
             yield conn
 
     return connection
+
+
+def _room_may_come(exc: BaseException) -> bool:
+    """Whether a refused connection may be had by waiting: a slot, or the database back."""
+    return no_slot(exc) or unreachable_for_now(exc)
+
+
+class _RoomWait:
+    """The wait of one connection of :func:`connect_when_room`: its tries and what it says."""
+
+    def __init__(self, what: str, log: Any, seconds: float) -> None:
+        self.what, self.log, self.seconds = what, log, seconds
+        self.began = time.monotonic()
+        self.said = False
+        backoff = wait_random_exponential(multiplier=0.05, min=0.02, max=1.0)
+
+        def pause(state: RetryCallState) -> float:
+            left = seconds - (state.seconds_since_start or 0.0)
+            return max(0.0, min(backoff(state), left))
+
+        self.retrying = Retrying(
+            stop=stop_after_delay(seconds),
+            wait=pause,
+            retry=retry_if_exception(_room_may_come),
+            before_sleep=lambda state: self._waiting(_refusal(state.outcome)),
+            reraise=True,
+        )
+
+    @property
+    def paused(self) -> float:
+        """The seconds paused between tries so far."""
+        return float(self.retrying.statistics.get("idle_for", 0.0))
+
+    def _waiting(self, refusal: BaseException) -> None:
+        if self.said:
+            return
+        self.said = True
+        self.log.warning(
+            "the job database refused %s a connection (%s): waiting up to %g s for %s",
+            self.what,
+            refusal,
+            self.seconds,
+            "a free slot (see docs/deploying.md, pool sizing)"
+            if no_slot(refusal)
+            else "it to answer again",
+        )
+
+    def gave_up(self, exc: BaseException) -> None:
+        """The last try failed too: say how long it waited, when it did."""
+        if self.said:
+            self.log.warning(
+                "the job database still refused %s a connection after %.1f s of waiting (the "
+                "bound of every lock wait, %s): giving up (%s)",
+                self.what,
+                time.monotonic() - self.began,
+                LOCK_WAIT_ENV,
+                exc,
+            )
 
 
 def _refusal(outcome: Any) -> BaseException:

@@ -26,7 +26,6 @@ from airflow_idempotency._sql import query, query_row
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
     IdempotencyError,
-    InvalidInputError,
     LockLostError,
     LockWaitError,
     MissingPrivilegeError,
@@ -52,6 +51,7 @@ from airflow_idempotency.records import (
     RunRecord,
     RunRecords,
     decided_run,
+    storable_counts,
 )
 from airflow_idempotency.run_context import (
     ConnectionFactory,
@@ -184,45 +184,6 @@ def format_holder(holder: Mapping[str, Any]) -> str:
             f"started {attempt['started_at'].isoformat()})"
         )
     return ", ".join(parts)
-
-
-def _jsonable_counts(value: Mapping[str, Any] | None) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise TypeError(
-            f"the work function must return a dict of counts or None, got {type(value).__name__}"
-        )
-    counts = dict(value)
-    # Checked here, before the completion: a value PostgreSQL's jsonb refuses (NaN, an
-    # infinity, a NUL character, half of a surrogate pair) would fail the completion's write
-    # after the work committed, with the attempt left running.
-    try:
-        text = json.dumps(counts, allow_nan=False, ensure_ascii=False)
-        text.encode("utf-8")
-    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
-        raise InvalidInputError(
-            f"the work function returned counts that the run record cannot hold ({exc}): "
-            "return a dict whose values are numbers (not NaN or infinite), strings, booleans, "
-            "None, lists or dicts of them"
-        ) from None
-    if _has_nul(counts):
-        raise InvalidInputError(
-            "the work function returned counts with a NUL character (\\x00) in a key or a "
-            "string, which PostgreSQL's jsonb cannot store: remove it from the counts"
-        )
-    return counts
-
-
-def _has_nul(value: Any) -> bool:
-    """Whether a NUL character stands in a string or a key anywhere in ``value``."""
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, Mapping):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return any(_has_nul(v) for v in value)
-    return False
 
 
 def _privilege_refusal(
@@ -500,7 +461,7 @@ class Run:
             self._decided()
             started = time.monotonic()
             try:
-                return _jsonable_counts(self.work(ctx))
+                return storable_counts(self.work(ctx))
             except psycopg.Error as exc:
                 # the fence refused the COMMIT of a transaction of the work's own around a
                 # fenced one (or its PREPARE): say so, as run.transaction() does

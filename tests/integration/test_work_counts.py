@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from airflow_idempotency.exceptions import InvalidInputError
-from airflow_idempotency.run_steps import _jsonable_counts
+from airflow_idempotency.records import storable_counts
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from support.db import rows
 
@@ -94,7 +94,7 @@ def test_the_check_accepts_exactly_what_jsonb_stores(jsonb: Any, counts: dict[st
     """Whatever the work returns, the check and PostgreSQL agree: accepted counts are stored as
     jsonb (and read back equal), refused ones would have been refused by jsonb too."""
     try:
-        accepted = _jsonable_counts(counts)
+        accepted = storable_counts(counts)
     except InvalidInputError:
         accepted = None
     try:
