@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from airflow_idempotency import records
-from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from devtools.postgres import PostgresServer, temporary_database
 from support.db import rows
@@ -150,3 +150,35 @@ def test_the_decided_run_is_the_job_runs_row_whatever_the_databases_timezone(
             assert seen[mode].completed_at == dt.datetime(
                 2026, 12, 1, 2, 0, 1, 100000, tzinfo=dt.timezone.utc
             )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=NotImplementedError,
+    reason="not fixed (adv32d): the completions' RETURNING completed_at (complete_attempt, "
+    "complete_attempt_lease), the lock holders' reads and the CLI/UI read timestamptz typed, "
+    "which psycopg refuses under a DateStyle other than ISO; the completion has COMMITTED by "
+    "then, so the task fails after its work is done (retries no-op: the decision reads JSON). "
+    "Fix: the provider's own connections in DateStyle ISO, or those reads as JSON/text.",
+)
+@pytest.mark.parametrize("datestyle", ["SQL, DMY", "German", "Postgres, MDY"])
+@pytest.mark.parametrize("mode", ["advisory", "lease"])
+def test_a_run_completes_and_no_ops_whatever_the_databases_datestyle(
+    pg_server: PostgresServer, mode: str, datestyle: str
+) -> None:
+    """A database (or role) whose DateStyle is not ISO, as a European operator may set it:
+    psycopg reads no timestamptz then (NotImplementedError), yet the provider's own reads of
+    timestamps must not fail a run whose work it committed, nor every rerun of a key."""
+    with temporary_database(pg_server, "adv32d_ds") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            ensure_schema(conn)
+            conn.execute(
+                psycopg.sql.SQL("ALTER DATABASE {} SET datestyle = {}").format(
+                    psycopg.sql.Identifier(conn.info.dbname), psycopg.sql.Literal(datestyle)
+                )
+            )
+        first = _run(dsn, "2026-12-03", mode)
+        assert first.outcome is RunOutcome.COMPLETED
+        assert _run(dsn, "2026-12-03", mode).outcome is RunOutcome.NOOP
+        forced = _run(dsn, "2026-12-03", mode, options=RunOptions(force=True))
+        assert forced.outcome is RunOutcome.COMPLETED
