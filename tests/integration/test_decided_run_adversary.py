@@ -10,6 +10,7 @@ there, so on 3.10 about one completed key in four failed its no-op decision with
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import re
 import types
@@ -20,6 +21,7 @@ import psycopg
 import pytest
 
 from airflow_idempotency import records
+from airflow_idempotency.run_context import autocommit_connection
 from airflow_idempotency.runner import RunContext, RunOptions, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from devtools.postgres import PostgresServer, temporary_database
@@ -152,15 +154,6 @@ def test_the_decided_run_is_the_job_runs_row_whatever_the_databases_timezone(
             )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="not fixed (adv32d): the completions' RETURNING completed_at (complete_attempt, "
-    "complete_attempt_lease), the lock holders' reads and the CLI/UI read timestamptz typed, "
-    "which psycopg refuses under a DateStyle other than ISO; the completion has COMMITTED by "
-    "then, so the task fails after its work is done (retries no-op: the decision reads JSON). "
-    "Fix: the provider's own connections in DateStyle ISO, or those reads as JSON/text.",
-)
 @pytest.mark.parametrize("datestyle", ["SQL, DMY", "German", "Postgres, MDY"])
 @pytest.mark.parametrize("mode", ["advisory", "lease"])
 def test_a_run_completes_and_no_ops_whatever_the_databases_datestyle(
@@ -168,7 +161,8 @@ def test_a_run_completes_and_no_ops_whatever_the_databases_datestyle(
 ) -> None:
     """A database (or role) whose DateStyle is not ISO, as a European operator may set it:
     psycopg reads no timestamptz then (NotImplementedError), yet the provider's own reads of
-    timestamps must not fail a run whose work it committed, nor every rerun of a key."""
+    timestamps must not fail a run whose work it committed (they did: NotImplementedError
+    after the completion COMMITTED; fixed: the provider's own connections in DateStyle ISO)."""
     with temporary_database(pg_server, "adv32d_ds") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             ensure_schema(conn)
@@ -182,3 +176,16 @@ def test_a_run_completes_and_no_ops_whatever_the_databases_datestyle(
         assert _run(dsn, "2026-12-03", mode).outcome is RunOutcome.NOOP
         forced = _run(dsn, "2026-12-03", mode, options=RunOptions(force=True))
         assert forced.outcome is RunOutcome.COMPLETED
+
+
+def test_a_connection_of_the_provider_is_given_back_in_its_own_datestyle(db: str) -> None:
+    """A pool's connection in DateStyle 'SQL, DMY' is ISO while the provider uses it, and
+    goes back to the pool in its own DateStyle (the user's statements on it read it)."""
+    with psycopg.connect(db, autocommit=False) as conn:
+        conn.execute("SET datestyle = 'SQL, DMY'")
+        conn.commit()
+        with autocommit_connection(lambda: contextlib.nullcontext(conn)) as own:
+            assert own.info.parameter_status("DateStyle") == "ISO, DMY"
+            assert own.execute("SELECT now()").fetchone() is not None
+        assert conn.info.parameter_status("DateStyle") == "SQL, DMY"
+        assert not conn.autocommit
