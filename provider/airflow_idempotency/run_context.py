@@ -26,6 +26,7 @@ from tenacity import (
 )
 
 from airflow_idempotency._sql import query
+from airflow_idempotency.connection import iso_datestyle
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.fence import Fence, lock_wait_refusal
@@ -335,7 +336,7 @@ def autocommit_connection(
         saved = (conn.autocommit, conn.prepare_threshold, conn.isolation_level)
         wanted = (True, None, saved[2] if work else IsolationLevel.READ_COMMITTED)
         _set_session(conn, saved, wanted)
-        datestyle = None if work else _iso_dates(conn)
+        datestyle = None if work else iso_datestyle(conn)
         try:
             yield conn
         finally:
@@ -346,21 +347,6 @@ def autocommit_connection(
                 _set_session(
                     conn, (conn.autocommit, conn.prepare_threshold, conn.isolation_level), saved
                 )
-
-
-def _iso_dates(conn: psycopg.Connection) -> str | None:
-    """Put the idle autocommit ``conn`` in DateStyle ISO when the server's (the database's or
-    role's setting) is another: psycopg reads no timestamptz then, and the provider's own
-    statements read some after they committed (a completion's ``completed_at``). The setting
-    it had, to put back (``None``: it was ISO, nothing sent)."""
-    found = conn.info.parameter_status("DateStyle")
-    if found is None or found.startswith("ISO"):
-        return None
-    conn.execute(
-        query("set_datestyle", DEFAULT_SCHEMA),
-        {"datestyle": "ISO, " + found.split(",")[-1].strip()},
-    )
-    return found
 
 
 def _set_session(conn: psycopg.Connection, now: tuple[Any, ...], wanted: tuple[Any, ...]) -> None:

@@ -189,3 +189,24 @@ def test_a_connection_of_the_provider_is_given_back_in_its_own_datestyle(db: str
             assert own.execute("SELECT now()").fetchone() is not None
         assert conn.info.parameter_status("DateStyle") == "SQL, DMY"
         assert not conn.autocommit
+
+
+@pytest.mark.parametrize("command", [["runs"], ["show", JOB, "2026-12-05"]])
+def test_the_cli_reads_runs_whatever_the_databases_datestyle(
+    pg_server: PostgresServer, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`airflow-idempotency runs` and `show` crashed with NotImplementedError (a traceback,
+    not an exit code) on a database in DateStyle 'SQL, DMY'."""
+    from airflow_idempotency.cli import main
+
+    with temporary_database(pg_server, "adv32d_cli") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            ensure_schema(conn)
+            conn.execute(
+                psycopg.sql.SQL("ALTER DATABASE {} SET datestyle = 'SQL, DMY'").format(
+                    psycopg.sql.Identifier(conn.info.dbname)
+                )
+            )
+        _run(dsn, "2026-12-05", "advisory")
+        assert main(["--dsn", dsn, *command]) == 0
+        assert "2026-12-05" in capsys.readouterr().out
