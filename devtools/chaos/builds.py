@@ -86,9 +86,9 @@ COMPLETED_CHECK_OFF = Build(
     "completed-check-off",
     "a completed key is run again: the runner no longer no-ops on a completed key",
     patches=(
-        # The advisory mode decides in SQL (run_decide: migration 0021's, after 0016's) ...
+        # The advisory mode decides in SQL (run_decide: migration 0022's, after 0021's) ...
         Patch(
-            "sql/migrations/0021_decision_plans.sql",
+            "sql/migrations/0022_decide_refuses_live_lease.sql",
             "IF r.status IS DISTINCT FROM 'completed' OR p_force THEN",
             "IF true THEN  -- broken build: completed-check-off",
         ),

@@ -20,7 +20,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from airflow_idempotency import metrics
-from airflow_idempotency._sql import query, query_row
+from airflow_idempotency._sql import query
 from airflow_idempotency._transactions import (
     bounded_transaction,
     pipelined,
@@ -57,8 +57,6 @@ from airflow_idempotency.run_steps import (
     RunOutcome,
     RunResult,
     WorkDeferred,
-    describe_holder,
-    format_holder,
     log,
 )
 from airflow_idempotency.schema import ensure_schema
@@ -175,32 +173,9 @@ class LeaseRun(Run):
         metrics.run_timing(self.spec.environment.metrics, "database_wait", seconds, self.job_name)
 
     def _record_lease_held(self, conn: psycopg.Connection) -> RunLockedError:
-        """A lease refused: the holder is a lease of another worker, or an advisory lock."""
-        row = query_row(conn, "lease_holder", self.schema, {"lock_key": self.spec.run.lock_key})
-        holder: dict[str, Any]
-        if row:
-            holder = {k: v for k, v in row.items() if not k.startswith("attempt_")}
-            if row["attempt_attempt_id"] is not None:
-                holder["attempt"] = {
-                    k.removeprefix("attempt_"): v
-                    for k, v in row.items()
-                    if k.startswith("attempt_")
-                }
-            described = (
-                f"lease token {row['token']} of worker {row['holder']}, taken "
-                f"{row['acquired_at'].isoformat()}, expires {row['expires_at'].isoformat()}"
-                " unless renewed"
-            )
-            attempt = holder.get("attempt")
-            if attempt:
-                described += (
-                    f" (attempt {attempt['attempt_id']}, dag {attempt['dag_id']} run "
-                    f"{attempt['run_id']}, started {attempt['started_at'].isoformat()})"
-                )
-        else:
-            holder = describe_holder(conn, self.schema, self.spec.run.lock_key)
-            described = format_holder(holder)
-        return self._refuse(conn, holder, described, and_commit=False)
+        """A lease refused: the holder is a lease of another worker, or an advisory lock (the
+        refusal recorded outside any transaction: the decision committed)."""
+        return self._record_lock_held(conn, leased=True, and_commit=False)
 
     def _fence(self, lease: RunLock) -> Fence:
         assert self.attempt_id is not None

@@ -32,7 +32,7 @@ from typing import Any
 
 import psycopg
 
-from airflow_idempotency._sql import query
+from airflow_idempotency._sql import query, query_row
 from airflow_idempotency._transactions import in_one_transaction
 from airflow_idempotency.exceptions import ConfigurationError, SharedSessionError
 from airflow_idempotency.locks import RunLock, lock_wait_ms, run_lock_key
@@ -130,6 +130,32 @@ def worker_name() -> str:
 @functools.cache
 def _worker_name_of(pid: int) -> str:
     return f"{socket.gethostname()} pid {pid}"
+
+
+def describe_lease(
+    conn: psycopg.Connection, schema: str, lock_key: int
+) -> tuple[dict[str, Any], str] | None:
+    """The live lease of ``lock_key`` for a refusal (``None``: none): its row, the attempt it
+    runs nested under ``attempt``, and the words naming it."""
+    row = query_row(conn, "lease_holder", schema, {"lock_key": lock_key})
+    if not row:
+        return None
+    holder = {k: v for k, v in row.items() if not k.startswith("attempt_")}
+    described = (
+        f"lease token {row['token']} of worker {row['holder']}, taken "
+        f"{row['acquired_at'].isoformat()}, expires {row['expires_at'].isoformat()}"
+        " unless renewed"
+    )
+    if row["attempt_attempt_id"] is not None:
+        attempt = {
+            k.removeprefix("attempt_"): v for k, v in row.items() if k.startswith("attempt_")
+        }
+        holder["attempt"] = attempt
+        described += (
+            f" (attempt {attempt['attempt_id']}, dag {attempt['dag_id']} run "
+            f"{attempt['run_id']}, started {attempt['started_at'].isoformat()})"
+        )
+    return holder, described
 
 
 def shared_session_error(lock_key: int) -> SharedSessionError:

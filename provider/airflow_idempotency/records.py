@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -149,12 +150,24 @@ _DECIDED_COLUMNS = (
 _DECIDED_TIMES = ("started_at", "completed_at", "updated_at")
 
 
+# A fraction of a second in PostgreSQL's JSON text of a timestamp: trailing zeros trimmed
+# (``02:00:01.1+00:00``), which Python 3.10's fromisoformat refuses (it takes 3 or 6 digits).
+_FRACTION = re.compile(r"(?<=:\d\d)\.(\d{1,6})")
+
+
+def _json_timestamp(text: str) -> dt.datetime:
+    """A timestamp of PostgreSQL's JSON text (ISO 8601, whatever the DateStyle), on every
+    Python the package supports: the fraction padded to microseconds first."""
+    return dt.datetime.fromisoformat(
+        _FRACTION.sub(lambda m: "." + m.group(1).ljust(6, "0"), text, count=1)
+    )
+
+
 def decided_run(job_name: str, run_key: str, row: dict[str, Any]) -> RunRecord:
     """The ``job_runs`` row that run_decide read, from the ``decide`` query's JSON object
     (its timestamps are ISO 8601 text there)."""
     times: dict[str, Any] = {
-        name: None if row[name] is None else dt.datetime.fromisoformat(row[name])
-        for name in _DECIDED_TIMES
+        name: None if row[name] is None else _json_timestamp(row[name]) for name in _DECIDED_TIMES
     }
     columns = {name: row[name] for name in _DECIDED_COLUMNS}
     return RunRecord(job_name=job_name, run_key=run_key, **columns, **times)

@@ -25,6 +25,8 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from airflow_idempotency._sql import query
+from airflow_idempotency.connection import iso_datestyle
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.fence import Fence, lock_wait_refusal
@@ -375,11 +377,14 @@ def autocommit_connection(
         saved = (conn.autocommit, conn.prepare_threshold, conn.isolation_level)
         wanted = (True, None, saved[2] if work else IsolationLevel.READ_COMMITTED)
         _set_session(conn, saved, wanted)
+        datestyle = None if work else iso_datestyle(conn)
         try:
             yield conn
         finally:
             idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             if not conn.closed and idle:
+                if datestyle is not None:
+                    conn.execute(query("set_datestyle", DEFAULT_SCHEMA), {"datestyle": datestyle})
                 _set_session(
                     conn, (conn.autocommit, conn.prepare_threshold, conn.isolation_level), saved
                 )

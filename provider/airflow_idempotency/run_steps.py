@@ -38,6 +38,7 @@ from airflow_idempotency.fence import (
     lock_wait_refusal,
 )
 from airflow_idempotency.key_zone import refuse_zone_change
+from airflow_idempotency.leases import describe_lease
 from airflow_idempotency.locks import (
     RunLock,
     lock_transaction,
@@ -136,6 +137,7 @@ class Decision:
     lock: RunLock | None
     existing: RunRecord | None
     noop_attempt_id: int | None
+    leased: bool = False  # refused: a completed key under another worker's live lease
 
 
 def replayed(existing: RunRecord) -> dict[str, Any]:
@@ -232,8 +234,8 @@ def decide(
         return decide(conn, spec, records, zone_checked=True)
     if decision == "shared":
         raise shared_session_error(row["backend_pid"], run.lock_key)
-    if decision == "locked":
-        return Decision(None, None, None)
+    if decision in ("locked", "leased"):  # leased: migration 22
+        return Decision(None, None, None, leased=decision == "leased")
     existing = decided_run(run.job_name, run.run_key, row) if row["run_found"] else None
     lock = RunLock(run.lock_key, row["backend_pid"], row["holder"])
     return Decision(lock, existing, row["noop_attempt_id"])
@@ -312,7 +314,10 @@ class Run:
                 )
                 if decided.lock is None:
                     refusal = self._bounded(
-                        "recording the refusal of", self._record_lock_held, lock_conn
+                        "recording the refusal of",
+                        self._record_lock_held,
+                        lock_conn,
+                        decided.leased,
                     )
                 else:
                     crash_point("runner.after_lock")
@@ -326,9 +331,19 @@ class Run:
 
     # -- 1. lock (when another session holds it) ------------------------------------------
 
-    def _record_lock_held(self, conn: psycopg.Connection) -> RunLockedError:
-        holder = describe_holder(conn, self.schema, self.spec.run.lock_key)
-        return self._refuse(conn, holder, format_holder(holder), and_commit=True)
+    def _record_lock_held(
+        self, conn: psycopg.Connection, leased: bool = False, and_commit: bool = True
+    ) -> RunLockedError:
+        """Record the refusal: ``leased``, the key's live lease names the holder (the lease
+        mode's decision, or the advisory mode's of a completed key under a live lease), else
+        (or when it has none) the session holding the key's advisory run lock."""
+        lock_key = self.spec.run.lock_key
+        found = describe_lease(conn, self.schema, lock_key) if leased else None
+        if found is None:
+            holder = describe_holder(conn, self.schema, lock_key)
+            found = holder, format_holder(holder)
+        holder, described = found
+        return self._refuse(conn, holder, described, and_commit=and_commit)
 
     def _refuse(
         self,

@@ -18,7 +18,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from airflow_idempotency.cli._arguments import check_dsn
 from airflow_idempotency.cli._base import DSN_ENV, EXIT_UNAVAILABLE, EXIT_USAGE, CommandError
-from airflow_idempotency.connection import CONNECT_TIMEOUT
+from airflow_idempotency.connection import CONNECT_TIMEOUT, iso_datestyle
 from airflow_idempotency.exceptions import MissingPrivilegeError, SchemaNotReadyError
 from airflow_idempotency.schema import ensure_schema, require_readable
 
@@ -76,12 +76,14 @@ def connect(args: argparse.Namespace) -> psycopg.Connection:
     if "connect_timeout" not in conninfo_to_dict(conninfo):  # a wait with a bound
         conninfo = make_conninfo(conninfo, connect_timeout=CONNECT_TIMEOUT)
     try:
-        return psycopg.connect(conninfo, autocommit=True, prepare_threshold=None)
+        conn = psycopg.connect(conninfo, autocommit=True, prepare_threshold=None)
     except psycopg.Error as exc:
         raise CommandError(
             f"cannot reach the job database: {redact(str(exc).strip(), conninfo)}",
             EXIT_UNAVAILABLE,
         ) from exc
+    iso_datestyle(conn)  # the records' times are read whatever the database's DateStyle
+    return conn
 
 
 def connect_read(args: argparse.Namespace) -> psycopg.Connection:

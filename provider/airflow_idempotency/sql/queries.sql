@@ -1367,3 +1367,10 @@ SELECT %(job_name)s, %(run_key)s, %(lock_key)s, 'completed', 'adopted', %(dag_id
        statement_timestamp(), statement_timestamp(), %(details)s, %(key_zone)s
 FROM attempt
 RETURNING job_name;
+
+-- name: set_datestyle
+-- The DateStyle of one of the provider's own connections (run_context.autocommit_connection):
+-- ISO while the provider uses it when the server's setting is another (psycopg reads no
+-- timestamptz in any other), then the connection's own again. A session setting, which
+-- PgBouncer keeps for its client (DateStyle is among the parameters it tracks).
+SELECT set_config('DateStyle', %(datestyle)s, false);

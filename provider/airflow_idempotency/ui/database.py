@@ -30,6 +30,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from airflow_idempotency.compat import AIRFLOW_NOT_FOUND
+from airflow_idempotency.connection import iso_datestyle
 from airflow_idempotency.exceptions import SchemaNotReadyError
 from airflow_idempotency.hook import IdempotencyHook
 from airflow_idempotency.schema import require_readable
@@ -104,6 +105,10 @@ def _connection_kwargs(hook: IdempotencyHook) -> dict[str, Any]:
     return {**kwargs, "autocommit": True, "prepare_threshold": None}
 
 
+def _iso_dates(conn: psycopg.Connection) -> None:
+    iso_datestyle(conn)
+
+
 class ReaderPools:
     """The bounded pool of each Airflow connection the view reads, for this process."""
 
@@ -125,6 +130,7 @@ class ReaderPools:
                 timeout=settings.pool_timeout,
                 max_idle=settings.pool_max_idle,
                 check=ConnectionPool.check_connection,
+                configure=_iso_dates,  # its times read whatever the database's DateStyle
                 name=f"idempotency-ui-{settings.conn_id}",
                 open=True,
             )
