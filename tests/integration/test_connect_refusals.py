@@ -8,9 +8,14 @@ once, not waited on for the whole lock wait."""
 from __future__ import annotations
 
 import logging
+import shlex
 import socket
+import subprocess
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -20,6 +25,7 @@ from psycopg.conninfo import make_conninfo
 
 from airflow_idempotency.locks import _UNREACHABLE, LOCK_WAIT_ENV, no_slot, unreachable_for_now
 from airflow_idempotency.run_context import connect_when_room
+from devtools.postgres import PostgresServer, _as_nobody, dedicated_cluster, system_binaries
 
 
 def closed_port() -> int:
@@ -95,3 +101,109 @@ def test_unreachable_is_any_operational_error_naming_a_transient_refusal(
     assert not unreachable_for_now(ValueError(named))
     plain = psycopg.OperationalError(text)
     assert unreachable_for_now(plain) == any(m in text for m in _UNREACHABLE)
+
+
+def _pg_ctl(server: PostgresServer) -> tuple[list[str], str, str]:
+    """pg_ctl for the dedicated ``server``, its data folder and the options of its start."""
+    with psycopg.connect(server.admin_dsn) as conn:
+        (data,) = conn.execute("SHOW data_directory").fetchone() or ("",)
+    opts = shlex.split((Path(data) / "postmaster.opts").read_text())[1:]
+    binaries = system_binaries()
+    assert binaries is not None
+    pg_ctl = [*_as_nobody(), str(binaries / "pg_ctl"), "-D", data, "-t", "60"]
+    return pg_ctl, data, shlex.join(o for o in opts if o not in ("-D", data))
+
+
+@pytest.fixture
+def german_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[PostgresServer]:
+    """A dedicated cluster whose messages are German (as one initdb'd on a German system is:
+    its lc_messages; here the C.UTF-8 locale and gettext's LANGUAGE, no de_DE locale needed)."""
+    if system_binaries() is None:
+        pytest.skip("no PostgreSQL binaries to run a dedicated cluster")
+    monkeypatch.setenv("LANGUAGE", "de")
+    with dedicated_cluster("adv32e-de", {"lc_messages": "'C.UTF-8'"}) as server:
+        with psycopg.connect(server.admin_dsn) as conn:
+            try:
+                conn.execute("SELECT 1/0")
+            except psycopg.errors.DivisionByZero as exc:
+                if "Division" not in str(exc):
+                    pytest.skip(f"this PostgreSQL does not translate its messages: {exc}")
+        yield server
+
+
+def test_a_server_speaking_german_shutting_down_is_waited_out_until_it_is_back(
+    german_cluster: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose lc_messages is German says 'das Datenbanksystem fährt herunter' (SQLSTATE
+    57P03, as 'the database system is shutting down') while a smart shutdown waits for a
+    session: a refusal for the moment in any language, waited out until the server is back
+    (it used to be raised at once: the text was matched in English only)."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "30")
+    dsn = german_cluster.admin_dsn
+    pg_ctl, data, options = _pg_ctl(german_cluster)
+    held = psycopg.connect(dsn)
+    subprocess.run([*pg_ctl, "-m", "smart", "-W", "stop"], check=True, capture_output=True)
+    refused = refusal(dsn)
+    assert "fährt herunter" in str(refused), refused
+    assert unreachable_for_now(refused), refused
+
+    def back() -> None:
+        held.close()  # the smart shutdown ends
+        subprocess.run([*pg_ctl, "-w", "stop"], capture_output=True, check=False)
+        subprocess.run(
+            [*pg_ctl, "-w", "-l", str(Path(data).parent / "server.log"), "-o", options, "start"],
+            check=True, capture_output=True, timeout=90,
+        )  # fmt: skip
+
+    paused: list[float] = []
+    connection = connect_when_room(
+        lambda: psycopg.connect(dsn), "the completion", logging.getLogger(__name__), paused.append
+    )
+    timer = threading.Timer(2.0, back)
+    timer.start()
+    try:
+        with connection() as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        timer.join()
+    assert paused and sum(paused) >= 1.0, paused
+
+
+def test_a_switchover_to_a_standby_being_promoted_is_waited_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DSN that follows the writer the libpq way (target_session_attrs=read-write) during a
+    switchover reaches a standby not yet promoted: libpq says 'session is read-only' (or
+    'server is in hot standby mode'). It is a writer for the moment unavailable, waited out
+    until the promotion (it used to be raised at once, failing the run after its work)."""
+    if system_binaries() is None:
+        pytest.skip("no PostgreSQL binaries to run a dedicated cluster")
+    monkeypatch.setenv(LOCK_WAIT_ENV, "30")
+    with dedicated_cluster("adv32e-standby", {}) as server:
+        pg_ctl, data, options = _pg_ctl(server)
+        subprocess.run([*pg_ctl, "-w", "-m", "fast", "stop"], check=True, capture_output=True)
+        (Path(data) / "standby.signal").touch()  # a standby of no primary, until promoted
+        subprocess.run(
+            [*pg_ctl, "-w", "-l", str(Path(data).parent / "server.log"), "-o", options, "start"],
+            check=True, capture_output=True, timeout=90,
+        )  # fmt: skip
+        dsn = make_conninfo(server.admin_dsn, target_session_attrs="read-write")
+        refused = refusal(dsn)
+        assert unreachable_for_now(refused), refused
+
+        def promote() -> None:
+            subprocess.run([*pg_ctl, "-w", "promote"], check=True, capture_output=True)
+
+        paused: list[float] = []
+        connection = connect_when_room(
+            lambda: psycopg.connect(dsn), "the completion", logging.getLogger(__name__),
+            paused.append,
+        )  # fmt: skip
+        timer = threading.Timer(2.0, promote)
+        timer.start()
+        try:
+            with connection() as conn:
+                assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (False,)
+        finally:
+            timer.join()
+        assert paused and sum(paused) >= 1.0, paused
