@@ -23,6 +23,8 @@ from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.leases import LockMode
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
+from devtools.pgbouncer import installed as pgbouncer_installed
+from devtools.pgbouncer import run_pgbouncer
 from devtools.postgres import PostgresServer, _as_nobody, dedicated_cluster, system_binaries
 from support.db import rows
 from support.locks import Background, wait_for
@@ -155,3 +157,44 @@ def test_a_failover_while_the_completion_connects_is_waited_out_and_the_run_comp
     assert rows(dsn, "SELECT step, count(*) FROM public.steps GROUP BY 1") == [("only", 1)]
     said = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
     assert said and "it to answer again" in said[0], said
+
+
+@pytest.mark.skipif(not pgbouncer_installed(), reason="pgbouncer is not installed")
+def test_a_failover_behind_pgbouncer_while_the_completion_connects_is_waited_out(
+    cluster: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same failover with PgBouncer in front (transaction mode, query_wait_timeout 4 s, the server down 8 s,
+    at most half the lease's ttl as docs/deploying.md asks): PgBouncer takes the completion's
+    connection (it answers for the server), then refuses its transaction, before sending any
+    of it to a server: 'server login has been failing, try again later
+    (server_login_retry)' or query_wait_timeout. Nothing of the completion reached a server,
+    so it is tried again within the lock wait; the run completes, its work once (the
+    completion used to fail, lock_lost, and the rerun did the work again)."""
+    restarts: list[threading.Thread] = []
+    settings = {"query_wait_timeout": "4", "server_login_retry": "2"}
+    with run_pgbouncer(cluster, "transaction", pool_size=4, settings=settings) as bouncer:
+        dsn = bouncer.dsn("postgres")
+
+        def work(ctx: RunContext) -> dict[str, int]:
+            with ctx.transaction() as cur:
+                cur.execute("INSERT INTO public.steps VALUES (%s, 'only')", (ctx.attempt_id,))
+            restarts.append(threading.Thread(target=fail_over, args=(cluster, 8.0)))
+            restarts[0].start()
+            time.sleep(1.0)  # the server is down as the completion connects
+            return {"steps": 1}
+
+        caplog.set_level(logging.WARNING)
+        try:
+            result = run_idempotently(
+                connect=lambda: psycopg.connect(dsn), job_name="failover",
+                run_key="2026-10-03", work=work, lock_mode=LockMode("lease", lease_ttl=TTL),
+            )  # fmt: skip
+        finally:
+            for thread in restarts:
+                thread.join()
+    assert restarts, "the work did not run"
+    assert result.outcome is RunOutcome.COMPLETED
+    direct = cluster.admin_dsn
+    attempts = rows(direct, "SELECT attempt_id, outcome FROM idempotency.job_run_attempts")
+    assert [outcome for _, outcome in attempts] == ["completed"]
+    assert rows(direct, "SELECT step, count(*) FROM public.steps GROUP BY 1") == [("only", 1)]
