@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -198,3 +199,45 @@ def test_a_failover_behind_pgbouncer_while_the_completion_connects_is_waited_out
     attempts = rows(direct, "SELECT attempt_id, outcome FROM idempotency.job_run_attempts")
     assert [outcome for _, outcome in attempts] == ["completed"]
     assert rows(direct, "SELECT step, count(*) FROM public.steps GROUP BY 1") == [("only", 1)]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("trying it again" in m or "waiting up to" in m for m in said), said
+
+
+def test_a_completion_whose_reply_is_lost_after_its_commit_is_completed_once(
+    cluster: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's COMMIT lands, then its connection is lost before the reply (a failover
+    at that instant): the try again is refused by the fence (the lease went with that COMMIT),
+    and the attempt's recorded outcome tells the run it completed: COMPLETED, once, no failure
+    written over it."""
+    from airflow_idempotency import lease_run
+
+    dsn = cluster.admin_dsn
+    original = lease_run.LeaseRun._complete_and_release
+    tries: list[bool] = []
+
+    def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
+        done = original(self, conn, *args)
+        tries.append(done)
+        if len(tries) == 1:
+            conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return done
+
+    monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose)
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.steps VALUES (%s, 'only')", (ctx.attempt_id,))
+        return {"steps": 1}
+
+    result = run_idempotently(
+        connect=lambda: psycopg.connect(dsn), job_name="failover", run_key="2026-10-04",
+        work=work, lock_mode=LockMode("lease", lease_ttl=TTL),
+    )  # fmt: skip
+    assert result.outcome is RunOutcome.COMPLETED
+    assert tries[0] is True, tries
+    attempts = rows(dsn, "SELECT outcome, error FROM idempotency.job_run_attempts")
+    assert attempts == [("completed", None)], attempts
+    assert rows(dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
+    assert rows(dsn, "SELECT count(*) FROM idempotency.run_leases")[0] == (0,)

@@ -1367,3 +1367,8 @@ SELECT %(job_name)s, %(run_key)s, %(lock_key)s, 'completed', 'adopted', %(dag_id
        statement_timestamp(), statement_timestamp(), %(details)s, %(key_zone)s
 FROM attempt
 RETURNING job_name;
+
+-- name: attempt_outcome
+-- The outcome of one attempt (NULL while it runs): read after its completion's connection was
+-- lost with the COMMIT sent, to tell whether that COMMIT landed.
+SELECT outcome FROM {schema}.job_run_attempts WHERE attempt_id = %(attempt_id)s;
