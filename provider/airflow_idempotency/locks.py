@@ -336,7 +336,7 @@ def unreachable_for_now(exc: BaseException) -> bool:
     try is safe.
 
     The server's words are in its ``lc_messages`` language: a refusal not recognised in
-    English is checked by a ping of the same server (libpq's ``PQping``, bounded by
+    English is checked by a ping of the same server (:func:`ping_rejects`, bounded by
     ``connect_timeout``, at most 5 s), which tells SQLSTATE 57P03 (cannot connect now) in
     any language."""
     if isinstance(exc, (psycopg.errors.ConnectionTimeout, psycopg.errors.CannotConnectNow)):
@@ -357,10 +357,19 @@ def _server_rejects_for_now(exc: psycopg.OperationalError) -> bool:
         timeout = int(options.get("connect_timeout") or 0)
         if timeout <= 0 or timeout > _PING_TIMEOUT_S:
             options["connect_timeout"] = str(_PING_TIMEOUT_S)
-        answer = psycopg.pq.PGconn.ping(make_conninfo(**options).encode())
+        conninfo = make_conninfo(**options)
     except (psycopg.Error, ValueError, UnicodeDecodeError):
         return False
-    return bool(answer == psycopg.pq.Ping.REJECT)
+    return ping_rejects(conninfo)
+
+
+def ping_rejects(conninfo: str) -> bool:
+    """Whether the server of ``conninfo`` answers libpq's ``PQping`` with 'cannot connect now'
+    (SQLSTATE 57P03), called through psycopg's ctypes binding of the system's libpq, which lets
+    go of the GIL while it waits: psycopg's C binding (``PGconn.ping``) holds it, and a ping
+    that waits its connect_timeout would freeze every thread of the worker, the lease's
+    heartbeat too. ``False`` when there is no system libpq to call."""
+    return bool(psycopg.pq.PGconn.ping(conninfo.encode()) == psycopg.pq.Ping.REJECT)
 
 
 def pool_refused(exc: BaseException) -> bool:

@@ -7,6 +7,7 @@ once, not waited on for the whole lock wait."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shlex
 import socket
@@ -23,7 +24,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from psycopg.conninfo import make_conninfo
 
-from airflow_idempotency.locks import _UNREACHABLE, LOCK_WAIT_ENV, no_slot, unreachable_for_now
+from airflow_idempotency.locks import (
+    _UNREACHABLE,
+    LOCK_WAIT_ENV,
+    no_slot,
+    ping_rejects,
+    unreachable_for_now,
+)
 from airflow_idempotency.run_context import connect_when_room
 from devtools.postgres import PostgresServer, _as_nobody, dedicated_cluster, system_binaries
 
@@ -207,3 +214,33 @@ def test_a_switchover_to_a_standby_being_promoted_is_waited_out(
         finally:
             timer.join()
         assert paused and sum(paused) >= 1.0, paused
+
+
+def test_the_ping_of_a_refusal_lets_other_threads_run() -> None:
+    """The ping that tells 57P03 in any language waits up to its connect_timeout for a server
+    that does not answer (a socket that never accepts, here): the worker's other threads, the
+    lease's heartbeat among them, keep running meanwhile (psycopg's C ``PGconn.ping`` holds
+    the GIL for as long: every thread froze)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        ticks: list[float] = []
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.05)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        try:
+            began = time.monotonic()
+            assert not ping_rejects(f"host=127.0.0.1 port={port} connect_timeout=2")
+            assert time.monotonic() - began >= 1.5
+        finally:
+            stop.set()
+            ticker.join()
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert len(ticks) > 20 and max(gaps) < 0.5, (len(ticks), max(gaps, default=None))
