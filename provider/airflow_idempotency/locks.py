@@ -325,6 +325,13 @@ _UNREACHABLE = (
 
 # A ping that checks a refusal's server never waits longer than this.
 _PING_TIMEOUT_S = 5
+# The connection options a ping passes on: where the server is and how to log in to it, all
+# known to any libpq (the system's, which pings, may be older than psycopg's own; an option it
+# does not know would make every ping fail).
+_PING_KEYWORDS = frozenset(
+    ("host", "hostaddr", "port", "dbname", "user", "password", "passfile", "sslmode",
+     "sslcert", "sslkey", "sslrootcert", "sslcrl", "krbsrvname", "connect_timeout")
+)  # fmt: skip
 
 
 def unreachable_for_now(exc: BaseException) -> bool:
@@ -353,7 +360,11 @@ def _server_rejects_for_now(exc: psycopg.OperationalError) -> bool:
     if pgconn is None:
         return False
     try:
-        options = {o.keyword.decode(): o.val.decode() for o in pgconn.info if o.val is not None}
+        options = {
+            o.keyword.decode(): o.val.decode()
+            for o in pgconn.info
+            if o.val is not None and o.keyword.decode() in _PING_KEYWORDS
+        }
         timeout = int(options.get("connect_timeout") or 0)
         if timeout <= 0 or timeout > _PING_TIMEOUT_S:
             options["connect_timeout"] = str(_PING_TIMEOUT_S)
@@ -369,7 +380,11 @@ def ping_rejects(conninfo: str) -> bool:
     go of the GIL while it waits: psycopg's C binding (``PGconn.ping``) holds it, and a ping
     that waits its connect_timeout would freeze every thread of the worker, the lease's
     heartbeat too. ``False`` when there is no system libpq to call."""
-    return bool(psycopg.pq.PGconn.ping(conninfo.encode()) == psycopg.pq.Ping.REJECT)
+    try:
+        from psycopg.pq import _pq_ctypes
+    except (ImportError, OSError):
+        return False
+    return bool(_pq_ctypes.PQping(conninfo.encode()) == psycopg.pq.Ping.REJECT)
 
 
 def pool_refused(exc: BaseException) -> bool:
