@@ -28,6 +28,7 @@ from airflow_idempotency._transactions import (
 )
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
+    ConfigurationError,
     IdempotencyError,
     LockLostError,
     RunLockedError,
@@ -390,6 +391,8 @@ def _connection_lost(exc: BaseException) -> bool:
     operator intervention (57P: a shutdown, a crash of another backend)."""
     cause = _cause(exc)
     if not isinstance(cause, psycopg.OperationalError):
+        return False
+    if isinstance(pooler_refusal(cause), ConfigurationError):  # statement pooling: for good
         return False
     state = cause.sqlstate
     return state is None or state.startswith(("08", "57P"))
