@@ -14,7 +14,7 @@ import dataclasses
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -28,6 +28,7 @@ from airflow_idempotency._transactions import (
 )
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import (
+    ConfigurationError,
     IdempotencyError,
     LockLostError,
     RunLockedError,
@@ -42,7 +43,7 @@ from airflow_idempotency.leases import (
     shared_session_error,
     worker_name,
 )
-from airflow_idempotency.locks import RunLock, lock_wait_ms, pooler_refusal
+from airflow_idempotency.locks import LOCK_WAIT_ENV, RunLock, lock_wait_ms, pooler_refusal
 from airflow_idempotency.records import RunRecord, RunRecords, decided_run
 from airflow_idempotency.run_context import (
     ConnectionFactory,
@@ -249,48 +250,90 @@ class LeaseRun(Run):
 
     def _complete_lease(self, lease: RunLock, counts: dict[str, Any]) -> RunResult:
         """Mark the run completed in a fenced transaction (checked at BEGIN and at COMMIT
-        against the lease), which releases the lease at its COMMIT."""
+        against the lease), which releases the lease at its COMMIT.
+
+        A completion whose connection is lost (a failover as it runs; PgBouncer dropping it
+        while the server is down: query_wait_timeout, server login failing) is tried again on a
+        new connection, within the lock wait: the lease fences it, so a second try cannot
+        complete the run twice; when the lost one's COMMIT landed after all (the lease is then
+        gone and the second try refused), the attempt's recorded outcome says so."""
         assert self.attempt_id is not None
         fence = self._fence(lease)
-        try:
-            with autocommit_connection(self._completion_connect()) as conn:
-                try:
-                    if not self._complete_and_release(conn, fence, counts):
-                        raise LockLostError(
-                            f"job {self.job_name!r} run_key {self.run_key!r}: attempt "
-                            f"{self.attempt_id} finished its work but no longer owns the "
-                            "run, so it may not mark it completed. Another attempt took "
-                            "over; rerun to converge."
+        deadline = time.monotonic() + int(lock_wait_ms()) / 1000
+        lost: BaseException | None = None
+        while True:
+            try:
+                self._complete_once(fence, counts, deadline)
+                return self._result(RunOutcome.COMPLETED, counts)
+            except (psycopg.Error, IdempotencyError) as exc:
+                if lost is not None and self._completed_after_all(deadline):
+                    self._released = True  # the lost COMMIT released the lease
+                    return self._result(RunOutcome.COMPLETED, counts)
+                if _connection_lost(exc) and time.monotonic() < deadline:
+                    if lost is None:
+                        self.log.warning(
+                            "the connection of the completion was lost (%s): trying it again "
+                            "on a new connection, within %s (the lease fences it)",
+                            _cause(exc),
+                            LOCK_WAIT_ENV,
                         )
-                except psycopg.Error as exc:
-                    translated = fence.translate_error(exc, conn)
-                    if isinstance(exc, psycopg.errors.LockNotAvailable):
-                        translated = self._lock_wait(exc, "the completion of") or translated
-                    raise translated from exc
-        except (psycopg.Error, IdempotencyError) as exc:
-            failure: BaseException = exc
-            refusal = pooler_refusal(exc) if isinstance(exc, psycopg.Error) else None
-            if refusal is not None:  # no connection for it: the sizing rule, not a lost lock
-                failure = refusal
-            elif isinstance(exc, psycopg.OperationalError):
-                failure = LockLostError(
-                    f"job {self.job_name!r} run_key {self.run_key!r}: the connection was lost "
-                    f"before the completion could be recorded ({exc}); it is not marked "
-                    "completed and a rerun converges."
-                )
-            record_failure(None, failure, self.spec, self.records, self.log, self.attempt_id, fence)
-            if failure is exc:
-                raise
-            raise failure from exc
-        return self._result(RunOutcome.COMPLETED, counts)
+                    lost = exc
+                    time.sleep(min(RETRY_PAUSE_SECONDS, max(0.0, deadline - time.monotonic())))
+                    continue
+                self._fail_completion(exc, fence)
 
-    def _completion_connect(self) -> ConnectionFactory:
+    def _complete_once(self, fence: Fence, counts: dict[str, Any], deadline: float) -> None:
+        with autocommit_connection(self._completion_connect(deadline)) as conn:
+            try:
+                if not self._complete_and_release(conn, fence, counts):
+                    raise LockLostError(
+                        f"job {self.job_name!r} run_key {self.run_key!r}: attempt "
+                        f"{self.attempt_id} finished its work but no longer owns the "
+                        "run, so it may not mark it completed. Another attempt took "
+                        "over; rerun to converge."
+                    )
+            except psycopg.Error as exc:
+                translated = fence.translate_error(exc, conn)
+                if isinstance(exc, psycopg.errors.LockNotAvailable):
+                    translated = self._lock_wait(exc, "the completion of") or translated
+                raise translated from exc
+
+    def _completed_after_all(self, deadline: float) -> bool:
+        """Whether this attempt is recorded completed (a completion whose connection was lost
+        after its COMMIT was sent may have committed); ``False`` when that cannot be read."""
+        try:
+            with autocommit_connection(self._completion_connect(deadline)) as conn:
+                row = query_row(
+                    conn, "attempt_outcome", self.schema, {"attempt_id": self.attempt_id}
+                )
+        except (psycopg.Error, IdempotencyError):
+            return False
+        return row is not None and row["outcome"] == "completed"
+
+    def _fail_completion(self, exc: BaseException, fence: Fence) -> NoReturn:
+        failure: BaseException = exc
+        refusal = pooler_refusal(exc) if isinstance(exc, psycopg.Error) else None
+        if refusal is not None:  # no connection for it: the sizing rule, not a lost lock
+            failure = refusal
+        elif isinstance(exc, psycopg.OperationalError):
+            failure = LockLostError(
+                f"job {self.job_name!r} run_key {self.run_key!r}: the connection was lost "
+                f"before the completion could be recorded ({exc}); it is not marked "
+                "completed and a rerun converges."
+            )
+        record_failure(None, failure, self.spec, self.records, self.log, self.attempt_id, fence)
+        if failure is exc:
+            raise exc
+        raise failure from exc
+
+    def _completion_connect(self, deadline: float | None = None) -> ConnectionFactory:
         """The completion's connection: the work is committed, so a connection refused for want
         of a slot is asked for again, within the lock wait, while the heartbeat keeps the lease
         (:func:`~airflow_idempotency.run_context.connect_when_room`)."""
         return connect_when_room(
             self.spec.connect, "the completion (its work is committed)", self.log,
             self._database_wait,
+            within=None if deadline is None else deadline - time.monotonic(),
         )  # fmt: skip
 
     def _release(self, lease: RunLock) -> None:
@@ -306,3 +349,25 @@ class LeaseRun(Run):
                 exc,
                 self.spec.lease_ttl,
             )
+
+
+RETRY_PAUSE_SECONDS = 0.5  # between tries of a completion whose connection was lost
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The psycopg error behind ``exc`` (itself, or what a translation was raised from)."""
+    return exc if isinstance(exc, psycopg.Error) else (exc.__cause__ or exc)
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the psycopg error it was translated from) is the connection lost
+    or dropped with nothing known of its transaction: no SQLSTATE (closed, reset), a
+    connection exception (08: PgBouncer's query_wait_timeout, server login failing) or an
+    operator intervention (57P: a shutdown, a crash of another backend)."""
+    cause = _cause(exc)
+    if not isinstance(cause, psycopg.OperationalError):
+        return False
+    if isinstance(pooler_refusal(cause), ConfigurationError):  # statement pooling: for good
+        return False
+    state = cause.sqlstate
+    return state is None or state.startswith(("08", "57P"))

@@ -262,7 +262,12 @@ class RunContext:
 
 
 def connect_when_room(
-    connect: ConnectionFactory, what: str, log: Any, waited: Callable[[float], None]
+    connect: ConnectionFactory,
+    what: str,
+    log: Any,
+    waited: Callable[[float], None],
+    *,
+    within: float | None = None,
 ) -> ConnectionFactory:
     """``connect``, tried again while the database or the pooler refuses the new connection for
     want of a slot (:func:`~airflow_idempotency.locks.no_slot`) or cannot take it for the
@@ -274,8 +279,11 @@ def connect_when_room(
     with ``what`` the connection is for, and so is the last one when the bound is spent, before
     it is raised; ``waited`` is called once with the seconds paused when there was a pause.
     For the connections a run opens after its work committed (the lease mode's completion, the
-    outbound ledger's): refused, the run would fail and its rerun do the work again."""
+    outbound ledger's): refused, the run would fail and its rerun do the work again.
+    ``within``: a shorter bound, in seconds (what is left of a caller's own)."""
     seconds = int(lock_wait_ms()) / 1000
+    if within is not None:
+        seconds = max(0.0, min(seconds, within))
 
     @contextlib.contextmanager
     def connection() -> Iterator[psycopg.Connection]:

@@ -7,10 +7,16 @@ once, not waited on for the whole lock wait."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import shlex
 import socket
+import subprocess
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -18,8 +24,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from psycopg.conninfo import make_conninfo
 
-from airflow_idempotency.locks import _UNREACHABLE, LOCK_WAIT_ENV, no_slot, unreachable_for_now
+from airflow_idempotency.locks import (
+    _UNREACHABLE,
+    LOCK_WAIT_ENV,
+    no_slot,
+    ping_rejects,
+    unreachable_for_now,
+)
 from airflow_idempotency.run_context import connect_when_room
+from devtools.postgres import PostgresServer, _as_nobody, dedicated_cluster, system_binaries
 
 
 def closed_port() -> int:
@@ -101,3 +114,169 @@ def test_unreachable_is_any_operational_error_naming_a_transient_refusal(
     assert not unreachable_for_now(ValueError(named))
     plain = psycopg.OperationalError(text)
     assert unreachable_for_now(plain) == any(m in text for m in _UNREACHABLE)
+
+
+def _pg_ctl(server: PostgresServer) -> tuple[list[str], str, str]:
+    """pg_ctl for the dedicated ``server``, its data folder and the options of its start."""
+    with psycopg.connect(server.admin_dsn) as conn:
+        (data,) = conn.execute("SHOW data_directory").fetchone() or ("",)
+    opts = shlex.split((Path(data) / "postmaster.opts").read_text())[1:]
+    binaries = system_binaries()
+    assert binaries is not None
+    pg_ctl = [*_as_nobody(), str(binaries / "pg_ctl"), "-D", data, "-t", "60"]
+    return pg_ctl, data, shlex.join(o for o in opts if o not in ("-D", data))
+
+
+@pytest.fixture
+def german_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[PostgresServer]:
+    """A dedicated cluster whose messages are German (as one initdb'd on a German system is:
+    its lc_messages; here the C.UTF-8 locale and gettext's LANGUAGE, no de_DE locale needed)."""
+    if system_binaries() is None:
+        pytest.skip("no PostgreSQL binaries to run a dedicated cluster")
+    monkeypatch.setenv("LANGUAGE", "de")
+    with dedicated_cluster("adv32e-de", {"lc_messages": "'C.UTF-8'"}) as server:
+        with psycopg.connect(server.admin_dsn) as conn:
+            try:
+                conn.execute("SELECT 1/0")
+            except psycopg.errors.DivisionByZero as exc:
+                if "Division" not in str(exc):
+                    pytest.skip(f"this PostgreSQL does not translate its messages: {exc}")
+        yield server
+
+
+def test_a_server_speaking_german_shutting_down_is_waited_out_until_it_is_back(
+    german_cluster: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose lc_messages is German says 'das Datenbanksystem fährt herunter' (SQLSTATE
+    57P03, as 'the database system is shutting down') while a smart shutdown waits for a
+    session: a refusal for the moment in any language, waited out until the server is back
+    (it used to be raised at once: the text was matched in English only)."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "30")
+    dsn = german_cluster.admin_dsn
+    pg_ctl, data, options = _pg_ctl(german_cluster)
+    held = psycopg.connect(dsn)
+    subprocess.run([*pg_ctl, "-m", "smart", "-W", "stop"], check=True, capture_output=True)
+    refused = refusal(dsn)
+    assert "fährt herunter" in str(refused), refused
+    assert unreachable_for_now(refused), refused
+
+    def back() -> None:
+        held.close()  # the smart shutdown ends
+        subprocess.run([*pg_ctl, "-w", "stop"], capture_output=True, check=False)
+        subprocess.run(
+            [*pg_ctl, "-w", "-l", str(Path(data).parent / "server.log"), "-o", options, "start"],
+            check=True, capture_output=True, timeout=90,
+        )  # fmt: skip
+
+    paused: list[float] = []
+    connection = connect_when_room(
+        lambda: psycopg.connect(dsn), "the completion", logging.getLogger(__name__), paused.append
+    )
+    timer = threading.Timer(2.0, back)
+    timer.start()
+    try:
+        with connection() as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        timer.join()
+    assert paused and sum(paused) >= 1.0, paused
+
+
+def test_a_switchover_to_a_standby_being_promoted_is_waited_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DSN that follows the writer the libpq way (target_session_attrs=read-write) during a
+    switchover reaches a standby not yet promoted: libpq says 'session is read-only' (or
+    'server is in hot standby mode'). It is a writer for the moment unavailable, waited out
+    until the promotion (it used to be raised at once, failing the run after its work)."""
+    if system_binaries() is None:
+        pytest.skip("no PostgreSQL binaries to run a dedicated cluster")
+    monkeypatch.setenv(LOCK_WAIT_ENV, "30")
+    with dedicated_cluster("adv32e-standby", {}) as server:
+        pg_ctl, data, options = _pg_ctl(server)
+        subprocess.run([*pg_ctl, "-w", "-m", "fast", "stop"], check=True, capture_output=True)
+        (Path(data) / "standby.signal").touch()  # a standby of no primary, until promoted
+        subprocess.run(
+            [*pg_ctl, "-w", "-l", str(Path(data).parent / "server.log"), "-o", options, "start"],
+            check=True, capture_output=True, timeout=90,
+        )  # fmt: skip
+        dsn = make_conninfo(server.admin_dsn, target_session_attrs="read-write")
+        refused = refusal(dsn)
+        assert unreachable_for_now(refused), refused
+
+        def promote() -> None:
+            subprocess.run([*pg_ctl, "-w", "promote"], check=True, capture_output=True)
+
+        paused: list[float] = []
+        connection = connect_when_room(
+            lambda: psycopg.connect(dsn), "the completion", logging.getLogger(__name__),
+            paused.append,
+        )  # fmt: skip
+        timer = threading.Timer(2.0, promote)
+        timer.start()
+        try:
+            with connection() as conn:
+                assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (False,)
+        finally:
+            timer.join()
+        assert paused and sum(paused) >= 1.0, paused
+
+
+def test_the_ping_of_a_refusal_lets_other_threads_run() -> None:
+    """The ping that tells 57P03 in any language waits up to its connect_timeout for a server
+    that does not answer (a socket that never accepts, here): the worker's other threads, the
+    lease's heartbeat among them, keep running meanwhile (psycopg's C ``PGconn.ping`` holds
+    the GIL for as long: every thread froze)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        ticks: list[float] = []
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.05)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        try:
+            began = time.monotonic()
+            assert not ping_rejects(f"host=127.0.0.1 port={port} connect_timeout=2")
+            assert time.monotonic() - began >= 1.5
+        finally:
+            stop.set()
+            ticker.join()
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert len(ticks) > 20 and max(gaps) < 0.5, (len(ticks), max(gaps, default=None))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="no_slot matches PostgreSQL's words in English only: a server whose lc_messages is "
+    "German says 'tut mir leid, schon zu viele Verbindungen' (SQLSTATE 53300, which libpq does "
+    "not hand to psycopg for a failed connection, nor does PQping tell it apart from a server "
+    "up): not waited out. Not fixed: it needs the SQLSTATE of a failed connection.",
+)
+def test_a_server_speaking_german_past_max_connections_is_a_want_of_a_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if system_binaries() is None:
+        pytest.skip("no PostgreSQL binaries to run a dedicated cluster")
+    monkeypatch.setenv("LANGUAGE", "de")
+    settings = {
+        "lc_messages": "'C.UTF-8'",
+        "max_connections": "3",
+        "superuser_reserved_connections": "0",
+        "max_wal_senders": "0",
+    }
+    with dedicated_cluster("adv32e-de-full", settings) as server:
+        held = [psycopg.connect(server.admin_dsn) for _ in range(3)]
+        try:
+            refused = refusal(server.admin_dsn)
+        finally:
+            for conn in held:
+                conn.close()
+    assert "zu viele Verbindungen" in str(refused), refused
+    assert no_slot(refused), refused

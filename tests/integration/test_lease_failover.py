@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -23,6 +24,8 @@ from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.leases import LockMode
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
 from airflow_idempotency.schema import ensure_schema
+from devtools.pgbouncer import installed as pgbouncer_installed
+from devtools.pgbouncer import run_pgbouncer
 from devtools.postgres import PostgresServer, _as_nobody, dedicated_cluster, system_binaries
 from support.db import rows
 from support.locks import Background, wait_for
@@ -155,3 +158,86 @@ def test_a_failover_while_the_completion_connects_is_waited_out_and_the_run_comp
     assert rows(dsn, "SELECT step, count(*) FROM public.steps GROUP BY 1") == [("only", 1)]
     said = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
     assert said and "it to answer again" in said[0], said
+
+
+@pytest.mark.skipif(not pgbouncer_installed(), reason="pgbouncer is not installed")
+def test_a_failover_behind_pgbouncer_while_the_completion_connects_is_waited_out(
+    cluster: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same failover with PgBouncer in front (transaction mode, query_wait_timeout 4 s, the server down 8 s,
+    at most half the lease's ttl as docs/deploying.md asks): PgBouncer takes the completion's
+    connection (it answers for the server), then refuses its transaction, before sending any
+    of it to a server: 'server login has been failing, try again later
+    (server_login_retry)' or query_wait_timeout. Nothing of the completion reached a server,
+    so it is tried again within the lock wait; the run completes, its work once (the
+    completion used to fail, lock_lost, and the rerun did the work again)."""
+    restarts: list[threading.Thread] = []
+    settings = {"query_wait_timeout": "4", "server_login_retry": "2"}
+    with run_pgbouncer(cluster, "transaction", pool_size=4, settings=settings) as bouncer:
+        dsn = bouncer.dsn("postgres")
+
+        def work(ctx: RunContext) -> dict[str, int]:
+            with ctx.transaction() as cur:
+                cur.execute("INSERT INTO public.steps VALUES (%s, 'only')", (ctx.attempt_id,))
+            restarts.append(threading.Thread(target=fail_over, args=(cluster, 8.0)))
+            restarts[0].start()
+            time.sleep(1.0)  # the server is down as the completion connects
+            return {"steps": 1}
+
+        caplog.set_level(logging.WARNING)
+        try:
+            result = run_idempotently(
+                connect=lambda: psycopg.connect(dsn), job_name="failover",
+                run_key="2026-10-03", work=work, lock_mode=LockMode("lease", lease_ttl=TTL),
+            )  # fmt: skip
+        finally:
+            for thread in restarts:
+                thread.join()
+    assert restarts, "the work did not run"
+    assert result.outcome is RunOutcome.COMPLETED
+    direct = cluster.admin_dsn
+    attempts = rows(direct, "SELECT attempt_id, outcome FROM idempotency.job_run_attempts")
+    assert [outcome for _, outcome in attempts] == ["completed"]
+    assert rows(direct, "SELECT step, count(*) FROM public.steps GROUP BY 1") == [("only", 1)]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("trying it again" in m or "waiting up to" in m for m in said), said
+
+
+def test_a_completion_whose_reply_is_lost_after_its_commit_is_completed_once(
+    cluster: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's COMMIT lands, then its connection is lost before the reply (a failover
+    at that instant): the try again is refused by the fence (the lease went with that COMMIT),
+    and the attempt's recorded outcome tells the run it completed: COMPLETED, once, no failure
+    written over it."""
+    from airflow_idempotency import lease_run
+
+    dsn = cluster.admin_dsn
+    original = lease_run.LeaseRun._complete_and_release
+    tries: list[bool] = []
+
+    def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
+        done = original(self, conn, *args)
+        tries.append(done)
+        if len(tries) == 1:
+            conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return done
+
+    monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose)
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.steps VALUES (%s, 'only')", (ctx.attempt_id,))
+        return {"steps": 1}
+
+    result = run_idempotently(
+        connect=lambda: psycopg.connect(dsn), job_name="failover", run_key="2026-10-04",
+        work=work, lock_mode=LockMode("lease", lease_ttl=TTL),
+    )  # fmt: skip
+    assert result.outcome is RunOutcome.COMPLETED
+    assert tries[0] is True, tries
+    attempts = rows(dsn, "SELECT outcome, error FROM idempotency.job_run_attempts")
+    assert attempts == [("completed", None)], attempts
+    assert rows(dsn, "SELECT status FROM idempotency.job_runs") == [("completed",)]
+    assert rows(dsn, "SELECT count(*) FROM idempotency.run_leases")[0] == (0,)

@@ -1374,3 +1374,8 @@ RETURNING job_name;
 -- timestamptz in any other), then the connection's own again. A session setting, which
 -- PgBouncer keeps for its client (DateStyle is among the parameters it tracks).
 SELECT set_config('DateStyle', %(datestyle)s, false);
+
+-- name: attempt_outcome
+-- The outcome of one attempt (NULL while it runs): read after its completion's connection was
+-- lost with the COMMIT sent, to tell whether that COMMIT landed.
+SELECT outcome FROM {schema}.job_run_attempts WHERE attempt_id = %(attempt_id)s;
