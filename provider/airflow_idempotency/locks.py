@@ -45,7 +45,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import psycopg
-from psycopg.conninfo import make_conninfo
 
 from airflow_idempotency._sql import query
 from airflow_idempotency.exceptions import (
@@ -323,16 +322,6 @@ _UNREACHABLE = (
     "server is in hot standby mode",
 )
 
-# A ping that checks a refusal's server never waits longer than this.
-_PING_TIMEOUT_S = 5
-# The connection options a ping passes on: where the server is and how to log in to it, all
-# known to any libpq (the system's, which pings, may be older than psycopg's own; an option it
-# does not know would make every ping fail).
-_PING_KEYWORDS = frozenset(
-    ("host", "hostaddr", "port", "dbname", "user", "password", "passfile", "sslmode",
-     "sslcert", "sslkey", "sslrootcert", "sslcrl", "krbsrvname", "connect_timeout")
-)  # fmt: skip
-
 
 def unreachable_for_now(exc: BaseException) -> bool:
     """Whether ``exc`` is a new connection the database could not take for the moment: nothing
@@ -342,49 +331,14 @@ def unreachable_for_now(exc: BaseException) -> bool:
     ``connect_timeout``. The connection was never opened, so nothing of it was sent: a later
     try is safe.
 
-    The server's words are in its ``lc_messages`` language: a refusal not recognised in
-    English is checked by a ping of the same server (:func:`ping_rejects`, bounded by
-    ``connect_timeout``, at most 5 s), which tells SQLSTATE 57P03 (cannot connect now) in
-    any language."""
+    The words are matched in English: a server whose ``lc_messages`` is another language is
+    not recognised (libpq hands psycopg no SQLSTATE for a connection that failed), and its
+    refusal is raised at once (docs/deploying.md)."""
     if isinstance(exc, (psycopg.errors.ConnectionTimeout, psycopg.errors.CannotConnectNow)):
         return True
     if not isinstance(exc, psycopg.OperationalError):
         return False
-    return any(t in str(exc) for t in _UNREACHABLE) or _server_rejects_for_now(exc)
-
-
-def _server_rejects_for_now(exc: psycopg.OperationalError) -> bool:
-    """Whether the server of the failed connection of ``exc`` answers a ping with 'cannot
-    connect now' (SQLSTATE 57P03: starting up, shutting down, in recovery)."""
-    pgconn = getattr(exc, "pgconn", None)
-    if pgconn is None:
-        return False
-    try:
-        options = {
-            o.keyword.decode(): o.val.decode()
-            for o in pgconn.info
-            if o.val is not None and o.keyword.decode() in _PING_KEYWORDS
-        }
-        timeout = int(options.get("connect_timeout") or 0)
-        if timeout <= 0 or timeout > _PING_TIMEOUT_S:
-            options["connect_timeout"] = str(_PING_TIMEOUT_S)
-        conninfo = make_conninfo(**options)
-    except (psycopg.Error, ValueError, UnicodeDecodeError):
-        return False
-    return ping_rejects(conninfo)
-
-
-def ping_rejects(conninfo: str) -> bool:
-    """Whether the server of ``conninfo`` answers libpq's ``PQping`` with 'cannot connect now'
-    (SQLSTATE 57P03), called through psycopg's ctypes binding of the system's libpq, which lets
-    go of the GIL while it waits: psycopg's C binding (``PGconn.ping``) holds it, and a ping
-    that waits its connect_timeout would freeze every thread of the worker, the lease's
-    heartbeat too. ``False`` when there is no system libpq to call."""
-    try:
-        from psycopg.pq import _pq_ctypes
-    except (ImportError, OSError):
-        return False
-    return bool(_pq_ctypes.PQping(conninfo.encode()) == psycopg.pq.Ping.REJECT)
+    return any(t in str(exc) for t in _UNREACHABLE)
 
 
 def pool_refused(exc: BaseException) -> bool:

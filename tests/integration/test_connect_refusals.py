@@ -7,7 +7,6 @@ once, not waited on for the whole lock wait."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import shlex
 import socket
@@ -28,7 +27,6 @@ from airflow_idempotency.locks import (
     _UNREACHABLE,
     LOCK_WAIT_ENV,
     no_slot,
-    ping_rejects,
     unreachable_for_now,
 )
 from airflow_idempotency.run_context import connect_when_room
@@ -144,21 +142,26 @@ def german_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[PostgresServer]:
         yield server
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="unreachable_for_now matches PostgreSQL's words in English only: a server whose "
+    "lc_messages is German says 'das Datenbanksystem fährt herunter' (SQLSTATE 57P03, which "
+    "libpq does not hand to psycopg for a failed connection): raised at once. Not fixed: a "
+    "ping through a private ctypes binding of the system libpq was tried and left out "
+    "(docs/deploying.md: keep lc_messages at C or English).",
+)
 def test_a_server_speaking_german_shutting_down_is_waited_out_until_it_is_back(
     german_cluster: PostgresServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A server whose lc_messages is German says 'das Datenbanksystem fährt herunter' (SQLSTATE
     57P03, as 'the database system is shutting down') while a smart shutdown waits for a
     session: a refusal for the moment in any language, waited out until the server is back
-    (it used to be raised at once: the text was matched in English only)."""
+    (it is raised at once: the text is matched in English only)."""
     monkeypatch.setenv(LOCK_WAIT_ENV, "30")
     dsn = german_cluster.admin_dsn
     pg_ctl, data, options = _pg_ctl(german_cluster)
     held = psycopg.connect(dsn)
     subprocess.run([*pg_ctl, "-m", "smart", "-W", "stop"], check=True, capture_output=True)
-    refused = refusal(dsn)
-    assert "fährt herunter" in str(refused), refused
-    assert unreachable_for_now(refused), refused
 
     def back() -> None:
         held.close()  # the smart shutdown ends
@@ -168,6 +171,11 @@ def test_a_server_speaking_german_shutting_down_is_waited_out_until_it_is_back(
             check=True, capture_output=True, timeout=90,
         )  # fmt: skip
 
+    refused = refusal(dsn)
+    if not unreachable_for_now(refused):
+        back()  # the server as the fixture expects it, before the failure
+    assert "fährt herunter" in str(refused), refused
+    assert unreachable_for_now(refused), refused
     paused: list[float] = []
     connection = connect_when_room(
         lambda: psycopg.connect(dsn), "the completion", logging.getLogger(__name__), paused.append
@@ -220,36 +228,6 @@ def test_a_switchover_to_a_standby_being_promoted_is_waited_out(
         finally:
             timer.join()
         assert paused and sum(paused) >= 1.0, paused
-
-
-def test_the_ping_of_a_refusal_lets_other_threads_run() -> None:
-    """The ping that tells 57P03 in any language waits up to its connect_timeout for a server
-    that does not answer (a socket that never accepts, here): the worker's other threads, the
-    lease's heartbeat among them, keep running meanwhile (psycopg's C ``PGconn.ping`` holds
-    the GIL for as long: every thread froze)."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(8)
-        port = silent.getsockname()[1]
-        ticks: list[float] = []
-        stop = threading.Event()
-
-        def tick() -> None:
-            while not stop.is_set():
-                ticks.append(time.monotonic())
-                time.sleep(0.05)
-
-        ticker = threading.Thread(target=tick)
-        ticker.start()
-        try:
-            began = time.monotonic()
-            assert not ping_rejects(f"host=127.0.0.1 port={port} connect_timeout=2")
-            assert time.monotonic() - began >= 1.5
-        finally:
-            stop.set()
-            ticker.join()
-    gaps = [b - a for a, b in itertools.pairwise(ticks)]
-    assert len(ticks) > 20 and max(gaps) < 0.5, (len(ticks), max(gaps, default=None))
 
 
 @pytest.mark.xfail(
