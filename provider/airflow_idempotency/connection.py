@@ -20,10 +20,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from airflow_idempotency._sql import query
 from airflow_idempotency.leases import LockMode, check_lease_ttl, check_lock_mode
 from airflow_idempotency.locks import DEAD_PEER_DEFAULTS
-from airflow_idempotency.schema import DEFAULT_CONN_ID, DEFAULT_SCHEMA
+from airflow_idempotency.schema import DEFAULT_CONN_ID
 
 CONNECT_TIMEOUT = 10  # seconds, unless the connection's extra sets connect_timeout
 
@@ -159,19 +158,3 @@ class JobDatabase:
     def new_connection(self) -> psycopg.Connection[Any]:
         """Open a new psycopg 3 connection (use it as a context manager: it closes on exit)."""
         return psycopg.connect(**self.connection_kwargs(), row_factory=tuple_row)
-
-
-def iso_datestyle(conn: psycopg.Connection) -> str | None:
-    """Put the idle autocommit ``conn`` in DateStyle ISO when the server's (the database's or
-    role's setting) is another: psycopg reads no timestamptz then, and the provider's own
-    statements read some after they committed (a completion's ``completed_at``), as the CLI
-    and the UI read them. The setting it had, to put back (``None``: it was ISO, nothing
-    sent)."""
-    found = conn.info.parameter_status("DateStyle")
-    if found is None or found.startswith("ISO"):
-        return None
-    conn.execute(
-        query("set_datestyle", DEFAULT_SCHEMA),
-        {"datestyle": "ISO, " + found.split(",")[-1].strip()},
-    )
-    return found

@@ -26,7 +26,6 @@ from tenacity import (
 )
 
 from airflow_idempotency._sql import query
-from airflow_idempotency.connection import iso_datestyle
 from airflow_idempotency.crashpoints import crash_point
 from airflow_idempotency.exceptions import LockLostError
 from airflow_idempotency.fence import Fence, lock_wait_refusal
@@ -396,6 +395,22 @@ def autocommit_connection(
                 _set_session(
                     conn, (conn.autocommit, conn.prepare_threshold, conn.isolation_level), saved
                 )
+
+
+def iso_datestyle(conn: psycopg.Connection) -> str | None:
+    """Put the idle autocommit ``conn`` in DateStyle ISO when the server's (the database's or
+    role's setting) is another: psycopg reads no timestamptz then, and the provider's own
+    statements read some after they committed (a completion's ``completed_at``), as the CLI
+    and the UI read them. The setting it had, to put back (``None``: it was ISO, nothing
+    sent)."""
+    found = conn.info.parameter_status("DateStyle")
+    if found is None or found.startswith("ISO"):
+        return None
+    conn.execute(
+        query("set_datestyle", DEFAULT_SCHEMA),
+        {"datestyle": "ISO, " + found.split(",")[-1].strip()},
+    )
+    return found
 
 
 def _set_session(conn: psycopg.Connection, now: tuple[Any, ...], wanted: tuple[Any, ...]) -> None:

@@ -18,8 +18,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from airflow_idempotency.cli._arguments import check_dsn
 from airflow_idempotency.cli._base import DSN_ENV, EXIT_UNAVAILABLE, EXIT_USAGE, CommandError
-from airflow_idempotency.connection import CONNECT_TIMEOUT, iso_datestyle
+from airflow_idempotency.connection import CONNECT_TIMEOUT
 from airflow_idempotency.exceptions import MissingPrivilegeError, SchemaNotReadyError
+from airflow_idempotency.run_context import iso_datestyle
 from airflow_idempotency.schema import ensure_schema, require_readable
 
 

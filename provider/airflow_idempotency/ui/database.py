@@ -30,9 +30,9 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from airflow_idempotency.compat import AIRFLOW_NOT_FOUND
-from airflow_idempotency.connection import iso_datestyle
 from airflow_idempotency.exceptions import SchemaNotReadyError
 from airflow_idempotency.hook import IdempotencyHook
+from airflow_idempotency.run_context import iso_datestyle
 from airflow_idempotency.schema import require_readable
 from airflow_idempotency.ui.reads import RecordsReader, Visibility
 from airflow_idempotency.ui.settings import CONFIG_SECTION, Settings
