@@ -206,30 +206,47 @@ def _goal_rows(
             "this thread's CPU time (the provider, psycopg and the pool)",
         )
     _own_cpu_row(result, v, rounds, "", limit)
+    _own_cpu_row(result, v, rounds, "", limit, "new")
     _throughput_row(result, v, rounds, "", limit)
 
 
+_BARE = {
+    ("", "noop"): "its message and COMMIT, the JSON row parsed",
+    ("lease_", "noop"): "one message, the JSON row parsed",
+    ("", "new"): "the decision's message; the start's BEGIN, then its statements and COMMIT "
+    "pipelined; the completion and COMMIT pipelined",
+    ("lease_", "new"): "the decision's message; the start's BEGIN, then its statements and "
+    "COMMIT pipelined; the fenced completion pipelined",
+}
+
+
 def _own_cpu_row(
-    result: BenchResult, v: Variant, rounds: list[dict[str, Any]], mode: str, limit: bool
+    result: BenchResult,
+    v: Variant,
+    rounds: list[dict[str, Any]],
+    mode: str,
+    limit: bool,
+    kind: str = "noop",
 ) -> None:
-    """The provider's own client CPU per no-op in ``mode``: the call's less that of its
-    statements sent bare through the same pool, each time for the same completed key just
-    after the call (decision_child._bare_noop), so both pay the same sockets, psycopg and
-    pool. Left out for a checkout that cannot be measured so."""
-    bare = [x for r in rounds for x in r.get("bare_cpu", {}).get(f"{mode}noop", [])]
+    """The provider's own client CPU per ``kind`` of call (``noop``, ``new``) in ``mode``: the
+    call's less that of its statements sent bare through the same pool, alternating with the
+    calls in this thread (decision_bare: a no-op's for the same completed key, a new key's for
+    a key of its own), so both pay the same sockets, psycopg and pool. Left out for a checkout
+    that cannot be measured so."""
+    bare = [x for r in rounds for x in r.get("bare_cpu", {}).get(f"{mode}{kind}", [])]
     if not bare:
         return
-    call = median([x for r in rounds for x in r["cpu"][f"{mode}noop"]])
+    call = median([x for r in rounds for x in r["cpu"][f"{mode}{kind}"]])
     own = call - median(bare)
+    label = "no-op" if kind == "noop" else "new key"
     result.add(
-        f"{v.name}: {'lease: ' if mode else ''}provider's own CPU per no-op, median",
+        f"{v.name}: {'lease: ' if mode else ''}provider's own CPU per {label}, median",
         own,
         "ms",
         f"<= {CPU_LIMIT_MS:g} ms" if limit else "",
         at_most(own, CPU_LIMIT_MS) if limit else None,
         f"the call's {call:.3f} ms less {median(bare):.3f} ms for its statements sent bare "
-        f"(a pooled connection, {'one message' if mode else 'its message and COMMIT'}, the "
-        "JSON row parsed), measured alternately in this thread",
+        f"(pooled connections, {_BARE[mode, kind]}), measured alternately in this thread",
     )
 
 
@@ -293,8 +310,7 @@ def _lease_rows(result: BenchResult, v: Variant, rounds: list[dict[str, Any]], l
             at_most(cpu, CPU_LIMIT_MS) if limit else None,
             "this thread's CPU time (the provider, psycopg and the pool)",
         )
-        if kind == "noop":
-            _own_cpu_row(result, v, rounds, "lease_", limit)
+        _own_cpu_row(result, v, rounds, "lease_", limit, kind)
         ratio = median(wall) / floor
         result.add(
             f"{v.name}: lease: {label} / its floor",

@@ -34,6 +34,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
+from decision_bare import bare_new, bare_noop  # this script's folder (module doc)
+
 RESULT_PREFIX = "BENCH-RESULT "
 JOB = "bench.decision"
 PREPARE = "\x00prepare "  # marks a Parse of a named (server-side prepared) statement
@@ -315,51 +317,15 @@ def _noop_outcome() -> Any:
     return RunOutcome.NOOP
 
 
-def _bare_noop(mode: str) -> Callable[[Callable[[], Any], str], float] | None:
-    """The statements of a no-op in ``mode`` sent bare (no provider around them), for a
-    completed key: its parameters built beforehand, then, timed in this thread's CPU, a
-    connection from the pool, the decision's one message through a client-side cursor, its
-    JSON row parsed, the COMMIT (the advisory mode's second round trip) and the connection
-    given back as it came. What the provider's own work adds to a no-op is the call's CPU less
-    this. ``None`` for a checkout whose decision does not return one JSON text (an older one)."""
-    from airflow_idempotency import _sql
-    from airflow_idempotency.locks import DEAD_PEER_DEFAULTS, lock_wait_ms
-    from airflow_idempotency.records import RunIdentity, RunOptions, RunRecords
-
+def _keepalive(pool: ConnectionPool) -> dict[str, str]:
+    """The dead-peer settings the provider sends for this pool's connections (the same for
+    each: they are the DSN's), or none for a checkout without them."""
     try:
-        text = _sql.query("decide_lease" if mode else "decide", "idempotency")
-    except (KeyError, TypeError):
-        return None
-    if "row_to_json" not in text:
-        return None
-    if mode:
-        session = {"holder": "bench bare", "ttl": "30", "lock_wait_ms": lock_wait_ms()}
-    else:
-        session = {"lock_wait_ms": lock_wait_ms(), "application_name": "bench bare"}
-        session.update({name: str(v) for name, v in DEAD_PEER_DEFAULTS.items()})
-
-    def call(connect: Callable[[], Any], key: str) -> float:
-        params = RunRecords("idempotency", RunIdentity(JOB, key)).decision_params(
-            RunOptions(), session
-        )
-        c0 = time.thread_time_ns()
-        with connect() as conn:
-            conn.autocommit = True
-            cursor = psycopg.ClientCursor(conn)
-            cursor.execute(text, params)
-            cursor.nextset()
-            found = cursor.fetchone()
-            assert found is not None
-            row = json.loads(found[0])
-            if not mode:
-                conn.commit()
-            conn.autocommit = False
-        spent = (time.thread_time_ns() - c0) / 1e6
-        if row["decision"] != "noop":
-            raise AssertionError(f"{key}: the bare statements decided {row['decision']!r}")
-        return spent
-
-    return call
+        from airflow_idempotency.locks import server_keepalive_settings
+    except ImportError:
+        return {}
+    with pool.connection() as conn:
+        return server_keepalive_settings(conn)
 
 
 def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]:
@@ -373,8 +339,10 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
     lease = "lock_mode" in inspect.signature(run_idempotently).parameters
     modes = ("", "lease_") if lease else ("",)
     cpu: dict[str, list[float]] = {f"{m}{k}": [] for m in modes for k in ("new", "noop")}
-    bare = {m: _bare_noop(m) for m in modes}
+    bare = {m: bare_noop(m) for m in modes}
     bare_cpu: dict[str, list[float]] = {f"{m}noop": [] for m in modes if bare[m]}
+    bare_new_of = {m: bare_new(m) for m in modes}
+    bare_cpu.update({f"{m}new": [] for m in modes if bare_new_of[m]})
 
     def call(connect: Callable[[], Any], key: str, expect: RunOutcome, mode: str = "") -> float:
         c0 = time.thread_time_ns()
@@ -399,6 +367,7 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
     samples: dict[str, list[float]] = {k: [] for k in (*cpu, "rtt", "commit")}
     warmup = min(30, max(3, calls // 4))
     with ConnectionPool(dsn, min_size=2, max_size=2, open=True, name="latency") as pool:
+        keepalive = _keepalive(pool)
         for i in range(-warmup, calls):
             walls = {}
             for mode in modes:
@@ -408,6 +377,10 @@ def measure(dsn: str, calls: int, counted: int, round_no: int) -> dict[str, Any]
                 bare_call = bare[mode]
                 if bare_call is not None:  # the same statements again, for the completed key
                     bare_cpu[f"{mode}noop"].append(bare_call(pool.connection, key))
+                new_call = bare_new_of[mode]
+                if new_call is not None:  # a new key's statements, for a key of its own
+                    bare_key = f"r{round_no}-{mode}bare-{i}"
+                    bare_cpu[f"{mode}new"].append(new_call(pool.connection, bare_key, keepalive))
             with pool.connection() as c:
                 c.autocommit = True
                 t0 = time.perf_counter_ns()

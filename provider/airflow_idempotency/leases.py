@@ -36,6 +36,7 @@ from airflow_idempotency._sql import query, query_row
 from airflow_idempotency._transactions import in_one_transaction
 from airflow_idempotency.exceptions import ConfigurationError, SharedSessionError
 from airflow_idempotency.locks import RunLock, lock_wait_ms, run_lock_key
+from airflow_idempotency.step_watch import SlowStepWatch
 
 log = logging.getLogger(__name__)
 
@@ -242,9 +243,25 @@ def lease_is_live(conn: psycopg.Connection, job_name: str, run_key: str, *, sche
 Borrow = Callable[[], AbstractContextManager[psycopg.Connection]]
 
 
+@functools.cache
+def _first_renewals(interval: float) -> SlowStepWatch:
+    """The process's one watch of the leases whose first renewal is due ``interval`` seconds
+    after they were taken (:meth:`LeaseHeartbeat.start`)."""
+    return SlowStepWatch(interval, name="airflow-idempotency-lease-watch")
+
+
+os.register_at_fork(after_in_child=_first_renewals.cache_clear)  # the parent's watch threads
+
+
 class LeaseHeartbeat:
     """Renews a lease every ``ttl / 3`` seconds from a thread of the worker, each time on a
     connection borrowed for that renewal only (``borrow``).
+
+    The thread starts when the first renewal is due: until then one watch of the process waits
+    for every lease's first renewal (:class:`~airflow_idempotency.step_watch.SlowStepWatch`),
+    so a run done within ``ttl / 3`` starts no thread (a thread started and joined per run was
+    about a tenth of a short run's client CPU; issue 32, goal 4). Each lease still gets its own
+    thread once it renews: a renewal waiting for the database never delays another's.
 
     A renewal that finds the lease lost (no row updated: another run took the key over) sets
     ``lock.lost``: the run's next fenced step then raises
@@ -273,11 +290,11 @@ class LeaseHeartbeat:
         self.interval = ttl / 3
         self.log = logger or log
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._loop, name=f"lease-heartbeat-{lock.lock_key}", daemon=True
-        )
+        self._thread: threading.Thread | None = None  # started when the first renewal is due
         self._renewed = time.monotonic()
         self._releasing = False
+        self._guard = threading.Lock()  # the thread's start against stop()
+        self._watched: object | None = None
 
     def releasing(self) -> None:
         """The run's completion is about to release the lease at its COMMIT (migration 19): a
@@ -286,13 +303,42 @@ class LeaseHeartbeat:
         self._releasing = True
 
     def start(self) -> None:
+        """Renew from now on: the first renewal is due ``ttl / 3`` from now, and the thread
+        starts then (:meth:`_begin`)."""
         self._renewed = time.monotonic()
-        self._thread.start()
+        self._watched = _first_renewals(self.interval).add(self._begin)
+
+    def _begin(self) -> None:
+        """The first renewal is due (called in the watch's thread): start the heartbeat's own
+        thread, unless the run has stopped it meanwhile."""
+        with self._guard:
+            if self._stop.is_set():
+                return
+            thread = threading.Thread(
+                target=self._loop, name=f"lease-heartbeat-{self.lock.lock_key}", daemon=True
+            )
+            try:
+                thread.start()
+            except RuntimeError as exc:  # the process may start no more threads
+                self.log.warning(
+                    "could not start the heartbeat of run lock %s (%s): its lease is not "
+                    "renewed and expires %g s after it was taken; the run's transactions are "
+                    "refused once another run takes the key over",
+                    self.lock.lock_key,
+                    exc,
+                    self.ttl,
+                )
+                return
+            self._thread = thread
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.ttl)
+        if self._watched is not None:
+            _first_renewals(self.interval).remove(self._watched)
+        with self._guard:
+            self._stop.set()
+            thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(timeout=self.ttl)
 
     def __enter__(self) -> LeaseHeartbeat:
         self.start()
@@ -337,7 +383,7 @@ class LeaseHeartbeat:
         )
 
     def _loop(self) -> None:
-        pause = self.interval
+        pause = max(0.0, self.interval - (time.monotonic() - self._renewed))  # due: about 0
         while not self._stop.wait(pause):
             pause = self.interval
             try:

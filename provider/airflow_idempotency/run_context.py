@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -286,16 +285,27 @@ def connect_when_room(
 
     @contextlib.contextmanager
     def connection() -> Iterator[psycopg.Connection]:
-        wait = _RoomWait(what, log, seconds)
+        began = time.monotonic()
         with contextlib.ExitStack() as stack:
-            try:
-                conn = wait.retrying(lambda: stack.enter_context(connect()))
+            refused: BaseException | None = None
+            try:  # the first try alone: the retries' machinery only once it is refused
+                conn = stack.enter_context(connect())
             except BaseException as exc:
-                wait.gave_up(exc)
-                raise
-            finally:
-                if wait.paused:
-                    waited(wait.paused)
+                if not _room_may_come(exc):
+                    raise
+                refused = exc
+            if refused is not None:
+                wait = _RoomWait(what, log, seconds, began)
+                try:
+                    conn = wait.retrying(
+                        wait.again(refused, lambda: stack.enter_context(connect()))
+                    )
+                except BaseException as last:
+                    wait.gave_up(last)
+                    raise
+                finally:
+                    if wait.paused:
+                        waited(wait.paused)
             yield conn
 
     return connection
@@ -309,23 +319,39 @@ def _room_may_come(exc: BaseException) -> bool:
 class _RoomWait:
     """The wait of one connection of :func:`connect_when_room`: its tries and what it says."""
 
-    def __init__(self, what: str, log: Any, seconds: float) -> None:
+    def __init__(self, what: str, log: Any, seconds: float, began: float) -> None:
         self.what, self.log, self.seconds = what, log, seconds
-        self.began = time.monotonic()
+        self.began = began  # the first try's start: it counts against the bound
         self.said = False
         backoff = wait_random_exponential(multiplier=0.05, min=0.02, max=1.0)
+        bound = max(0.0, seconds - (time.monotonic() - began))
 
         def pause(state: RetryCallState) -> float:
-            left = seconds - (state.seconds_since_start or 0.0)
+            left = bound - (state.seconds_since_start or 0.0)
             return max(0.0, min(backoff(state), left))
 
         self.retrying = Retrying(
-            stop=stop_after_delay(seconds),
+            stop=stop_after_delay(bound),
             wait=pause,
             retry=retry_if_exception(_room_may_come),
             before_sleep=lambda state: self._waiting(_refusal(state.outcome)),
             reraise=True,
         )
+
+    @staticmethod
+    def again(
+        refused: BaseException, connect: Callable[[], psycopg.Connection]
+    ) -> Callable[[], psycopg.Connection]:
+        """The tries for the retries' machinery: the first is the refusal already met (so that
+        it is said and paused after as any other), the others ``connect``."""
+        first = [refused]
+
+        def attempt() -> psycopg.Connection:
+            if first:
+                raise first.pop()
+            return connect()
+
+        return attempt
 
     @property
     def paused(self) -> float:
@@ -425,59 +451,3 @@ def _set_session(conn: psycopg.Connection, now: tuple[Any, ...], wanted: tuple[A
         conn.prepare_threshold = wanted[1]
     if every or now[2] != wanted[2]:
         conn.isolation_level = wanted[2]
-
-
-class SlowStepWatch:
-    """Calls a step's warning once the step has lasted ``seconds`` (the start's wait, run_steps),
-    for every run of the process from one daemon thread: a ``threading.Timer`` per step would
-    start a thread per run, about 0.1 ms of the run's CPU (issue 32, goal 4).
-
-    The thread never sleeps longer than ``seconds``, so a step registered while it sleeps is
-    due no earlier than its next wake: nothing has to wake it. It ends once nothing is
-    watched, and the next step starts another.
-    """
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._cond = threading.Condition()
-        self._due: dict[object, tuple[float, Callable[[], None]]] = {}
-        self._thread: threading.Thread | None = None
-
-    def reset(self) -> None:
-        """Forget the parent's thread and lock in a forked child."""
-        self._cond = threading.Condition()
-        self._due = {}
-        self._thread = None
-
-    @contextlib.contextmanager
-    def watching(self, warn: Callable[[], None]) -> Iterator[None]:
-        """The block is the step: ``warn()`` runs (in the watch's thread) if it lasts longer."""
-        token = object()
-        with self._cond:
-            self._due[token] = (time.monotonic() + self.seconds, warn)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="airflow-idempotency-watch", daemon=True
-                )
-                self._thread.start()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._due.pop(token, None)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                if not self._due:
-                    self._thread = None
-                    return
-                now = time.monotonic()
-                fired = [token for token, (due, _) in self._due.items() if due <= now]
-                warnings = [self._due.pop(token)[1] for token in fired]
-                nearest = min((due for due, _ in self._due.values()), default=now + self.seconds)
-            for warn in warnings:
-                with contextlib.suppress(Exception):  # a warning never stops the watch
-                    warn()
-            with self._cond:
-                self._cond.wait(max(0.0, min(nearest - time.monotonic(), self.seconds)))

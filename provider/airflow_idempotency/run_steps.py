@@ -59,7 +59,6 @@ from airflow_idempotency.run_context import (
     RunContext,
     RunLogger,
     RunSpec,
-    SlowStepWatch,
     autocommit_connection,
 )
 from airflow_idempotency.run_failures import named_failure, record_deferral, record_failure
@@ -68,6 +67,7 @@ from airflow_idempotency.schema import (
     missing_privileges,
     privilege_refusal,
 )
+from airflow_idempotency.step_watch import SlowStepWatch
 
 log = logging.getLogger("airflow_idempotency")
 

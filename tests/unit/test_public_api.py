@@ -360,6 +360,7 @@ _TASK_MODULES = {
     "airflow_idempotency.run_steps",
     "airflow_idempotency.runner",
     "airflow_idempotency.schema",
+    "airflow_idempotency.step_watch",
     "airflow_idempotency.ui",  # its route constants only (the operator's link)
 }
 
