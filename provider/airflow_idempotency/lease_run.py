@@ -117,6 +117,7 @@ class LeaseRun(Run):
     """One call of :func:`~airflow_idempotency.runner.run_idempotently` in the lease mode."""
 
     _released = False  # the completion released the lease at its COMMIT
+    _taken: RunLock | None = None  # the lease, once the decision committed it
     _heartbeat: LeaseHeartbeat | None = None
 
     def _execute(self) -> RunResult:
@@ -125,11 +126,16 @@ class LeaseRun(Run):
         recorded without a lease); the start, the work's transactions, the completion (which
         releases the lease at its COMMIT) or the failure each on a connection of its own,
         fenced by the lease; the lease renewed meanwhile by a heartbeat."""
-        with autocommit_connection(self.spec.connect) as conn:
-            ensure_schema(conn, self.schema)
-            decided = self._bounded("the decision of", self._decide, conn)
-            if decided.outcome == "locked":
-                raise self._bounded("recording the refusal of", self._record_lease_held, conn)
+        try:
+            with autocommit_connection(self.spec.connect) as conn:
+                ensure_schema(conn, self.schema)
+                decided = self._bounded("the decision of", self._decide, conn)
+                if decided.outcome == "locked":
+                    raise self._bounded("recording the refusal of", self._record_lease_held, conn)
+        except BaseException:
+            if self._taken is not None:  # the lease was taken, then giving the connection
+                self._release(self._taken)  # back (or timing the decision) failed: it goes
+            raise
         if decided.outcome == "noop":
             assert decided.existing is not None and decided.noop_attempt_id is not None
             self.attempt_id = decided.noop_attempt_id
@@ -158,7 +164,9 @@ class LeaseRun(Run):
         pooler, its turn in the queue of a busy pool) says so, and the wait is timed."""
         began = time.monotonic()
         try:
-            return decide_lease(conn, self.spec, self.records)
+            decided = decide_lease(conn, self.spec, self.records)
+            self._taken = decided.lease
+            return decided
         finally:
             waited = time.monotonic() - began
             self._database_wait(waited)

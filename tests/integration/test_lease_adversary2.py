@@ -5,7 +5,9 @@ attack that held."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -182,3 +184,33 @@ def test_reset_leaves_an_expired_lease_alone_while_its_holder_has_a_transaction_
     assert holder.join().result.outcome is RunOutcome.COMPLETED, chain(holder.error)
     assert written(adv_db) == ["holder"]
     assert rows(adv_db, "SELECT status FROM idempotency.job_runs") == [("completed",)]
+
+
+def test_a_lease_taken_is_released_when_giving_the_decisions_connection_back_fails(
+    adv_db: str,
+) -> None:
+    """The decision takes the lease and commits; giving its connection back then fails (a
+    pool's putconn, a connection's own exit raising). The run fails, and its lease must go with
+    it: left, it held the key for its whole time to live (300 s here), every rerun refused as
+    locked by a run that no longer exists. Expected: a rerun at once runs the work."""
+    calls = 0
+
+    @contextlib.contextmanager
+    def connect() -> Iterator[psycopg.Connection[Any]]:
+        nonlocal calls
+        calls += 1
+        with psycopg.connect(adv_db) as conn:
+            yield conn
+        if calls == 1:  # the decision's connection
+            raise RuntimeError("the pool could not take the connection back")
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('rerun', %s)", (ctx.run_key,))
+        return {}
+
+    with pytest.raises(RuntimeError, match="could not take the connection back"):
+        run_idempotently(connect=connect, job_name=JOB, run_key=KEY, work=work, lock_mode=LONG)
+    assert rows(adv_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
+    assert run_in(adv_db, work).outcome.value == "completed"
+    assert written(adv_db) == ["rerun"]
