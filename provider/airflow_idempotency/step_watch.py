@@ -53,9 +53,7 @@ class SlowStepWatch:
         with self._cond:
             self._due[token] = (time.monotonic() + self.seconds, warn)
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name=self.name, daemon=True
-                )
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
         return token
 
