@@ -373,16 +373,24 @@ class _RoomWait:
         )
 
     def gave_up(self, exc: BaseException) -> None:
-        """The last try failed too: say how long it waited, when it did."""
-        if self.said:
+        """The wait ended in ``exc``: say how long it waited, when it did, and why it ended:
+        the bound spent, or something else (a refusal for good, the task's own timeout)."""
+        if not self.said:
+            return
+        waited = time.monotonic() - self.began
+        if not _room_may_come(exc):
             self.log.warning(
-                "the job database still refused %s a connection after %.1f s of waiting (the "
-                "bound of every lock wait, %s): giving up (%s)",
-                self.what,
-                time.monotonic() - self.began,
-                LOCK_WAIT_ENV,
-                exc,
+                "stopped waiting for a connection for %s after %.1f s: %s", self.what, waited, exc
             )
+            return
+        self.log.warning(
+            "the job database still refused %s a connection after %.1f s of waiting (the "
+            "bound of every lock wait, %s): giving up (%s)",
+            self.what,
+            waited,
+            LOCK_WAIT_ENV,
+            exc,
+        )
 
 
 def _refusal(outcome: Any) -> BaseException:

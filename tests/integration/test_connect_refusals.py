@@ -100,6 +100,44 @@ def test_nothing_listening_for_good_waits_its_bound_and_says_it_gave_up(
     assert "giving up" in said[1] and LOCK_WAIT_ENV in said[1], said
 
 
+class Interrupted(Exception):
+    """What an Airflow task timeout raises in the middle of a wait (AirflowTaskTimeout)."""
+
+
+@pytest.mark.parametrize("then", ["a database that does not exist", "a task timeout"])
+def test_a_wait_ended_by_something_else_says_so_and_not_that_the_bound_was_spent(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, then: str
+) -> None:
+    """Refused for want of an answer first (waited out), then refused for good, or interrupted
+    by the task's own timeout: the last line names that end, and does not claim that the
+    bound (30 s here) was spent."""
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setenv(LOCK_WAIT_ENV, "30")
+    down = make_conninfo(pg_dsn, host="127.0.0.1", port=closed_port())
+    missing = make_conninfo(pg_dsn, dbname=f"adv_missing_{uuid.uuid4().hex[:8]}")
+    tries = 0
+
+    def connect() -> psycopg.Connection:
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            return psycopg.connect(down, connect_timeout=2)
+        if then == "a task timeout":
+            raise Interrupted("Timeout, PID: 1234")
+        return psycopg.connect(missing, connect_timeout=2)
+
+    connection = connect_when_room(connect, "the completion", logging.getLogger(__name__), print)
+    began = time.monotonic()
+    with pytest.raises((psycopg.OperationalError, Interrupted)), connection():
+        pass
+    assert time.monotonic() - began < 10 and tries == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "waiting up to 30 s for it to answer again" in said[0], said
+    assert "stopped waiting" in said[1] and "giving up" not in said[1], said
+    assert ("does not exist" if then != "a task timeout" else "Timeout, PID") in said[1], said
+
+
 @given(text=st.text(max_size=80), marker=st.sampled_from(_UNREACHABLE), cut=st.integers(0, 80))
 def test_unreachable_is_any_operational_error_naming_a_transient_refusal(
     text: str, marker: str, cut: int
