@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -106,6 +108,41 @@ def test_a_connection_error_never_prints_the_password(
     assert code == 69 and "cannot reach the job database" in err and "port 1" in err
     assert "s3cr3t" not in err
     assert redact(f"failed near {PASSWORD}", dsn) == "failed near ***"
+
+
+@pytest.mark.parametrize("spelling", ["keywords", "uri"])
+def test_a_password_inside_the_database_name_is_never_printed(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str], spelling: str
+) -> None:
+    """A whole connection string pasted as the database name (by mistake: ``--dsn
+    "dbname='host=db password=...'"``): the server answers that no such database exists, and
+    PostgreSQL's message names the database, password and all. The password is masked there
+    too, in either spelling of the pasted string."""
+    inner = (
+        make_conninfo("", host="db.example", user="u", password="s3cr3t-inner", dbname="jobs")
+        if spelling == "keywords"
+        else "postgresql://u:s3cr3t-inner@db.example/jobs"
+    )
+    dsn = make_conninfo(pg_dsn, dbname=inner)
+    code, _, err = cli(capsys, "runs", "--dsn", dsn)
+    assert code == 69 and "does not exist" in err, err
+    assert "s3cr3t" not in err, err
+
+
+@given(
+    password=st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1),
+    nested=st.booleans(),
+)
+def test_redact_masks_a_password_wherever_the_connection_string_holds_it(
+    password: str, nested: bool
+) -> None:
+    """Any password (quotes, spaces, '=', backslashes, non-ASCII), given as the connection's
+    own or inside a connection string pasted as its database name: a message quoting the
+    whole connection string, or the password alone, is printed without it."""
+    inner = make_conninfo("", host="h", password=password)
+    dsn = make_conninfo("", host="h", dbname=inner) if nested else inner
+    for message in (f"failed: {dsn}", f"failed near {password}!"):
+        assert password not in redact(message, dsn)
 
 
 def test_job_names_that_differ_at_their_end_are_printed_whole(

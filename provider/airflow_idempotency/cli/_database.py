@@ -59,15 +59,30 @@ def airflow_dsn(conn_id: str) -> str:
 
 
 def redact(message: str, params: str | dict[str, Any]) -> str:
-    """``message`` with the password of the connection ``params`` (a connection string or
+    """``message`` with the passwords of the connection ``params`` (a connection string or
     psycopg's keyword arguments) masked: libpq quotes parts of a connection string in its
-    errors."""
+    errors, and the server names the database, which may be a whole connection string pasted
+    there (with a password of its own)."""
+    for password in sorted(_passwords(params), key=len, reverse=True):
+        message = message.replace(password, "***")
+    return message
+
+
+_CONNINFO_PREFIXES = ("postgresql://", "postgres://")
+
+
+def _passwords(params: str | dict[str, Any], depth: int = 0) -> set[str]:
+    """The passwords of ``params``, and of any of its values that is a connection string."""
     try:
         values = conninfo_to_dict(params) if isinstance(params, str) else params
     except psycopg.Error:
-        values = {}
-    password = str(values.get("password") or "")
-    return message.replace(password, "***") if password else message
+        return set()
+    found = {str(values["password"])} if values.get("password") else set()
+    for value in values.values():
+        text = str(value)
+        if depth < 2 and ("=" in text or text.startswith(_CONNINFO_PREFIXES)):
+            found |= _passwords(text, depth + 1)
+    return found
 
 
 def connect(args: argparse.Namespace) -> psycopg.Connection:
