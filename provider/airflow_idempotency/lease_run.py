@@ -291,6 +291,7 @@ class LeaseRun(Run):
                 self._fail_completion(exc, fence)
 
     def _complete_once(self, fence: Fence, counts: dict[str, Any], deadline: float) -> None:
+        fence.refuse_if_known_lost()  # before waiting for a connection the fence would refuse
         with autocommit_connection(self._completion_connect(deadline)) as conn:
             try:
                 if not self._complete_and_release(conn, fence, counts):
@@ -337,12 +338,21 @@ class LeaseRun(Run):
     def _completion_connect(self, deadline: float | None = None) -> ConnectionFactory:
         """The completion's connection: the work is committed, so a connection refused for want
         of a slot is asked for again, within the lock wait, while the heartbeat keeps the lease
-        (:func:`~airflow_idempotency.run_context.connect_when_room`)."""
+        (:func:`~airflow_idempotency.run_context.connect_when_room`); no longer once the
+        heartbeat found the lease lost (the fence would refuse the completion)."""
         return connect_when_room(
             self.spec.connect, "the completion (its work is committed)", self.log,
             self._database_wait,
             within=None if deadline is None else deadline - time.monotonic(),
+            hopeless=self._lease_lost,
         )  # fmt: skip
+
+    def _lease_lost(self) -> str | None:
+        """Why a connection for the completion is of no use any more, if it is not."""
+        lease = self._taken
+        if lease is not None and lease.known_lost:
+            return "the heartbeat found the lease lost: the fence would refuse the completion"
+        return None
 
     def _release(self, lease: RunLock) -> None:
         """Release the lease (the run's outcome is recorded, or nothing was); a release that

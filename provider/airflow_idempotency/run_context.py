@@ -266,6 +266,7 @@ def connect_when_room(
     waited: Callable[[float], None],
     *,
     within: float | None = None,
+    hopeless: Callable[[], str | None] | None = None,
 ) -> ConnectionFactory:
     """``connect``, tried again while the database or the pooler refuses the new connection for
     want of a slot (:func:`~airflow_idempotency.locks.no_slot`) or cannot take it for the
@@ -278,7 +279,9 @@ def connect_when_room(
     it is raised; ``waited`` is called once with the seconds paused when there was a pause.
     For the connections a run opens after its work committed (the lease mode's completion, the
     outbound ledger's): refused, the run would fail and its rerun do the work again.
-    ``within``: a shorter bound, in seconds (what is left of a caller's own)."""
+    ``within``: a shorter bound, in seconds (what is left of a caller's own). ``hopeless``:
+    asked between tries, the reason the connection would be of no use any more (the lease is
+    known lost: the fence would refuse what it is for), which ends the wait at once."""
     seconds = int(lock_wait_ms()) / 1000
     if within is not None:
         seconds = max(0.0, min(seconds, within))
@@ -295,7 +298,7 @@ def connect_when_room(
                     raise
                 refused = exc
             if refused is not None:
-                wait = _RoomWait(what, log, seconds, began)
+                wait = _RoomWait(what, log, seconds, began, hopeless)
                 try:
                     conn = wait.retrying(
                         wait.again(refused, lambda: stack.enter_context(connect()))
@@ -319,10 +322,19 @@ def _room_may_come(exc: BaseException) -> bool:
 class _RoomWait:
     """The wait of one connection of :func:`connect_when_room`: its tries and what it says."""
 
-    def __init__(self, what: str, log: Any, seconds: float, began: float) -> None:
+    def __init__(
+        self,
+        what: str,
+        log: Any,
+        seconds: float,
+        began: float,
+        hopeless: Callable[[], str | None] | None = None,
+    ) -> None:
         self.what, self.log, self.seconds = what, log, seconds
         self.began = began  # the first try's start: it counts against the bound
         self.said = False
+        self.hopeless = hopeless
+        self.why_stopped: str | None = None  # hopeless's reason, when it ended the wait
         backoff = wait_random_exponential(multiplier=0.05, min=0.02, max=1.0)
         bound = max(0.0, seconds - (time.monotonic() - began))
 
@@ -330,8 +342,16 @@ class _RoomWait:
             left = bound - (state.seconds_since_start or 0.0)
             return max(0.0, min(backoff(state), left))
 
+        spent = stop_after_delay(bound)
+
+        def stop(state: RetryCallState) -> bool:
+            if spent(state):
+                return True
+            self.why_stopped = self.hopeless() if self.hopeless is not None else None
+            return self.why_stopped is not None
+
         self.retrying = Retrying(
-            stop=stop_after_delay(bound),
+            stop=stop,
             wait=pause,
             retry=retry_if_exception(_room_may_come),
             before_sleep=lambda state: self._waiting(_refusal(state.outcome)),
@@ -378,9 +398,12 @@ class _RoomWait:
         if not self.said:
             return
         waited = time.monotonic() - self.began
-        if not _room_may_come(exc):
+        if self.why_stopped is not None or not _room_may_come(exc):
             self.log.warning(
-                "stopped waiting for a connection for %s after %.1f s: %s", self.what, waited, exc
+                "stopped waiting for a connection for %s after %.1f s: %s",
+                self.what,
+                waited,
+                self.why_stopped or exc,
             )
             return
         self.log.warning(

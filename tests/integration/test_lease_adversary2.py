@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -214,3 +215,49 @@ def test_a_lease_taken_is_released_when_giving_the_decisions_connection_back_fai
     assert rows(adv_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
     assert run_in(adv_db, work).outcome.value == "completed"
     assert written(adv_db) == ["rerun"]
+
+
+@pytest.mark.parametrize("found", ["during the work", "while the completion waits"])
+def test_a_completion_whose_lease_is_known_lost_does_not_wait_for_a_slot(
+    adv_db: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    found: str,
+) -> None:
+    """The heartbeat finds the lease lost (another run took the key over) during the work, or
+    while the completion waits for a slot the database does not have. The fence would refuse
+    the completion anyway: waiting for a slot for the whole lock wait (20 s here) only delays
+    the failure, and ends in the sizing rule's error, which names the wrong cause. Expected:
+    the run ends at once with LockLostError (the wait says why it stopped), and its work is
+    not recorded completed."""
+    monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "20000")
+    working = threading.Event()
+
+    def connect() -> psycopg.Connection[Any]:
+        if working.is_set():
+            raise psycopg.OperationalError(
+                "connection failed: FATAL:  sorry, too many clients already"
+            )
+        return psycopg.connect(adv_db)
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('lost', %s)", (ctx.run_key,))
+        lost = ctx._lock.lost  # what the heartbeat sets when a renewal finds the lease gone
+        assert lost is not None
+        if found == "during the work":
+            lost.set()
+        else:
+            threading.Timer(1.0, lost.set).start()
+        working.set()
+        return {}
+
+    began = time.monotonic()
+    with pytest.raises(LockLostError):
+        run_idempotently(connect=connect, job_name=JOB, run_key=KEY, work=work, lock_mode=LONG)
+    assert time.monotonic() - began < 6
+    status = rows(adv_db, "SELECT status FROM idempotency.job_runs")
+    assert status == [("started",)], status
+    if found != "during the work":
+        said = [r.getMessage() for r in caplog.records]
+        assert any("stopped waiting" in m and "lease lost" in m for m in said), said
