@@ -48,15 +48,20 @@ class SlowStepWatch:
     def add(self, warn: Callable[[], None]) -> object:
         """Watch a step that begins now: ``warn()`` runs (in the watch's thread) once it has
         lasted ``seconds``, unless :meth:`remove` was called with the token returned first.
-        (``warn`` may still run as ``remove`` is called: it must allow for that.)"""
+        (``warn`` may still run as ``remove`` is called: it must allow for that.) When the
+        watch's thread cannot be started, the error is raised, nothing is watched for it, and
+        the next call tries again."""
         token = object()
         with self._cond:
             self._due[token] = (time.monotonic() + self.seconds, warn)
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name=self.name, daemon=True
-                )
-                self._thread.start()
+                thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                try:
+                    thread.start()
+                except BaseException:  # no thread now (a thread limit): the next add tries
+                    del self._due[token]
+                    raise
+                self._thread = thread
         return token
 
     def remove(self, token: object) -> None:
