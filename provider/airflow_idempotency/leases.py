@@ -19,6 +19,7 @@ lease expires (within ``ttl``), not at once.
 
 from __future__ import annotations
 
+import _thread
 import functools
 import logging
 import os
@@ -295,6 +296,8 @@ class LeaseHeartbeat:
         self._releasing = False
         self._guard = threading.Lock()  # the thread's start against stop()
         self._watched: object | None = None
+        self._launched = threading.Event()  # set once the thread's start was tried
+        self._start_failures = 0
 
     def releasing(self) -> None:
         """The run's completion is about to release the lease at its COMMIT (migration 19): a
@@ -310,35 +313,81 @@ class LeaseHeartbeat:
 
     def _begin(self) -> None:
         """The first renewal is due (called in the watch's thread): start the heartbeat's own
-        thread, unless the run has stopped it meanwhile."""
+        thread, unless the run has stopped it meanwhile.
+
+        The watch's thread does not start it itself: ``Thread.start`` waits until the new
+        thread runs, a hand-over of the GIL each way, up to a switch interval each while other
+        threads compute, so a thousand leases due together, started one after another, got
+        their first renewal seconds late, past their expiry (adv33a). A bare thread
+        (:func:`_thread.start_new_thread`, which waits for nothing) starts each one instead."""
         with self._guard:
             if self._stop.is_set():
                 return
             thread = threading.Thread(
                 target=self._loop, name=f"lease-heartbeat-{self.lock.lock_key}", daemon=True
             )
+            self._thread, self._launched = thread, threading.Event()
             try:
-                thread.start()
+                _thread.start_new_thread(self._launch, (thread, self._launched))
             except RuntimeError as exc:  # the process may start no more threads
-                self.log.warning(
-                    "could not start the heartbeat of run lock %s (%s): its lease is not "
-                    "renewed and expires %g s after it was taken; the run's transactions are "
-                    "refused once another run takes the key over",
-                    self.lock.lock_key,
-                    exc,
-                    self.ttl,
-                )
+                self._thread = None
+                self._without_thread(exc)
+
+    def _launch(self, thread: threading.Thread, launched: threading.Event) -> None:
+        """Start the heartbeat's thread (in a bare thread of its own, :meth:`_begin`)."""
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            with self._guard:
+                self._thread = None
+                if not self._stop.is_set():
+                    self._without_thread(exc)
+        finally:
+            launched.set()
+
+    def _without_thread(self, exc: BaseException) -> None:
+        """The heartbeat's thread could not be started (a thread limit): renew now, in the
+        calling thread, and try again when the next renewal is due; the lease is renewed
+        meanwhile. Called with ``_guard`` held: :meth:`stop` waits for the renewal."""
+        say = self.log.debug if self._start_failures else self.log.warning
+        self._start_failures += 1
+        say(
+            "could not start the heartbeat thread of run lock %s (%s): its lease is renewed "
+            "from the lease watch's thread instead, and starting one tried again, every %g s",
+            self.lock.lock_key,
+            exc,
+            self.interval,
+        )
+        try:
+            renewed = self._renew()
+        except Exception as failed:  # as in _loop: said, and tried again at the next one
+            self._failed(failed)
+        else:
+            if not renewed:
+                self._lost("another worker took the key over, or it was released")
                 return
-            self._thread = thread
+            self._renewed = time.monotonic()
+        try:
+            self._watched = _first_renewals(self.interval).add(self._begin)
+        except RuntimeError as again:
+            self._lost(f"no thread could be started to renew it ({again})")
 
     def stop(self) -> None:
-        if self._watched is not None:
-            _first_renewals(self.interval).remove(self._watched)
-        with self._guard:
+        """Renew no more: once this returns no renewal is under way or begins (each wait for
+        it bounded by ``ttl``)."""
+        held = self._guard.acquire(timeout=self.ttl)  # a renewal without a thread ends first
+        try:
             self._stop.set()
-            thread = self._thread
-        if thread is not None and thread.is_alive():
-            thread.join(timeout=self.ttl)
+            watched, thread, launched = self._watched, self._thread, self._launched
+        finally:
+            if held:
+                self._guard.release()
+        if watched is not None:
+            _first_renewals(self.interval).remove(watched)
+        if thread is not None:
+            launched.wait(self.ttl)  # started (or not) by its bare thread
+            if thread.is_alive():
+                thread.join(timeout=self.ttl)
 
     def __enter__(self) -> LeaseHeartbeat:
         self.start()

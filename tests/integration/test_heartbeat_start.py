@@ -115,7 +115,9 @@ def test_a_heartbeat_stopped_as_its_first_renewal_falls_due_renews_nothing_after
         stopped = threading.Event()
 
         @contextlib.contextmanager
-        def borrow(stopped: threading.Event = stopped) -> Iterator[psycopg.Connection[Any]]:
+        def borrow(
+            stopped: threading.Event = stopped, i: int = i
+        ) -> Iterator[psycopg.Connection[Any]]:
             nonlocal renewals
             renewals += 1
             if stopped.is_set():

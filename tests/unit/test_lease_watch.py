@@ -14,6 +14,7 @@ recorder, the threads are real.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -78,9 +79,8 @@ def test_a_watch_whose_thread_could_not_start_starts_one_for_the_next_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     watch = SlowStepWatch(0.05, name="adv33a-watch")
-    with failing_starts(monkeypatch, "adv33a-watch", 1):
-        with pytest.raises(RuntimeError):
-            watch.add(lambda: None)
+    with failing_starts(monkeypatch, "adv33a-watch", 1), pytest.raises(RuntimeError):
+        watch.add(lambda: None)
     fired = threading.Event()
     watch.add(fired.set)
     assert fired.wait(2.0), "the watch started no thread again after one failed to start"
@@ -157,7 +157,7 @@ def test_a_lease_whose_heartbeat_thread_cannot_start_is_still_renewed(
         stopped = time.monotonic()
         time.sleep(ttl)
     at = [taken, *renewals.at.get(3, [])]
-    gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(at)]
     assert len(at) >= 4, f"renewed {len(at) - 1} times in {2 * ttl} s without a thread of its own"
     assert max(gaps) < ttl * 2 / 3, f"a renewal came {max(gaps):.2f} s after the one before"
     assert all(t <= stopped for t in at), "a renewal came after stop() returned"
