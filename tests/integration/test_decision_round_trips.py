@@ -183,7 +183,7 @@ def test_a_new_keys_statements_sent_bare_are_the_providers_own(
         call()
         return [[label(s) for s in flight] for flight in proxy.stop()], taken[0]
 
-    for i in range(8):  # past psycopg's default prepare_threshold (5) on each connection
+    for i in range(-2, 8):  # two uncounted first (the schema's check); past prepare_threshold
         key = f"bare-{mode}-{next(_serial)}"
         provider = sent(
             functools.partial(
@@ -196,4 +196,6 @@ def test_a_new_keys_statements_sent_bare_are_the_providers_own(
             )
         )
         bare_side = sent(functools.partial(bare, connect, f"{key}-bare", keepalive))
-        assert bare_side == provider, f"call {i}: the provider sent {provider}, bare {bare_side}"
+        assert i < 0 or bare_side == provider, (
+            f"call {i}: the provider sent {provider}, bare {bare_side}"
+        )
