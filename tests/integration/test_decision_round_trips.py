@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -176,12 +178,20 @@ def test_a_new_keys_statements_sent_bare_are_the_providers_own(
         with pool.connection() as conn:
             yield conn
 
-    def sent(call: Callable[[], object]) -> tuple[list[list[str]], int]:
-        """The round trips ``call`` sent (statement names), and the connections it took."""
+    def sent(call: Callable[[], object]) -> tuple[list[list[str]], list[list[str]], int]:
+        """The round trips ``call`` sent (statement names), the keys of the JSON objects the
+        decision's message spells out (the session's, the attempt's), the connections taken."""
         taken[0] = 0
         proxy.start()
         call()
-        return [[label(s) for s in flight] for flight in proxy.stop()], taken[0]
+        flights = proxy.stop()
+        spelled = [
+            sorted(json.loads(literal))
+            for flight in flights
+            for text in flight
+            for literal in re.findall(r"'(\{[^']*\})'", text)
+        ]
+        return [[label(s) for s in flight] for flight in flights], spelled, taken[0]
 
     for i in range(-2, 8):  # two uncounted first (the schema's check); past prepare_threshold
         key = f"bare-{mode}-{next(_serial)}"
