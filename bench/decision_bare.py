@@ -46,12 +46,19 @@ def _queries(*names: str) -> dict[str, str] | None:
 
 def _session(mode: str) -> dict[str, str]:
     """The decision's session settings as the provider sends them (the holder named apart)."""
+    from airflow_idempotency.leases import LEASE_TTL_DEFAULT
     from airflow_idempotency.locks import DEAD_PEER_DEFAULTS, lock_wait_ms
 
-    if mode:
-        return {"holder": "bench bare", "ttl": "30", "lock_wait_ms": lock_wait_ms()}
+    if mode:  # decide_lease's: no keepalive settings (the lease's transactions are short)
+        return {
+            "holder": "bench bare",
+            "ttl": str(LEASE_TTL_DEFAULT),
+            "lock_wait_ms": lock_wait_ms(),
+        }
     session = {"lock_wait_ms": lock_wait_ms(), "application_name": "bench bare"}
-    session.update({name: str(v) for name, v in DEAD_PEER_DEFAULTS.items()})
+    # the server-side ones the provider sends (locks.server_keepalive_settings), not libpq's
+    # own switch "keepalives"
+    session.update({n: str(v) for n, v in DEAD_PEER_DEFAULTS.items() if n != "keepalives"})
     return session
 
 
@@ -136,7 +143,11 @@ def bare_new(mode: str) -> Callable[[Connect, str, dict[str, str]], float] | Non
     def call(connect: Connect, key: str, keepalive: dict[str, str]) -> float:
         run = RunIdentity(JOB, key)
         records = RunRecords(SCHEMA, run)
-        decision = records.decision_params(RunOptions(), {**session, **keepalive})
+        # the advisory decision's session carries the connection's keepalive settings; the
+        # lease decision's none (lease_run.decide_lease)
+        decision = records.decision_params(
+            RunOptions(), {**session, **keepalive} if not mode else session
+        )
         holder = RunLock(run.lock_key, 0, "lease:0" if mode else None)
         record = records._attempt_params(holder, RunOptions())
         take_over = {**record, **holder.params, "lock_wait_ms": wait, **keepalive}
