@@ -49,7 +49,7 @@ def _session(mode: str) -> dict[str, str]:
     from airflow_idempotency.leases import LEASE_TTL_DEFAULT
     from airflow_idempotency.locks import DEAD_PEER_DEFAULTS, lock_wait_ms
 
-    if mode:  # decide_lease's: no keepalive settings (the lease's transactions are short)
+    if mode:  # lease_run.decide_lease's: its holder, ttl and lock wait, no keepalive settings
         return {
             "holder": "bench bare",
             "ttl": str(LEASE_TTL_DEFAULT),
