@@ -373,7 +373,19 @@ class _RoomWait:
         )
 
     def gave_up(self, exc: BaseException) -> None:
-        """The last try failed too: say how long it waited, when it did."""
+        """The last try failed too: say how long it waited, when it did; a refusal met once
+        the bound was spent (its first try as long as the bound: a ``connect_timeout``) is
+        said too."""
+        if not self.said and _room_may_come(exc):
+            self.log.warning(
+                "the job database refused %s a connection after %.1f s (%s), the bound of its "
+                "wait (%g s, %s): giving up",
+                self.what,
+                time.monotonic() - self.began,
+                exc,
+                self.seconds,
+                LOCK_WAIT_ENV,
+            )
         if self.said:
             self.log.warning(
                 "the job database still refused %s a connection after %.1f s of waiting (the "
