@@ -161,3 +161,18 @@ def test_a_lease_whose_heartbeat_thread_cannot_start_is_still_renewed(
     assert len(at) >= 4, f"renewed {len(at) - 1} times in {2 * ttl} s without a thread of its own"
     assert max(gaps) < ttl * 2 / 3, f"a renewal came {max(gaps):.2f} s after the one before"
     assert all(t <= stopped for t in at), "a renewal came after stop() returned"
+
+
+def test_a_step_watched_while_no_thread_can_start_runs_unwatched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The start's watch only warns: a step is not failed because its warning's thread could
+    not be started (the error of add(), which the lease heartbeat needs, stays there)."""
+    watch = SlowStepWatch(0.05, name="adv33a-step-watch")
+    ran = []
+    with failing_starts(monkeypatch, "adv33a-step-watch", 1), watch.watching(lambda: None):
+        ran.append(1)
+    fired = threading.Event()
+    with watch.watching(fired.set):
+        assert fired.wait(2.0), "the next step was not watched"
+    assert ran == [1]
