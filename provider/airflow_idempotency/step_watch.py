@@ -38,12 +38,18 @@ class SlowStepWatch:
 
     @contextlib.contextmanager
     def watching(self, warn: Callable[[], None]) -> Iterator[None]:
-        """The block is the step: ``warn()`` runs (in the watch's thread) if it lasts longer."""
-        token = self.add(warn)
+        """The block is the step: ``warn()`` runs (in the watch's thread) if it lasts longer.
+        When the watch's thread cannot be started (a thread limit), the step runs unwatched:
+        a warning is no reason to fail it."""
+        try:
+            token: object | None = self.add(warn)
+        except RuntimeError:
+            token = None
         try:
             yield
         finally:
-            self.remove(token)
+            if token is not None:
+                self.remove(token)
 
     def add(self, warn: Callable[[], None]) -> object:
         """Watch a step that begins now: ``warn()`` runs (in the watch's thread) once it has
