@@ -35,7 +35,8 @@ from airflow_idempotency.leases import LockMode
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.records import RunOptions
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
-from bench.decision_bare import bare_new
+from bench.decision_bare import JOB as BARE_JOB
+from bench.decision_bare import bare_new, bare_noop
 from bench.decision_child import CountingProxy, _keepalive, labeller
 from support.db import rows
 
@@ -157,7 +158,7 @@ def test_the_lock_transaction_keeps_no_table_lock_while_the_work_runs(pg_dsn: st
 
 
 @pytest.mark.parametrize("mode", ["advisory", "lease"])
-def test_a_new_keys_statements_sent_bare_are_the_providers_own(
+def test_a_keys_statements_sent_bare_are_the_providers_own(
     counted: tuple[CountingProxy, ConnectionPool], mode: str
 ) -> None:
     """The decision benchmark's "provider's own CPU per new key" is the call's CPU less that of
@@ -168,7 +169,8 @@ def test_a_new_keys_statements_sent_bare_are_the_providers_own(
     proxy, pool = counted
     label = labeller()
     bare = bare_new("lease_" if mode == "lease" else "")
-    assert bare is not None
+    noop = bare_noop("lease_" if mode == "lease" else "")
+    assert bare is not None and noop is not None
     keepalive = _keepalive(pool)
     taken = [0]
 
@@ -199,7 +201,7 @@ def test_a_new_keys_statements_sent_bare_are_the_providers_own(
             functools.partial(
                 run_idempotently,
                 connect=connect,
-                job_name=JOB,
+                job_name=BARE_JOB,
                 run_key=key,
                 work=lambda run: None,
                 lock_mode=LockMode(mode),
@@ -208,4 +210,19 @@ def test_a_new_keys_statements_sent_bare_are_the_providers_own(
         bare_side = sent(functools.partial(bare, connect, f"{key}-bare", keepalive))
         assert i < 0 or bare_side == provider, (
             f"call {i}: the provider sent {provider}, bare {bare_side}"
+        )
+        # the no-op's too (bare_noop, the same completed key)
+        provider = sent(
+            functools.partial(
+                run_idempotently,
+                connect=connect,
+                job_name=BARE_JOB,
+                run_key=key,
+                work=lambda run: None,
+                lock_mode=LockMode(mode),
+            )
+        )
+        bare_side = sent(functools.partial(noop, connect, key))
+        assert i < 0 or bare_side == provider, (
+            f"no-op {i}: the provider sent {provider}, bare {bare_side}"
         )
