@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -176,3 +177,36 @@ def test_a_step_watched_while_no_thread_can_start_runs_unwatched(
     with watch.watching(fired.set):
         assert fired.wait(2.0), "the next step was not watched"
     assert ran == [1]
+
+
+def test_a_child_forked_while_the_watch_thread_lives_renews_its_own_leases(
+    renewals: Renewals,
+) -> None:
+    """A task process forked (LocalExecutor, Celery prefork) while the parent's lease watch
+    thread lives and holds leases: the child has none of the parent's threads, and its own
+    leases are renewed by a watch of its own (leases._first_renewals forgotten at fork)."""
+    ttl = 0.75  # a watch of its own: an interval no other test uses
+    parent = [heartbeat(20 + i, ttl) for i in range(3)]
+    for beat in parent:
+        beat.start()
+    try:
+        time.sleep(0.05)  # the parent's watch thread waits for their first renewals
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 when its own lease was renewed, twice
+            code = 1
+            try:
+                renewals.at.clear()
+                own = heartbeat(99, ttl)
+                own.start()
+                time.sleep(ttl * 2 / 3 + 0.3)
+                own.stop()
+                code = 0 if len(renewals.at.get(99, [])) >= 2 else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        for beat in parent:
+            beat.stop()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
+        f"the forked child's lease was not renewed (status {status})"
+    )
