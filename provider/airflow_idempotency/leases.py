@@ -329,7 +329,7 @@ class LeaseHeartbeat:
             self._thread, self._launched = thread, threading.Event()
             try:
                 _thread.start_new_thread(self._launch, (thread, self._launched))
-            except RuntimeError as exc:  # the process may start no more threads
+            except Exception as exc:  # RuntimeError: the process may start no more threads
                 self._thread = None
                 self._without_thread(exc)
 
@@ -353,7 +353,7 @@ class LeaseHeartbeat:
         self._start_failures += 1
         say(
             "could not start the heartbeat thread of run lock %s (%s): its lease is renewed "
-            "from the lease watch's thread instead, and starting one tried again, every %g s",
+            "without it, and starting one tried again, every %g s",
             self.lock.lock_key,
             exc,
             self.interval,
