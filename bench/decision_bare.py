@@ -46,10 +46,12 @@ def _queries(*names: str) -> dict[str, str] | None:
 
 def _session(mode: str) -> dict[str, str]:
     """The decision's session settings as the provider sends them (the holder named apart)."""
-    from airflow_idempotency.leases import LEASE_TTL_DEFAULT
     from airflow_idempotency.locks import DEAD_PEER_DEFAULTS, lock_wait_ms
 
     if mode:  # lease_run.decide_lease's: its holder, ttl and lock wait, no keepalive settings
+        # (imported here: a checkout older than the lease mode has no leases module)
+        from airflow_idempotency.leases import LEASE_TTL_DEFAULT
+
         return {
             "holder": "bench bare",
             "ttl": str(LEASE_TTL_DEFAULT),
