@@ -37,3 +37,33 @@ def test_a_refusal_that_spent_the_bound_on_its_first_try_is_said(
     said = [r.getMessage() for r in caplog.records if r.name == log.name]
     assert tries == [1]
     assert any("giving up" in line and "the outbound ledger" in line for line in said), said
+
+
+class TaskTimeout(BaseException):
+    """Stands for Airflow's AirflowTaskTimeout (a BaseException raised by a signal)."""
+
+
+def test_a_wait_ended_by_the_tasks_timeout_does_not_say_the_bound_was_spent(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task's timeout raised during a pause between tries ends the wait: it is raised as it
+    is, and the log does not say the database "still refused" until the bound (the operator
+    would lengthen the lock wait for nothing)."""
+    tries = [0]
+
+    @contextlib.contextmanager
+    def connect() -> Iterator[psycopg.Connection]:
+        tries[0] += 1
+        if tries[0] >= 3:
+            raise TaskTimeout("Timeout, PID: 1")
+        raise psycopg.OperationalError("connection failed: Connection refused")
+        yield  # pragma: no cover
+
+    log = logging.getLogger("adv33a.connect_room_timeout")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        room = connect_when_room(connect, "the outbound ledger", log, lambda s: None, within=5)
+        with pytest.raises(TaskTimeout), room():
+            pass
+    said = [r.getMessage() for r in caplog.records if r.name == log.name]
+    assert said and "waiting up to" in said[0], said
+    assert not any("still refused" in line for line in said), said
