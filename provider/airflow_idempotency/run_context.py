@@ -373,28 +373,29 @@ class _RoomWait:
         )
 
     def gave_up(self, exc: BaseException) -> None:
-        """The last try failed too: say how long it waited, when it did; a refusal met once
-        the bound was spent (its first try as long as the bound: a ``connect_timeout``) is
-        said too."""
-        if not self.said and _room_may_come(exc):
-            self.log.warning(
-                "the job database refused %s a connection after %.1f s (%s), the bound of its "
-                "wait (%g s, %s): giving up",
-                self.what,
-                time.monotonic() - self.began,
-                exc,
-                self.seconds,
-                LOCK_WAIT_ENV,
-            )
-        if self.said:
-            self.log.warning(
-                "the job database still refused %s a connection after %.1f s of waiting (the "
-                "bound of every lock wait, %s): giving up (%s)",
-                self.what,
-                time.monotonic() - self.began,
-                LOCK_WAIT_ENV,
-                exc,
-            )
+        """The wait ended without a connection: say why, when it did. A refusal once the bound
+        was spent (a first try as long as the bound, a ``connect_timeout``, is said too); any
+        other error (a task's timeout, a refusal that will not pass) ended the wait itself."""
+        elapsed = time.monotonic() - self.began
+        if not _room_may_come(exc):
+            if self.said:
+                self.log.warning(
+                    "stopped waiting for a connection for %s after %.1f s: %s",
+                    self.what,
+                    elapsed,
+                    exc,
+                )
+            return
+        self.log.warning(
+            "the job database %s %s a connection after %.1f s%s (the bound of every lock "
+            "wait, %s): giving up (%s)",
+            "still refused" if self.said else "refused",
+            self.what,
+            elapsed,
+            " of waiting" if self.said else ", its first try as long as the bound",
+            LOCK_WAIT_ENV,
+            exc,
+        )
 
 
 def _refusal(outcome: Any) -> BaseException:
