@@ -67,3 +67,27 @@ def test_a_wait_ended_by_the_tasks_timeout_does_not_say_the_bound_was_spent(
     said = [r.getMessage() for r in caplog.records if r.name == log.name]
     assert said and "waiting up to" in said[0], said
     assert not any("still refused" in line for line in said), said
+
+
+def test_the_time_waited_counts_the_refused_tries_themselves() -> None:
+    """A refusal may itself take time: a psycopg_pool's PoolTimeout after its own timeout, a
+    ConnectionTimeout after ``connect_timeout``. The time waited (the run's database_wait
+    metric, "the wait is timed", docs/deploying.md) is the whole wait, not only the pauses
+    between the tries (adv33a: it was about a tenth of it)."""
+    tries = [0]
+
+    @contextlib.contextmanager
+    def connect() -> Iterator[psycopg.Connection]:
+        tries[0] += 1
+        if tries[0] <= 2:
+            time.sleep(0.3)  # a pool's timeout, then its refusal
+            raise psycopg.errors.ConnectionTimeout("connection timeout expired")
+        yield None  # type: ignore[misc]
+
+    waited: list[float] = []
+    log = logging.getLogger("adv33a.connect_room_waited")
+    began = time.monotonic()
+    with connect_when_room(connect, "the outbound ledger", log, waited.append, within=5)():
+        elapsed = time.monotonic() - began
+    assert tries == [3]
+    assert len(waited) == 1 and waited[0] >= 0.6, (waited, elapsed)
