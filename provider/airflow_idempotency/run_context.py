@@ -275,7 +275,8 @@ def connect_when_room(
     cap that starts at 50 ms and doubles up to 1 s, the last one cut to what is left: then one
     last try, which a ``connect_timeout`` may lengthen). The first refusal is logged on ``log``
     with ``what`` the connection is for, and so is the last one when the bound is spent, before
-    it is raised; ``waited`` is called once with the seconds paused when there was a pause.
+    it is raised; ``waited`` is called once with the seconds waited when a try was refused
+    (from the first try to the connection had or the last refusal: the refused tries too).
     For the connections a run opens after its work committed (the lease mode's completion, the
     outbound ledger's): refused, the run would fail and its rerun do the work again.
     ``within``: a shorter bound, in seconds (what is left of a caller's own)."""
@@ -303,9 +304,9 @@ def connect_when_room(
                 except BaseException as last:
                     wait.gave_up(last)
                     raise
-                finally:
-                    if wait.paused:
-                        waited(wait.paused)
+                finally:  # the whole wait: a refused try may take long itself (a pool's
+                    # timeout, connect_timeout), not only the pauses between the tries
+                    waited(time.monotonic() - began)
             yield conn
 
     return connection
@@ -352,11 +353,6 @@ class _RoomWait:
             return connect()
 
         return attempt
-
-    @property
-    def paused(self) -> float:
-        """The seconds paused between tries so far."""
-        return float(self.retrying.statistics.get("idle_for", 0.0))
 
     def _waiting(self, refusal: BaseException) -> None:
         if self.said:
