@@ -13,6 +13,7 @@ recorder, the threads are real.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import itertools
 import os
@@ -210,3 +211,30 @@ def test_a_child_forked_while_the_watch_thread_lives_renews_its_own_leases(
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
         f"the forked child's lease was not renewed (status {status})"
     )
+
+
+def test_a_lease_whose_launching_thread_cannot_start_is_still_renewed(
+    monkeypatch: pytest.MonkeyPatch, renewals: Renewals
+) -> None:
+    """The same, one step earlier: the bare thread that starts the heartbeat's cannot be
+    started either; the watch's thread renews the lease itself, every ``ttl / 3``."""
+
+    def refuse(*args: object) -> int:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_thread, "start_new_thread", refuse)
+    ttl = 0.66  # renewals due every 0.22 s; a watch of its own
+    beat = heartbeat(4, ttl)
+    taken = time.monotonic()
+    beat.start()
+    try:
+        time.sleep(ttl * 2)
+    finally:
+        beat.stop()
+    stopped = time.monotonic()
+    time.sleep(ttl)
+    at = [taken, *renewals.at.get(4, [])]
+    gaps = [b - a for a, b in itertools.pairwise(at)]
+    assert len(at) >= 4, f"renewed {len(at) - 1} times in {2 * ttl} s without a thread of its own"
+    assert max(gaps) < ttl * 2 / 3, f"a renewal came {max(gaps):.2f} s after the one before"
+    assert all(t <= stopped for t in at), "a renewal came after stop() returned"
