@@ -238,3 +238,23 @@ def test_a_lease_whose_launching_thread_cannot_start_is_still_renewed(
     assert len(at) >= 4, f"renewed {len(at) - 1} times in {2 * ttl} s without a thread of its own"
     assert max(gaps) < ttl * 2 / 3, f"a renewal came {max(gaps):.2f} s after the one before"
     assert all(t <= stopped for t in at), "a renewal came after stop() returned"
+
+
+def test_leases_of_many_distinct_ttls_keep_a_bounded_number_of_watches(
+    renewals: Renewals,
+) -> None:
+    """A watch per distinct interval, kept for good: a worker whose runs' lease_ttl vary (a ttl
+    computed per run) kept one more watch (about 3 KB) per distinct value, for the life of the
+    process (adv33a). A heartbeat whose watch was dropped meanwhile still stops cleanly."""
+    early = heartbeat(5, 0.3)  # its first renewal due in 0.1 s
+    early.start()
+    for i in range(200):
+        beat = heartbeat(1000 + i, 40 + i / 1000)
+        beat.start()
+        beat.stop()
+    early.stop()
+    stopped = time.monotonic()
+    time.sleep(0.3)
+    assert leases._first_renewals.cache_info().currsize <= 32
+    assert all(t <= stopped for t in renewals.at.get(5, [])), "renewed after stop() returned"
+    assert not [t for t in threading.enumerate() if t.name == "lease-heartbeat-5"]
