@@ -244,10 +244,13 @@ def lease_is_live(conn: psycopg.Connection, job_name: str, run_key: str, *, sche
 Borrow = Callable[[], AbstractContextManager[psycopg.Connection]]
 
 
-@functools.cache
+@functools.lru_cache(maxsize=16)
 def _first_renewals(interval: float) -> SlowStepWatch:
     """The process's one watch of the leases whose first renewal is due ``interval`` seconds
-    after they were taken (:meth:`LeaseHeartbeat.start`)."""
+    after they were taken (:meth:`LeaseHeartbeat.start`). A few intervals are kept: runs whose
+    lease_ttl vary (computed per run) kept one watch per value for the life of the process
+    (adv33a). A watch dropped while a lease waits on it still calls it; a heartbeat stopped
+    meanwhile (its ``remove`` on the interval's new watch finds nothing) starts nothing then."""
     return SlowStepWatch(interval, name="airflow-idempotency-lease-watch")
 
 
