@@ -299,7 +299,7 @@ class LeaseHeartbeat:
         self._releasing = False
         self._guard = threading.Lock()  # the thread's start against stop()
         self._watched: object | None = None
-        self._launched = threading.Event()  # set once the thread's start was tried
+        self._launched: threading.Event | None = None  # set once the thread's start was tried
         self._start_failures = 0
 
     def releasing(self) -> None:
@@ -388,6 +388,7 @@ class LeaseHeartbeat:
         if watched is not None:
             _first_renewals(self.interval).remove(watched)
         if thread is not None:
+            assert launched is not None  # set with the thread (_begin)
             launched.wait(self.ttl)  # started (or not) by its bare thread
             if thread.is_alive():
                 thread.join(timeout=self.ttl)
