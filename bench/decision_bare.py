@@ -14,9 +14,10 @@ Imported by decision_child.py from its own folder (it runs as a script there).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -47,11 +48,33 @@ def _session(mode: str) -> dict[str, str]:
     """The decision's session settings as the provider sends them (the holder named apart)."""
     from airflow_idempotency.locks import DEAD_PEER_DEFAULTS, lock_wait_ms
 
-    if mode:
-        return {"holder": "bench bare", "ttl": "30", "lock_wait_ms": lock_wait_ms()}
+    if mode:  # lease_run.decide_lease's: its holder, ttl and lock wait, no keepalive settings
+        # (imported here: a checkout older than the lease mode has no leases module)
+        from airflow_idempotency.leases import LEASE_TTL_DEFAULT
+
+        return {
+            "holder": "bench bare",
+            "ttl": str(LEASE_TTL_DEFAULT),
+            "lock_wait_ms": lock_wait_ms(),
+        }
     session = {"lock_wait_ms": lock_wait_ms(), "application_name": "bench bare"}
-    session.update({name: str(v) for name, v in DEAD_PEER_DEFAULTS.items()})
+    # the server-side ones the provider sends (locks.server_keepalive_settings), not libpq's
+    # own switch "keepalives"
+    session.update({n: str(v) for n, v in DEAD_PEER_DEFAULTS.items() if n != "keepalives"})
     return session
+
+
+@contextlib.contextmanager
+def _taken(connect: Connect) -> Iterator[psycopg.Connection]:
+    """A connection from the pool set as the provider sets its own (autocommit, and no
+    server-side prepared statements: psycopg would prepare a statement run
+    ``prepare_threshold`` times on a connection, Parse messages and a round trip the provider
+    never sends, adv33a), given back as it came."""
+    with connect() as conn:
+        threshold = conn.prepare_threshold
+        conn.autocommit, conn.prepare_threshold = True, None
+        yield conn
+        conn.autocommit, conn.prepare_threshold = False, threshold
 
 
 def _decide(conn: psycopg.Connection, text: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -79,12 +102,10 @@ def bare_noop(mode: str) -> Callable[[Connect, str], float] | None:
     def call(connect: Connect, key: str) -> float:
         params = RunRecords(SCHEMA, RunIdentity(JOB, key)).decision_params(RunOptions(), session)
         c0 = time.thread_time_ns()
-        with connect() as conn:
-            conn.autocommit = True
+        with _taken(connect) as conn:
             row = _decide(conn, text, params)
             if not mode:
                 conn.commit()
-            conn.autocommit = False
         spent = (time.thread_time_ns() - c0) / 1e6
         if row["decision"] != "noop":
             raise AssertionError(f"{key}: the bare statements decided {row['decision']!r}")
@@ -124,7 +145,11 @@ def bare_new(mode: str) -> Callable[[Connect, str, dict[str, str]], float] | Non
     def call(connect: Connect, key: str, keepalive: dict[str, str]) -> float:
         run = RunIdentity(JOB, key)
         records = RunRecords(SCHEMA, run)
-        decision = records.decision_params(RunOptions(), {**session, **keepalive})
+        # the advisory decision's session carries the connection's keepalive settings; the
+        # lease decision's none (lease_run.decide_lease)
+        decision = records.decision_params(
+            RunOptions(), {**session, **keepalive} if not mode else session
+        )
         holder = RunLock(run.lock_key, 0, "lease:0" if mode else None)
         record = records._attempt_params(holder, RunOptions())
         take_over = {**record, **holder.params, "lock_wait_ms": wait, **keepalive}
@@ -156,47 +181,36 @@ def _advisory(
     connect: Connect, texts: dict[str, str], decision: dict[str, Any], start: Start,
     end: dict[str, Any],
 ) -> None:  # fmt: skip
-    with connect() as lock_conn:
-        lock_conn.autocommit = True
+    with _taken(connect) as lock_conn:
         row = _decide(lock_conn, texts["decide"], decision)
         assert row["decision"] == "run", row["decision"]
         pid, holder = row["backend_pid"], row["holder"]
         start[0].update(lock_backend_pid=pid, lock_holder=holder)
         start[1]["lock_backend_pid"] = pid
         end.update(lock_backend_pid=pid, lock_holder=holder)
-        with connect() as conn:
-            conn.autocommit = True
+        with _taken(connect) as conn:
             end["attempt_id"] = _start(conn, texts, start)
-            conn.autocommit = False
         with lock_conn.pipeline():
             done = lock_conn.execute(texts["complete_attempt"], end)
             lock_conn.execute("COMMIT")
         assert done.fetchone() is not None, "the bare completion was refused"
-        lock_conn.autocommit = False
 
 
 def _lease(
     connect: Connect, texts: dict[str, str], decision: dict[str, Any], start: Start,
     end: dict[str, Any],
 ) -> None:  # fmt: skip
-    with connect() as conn:
-        conn.autocommit = True
+    with _taken(connect) as conn:
         row = _decide(conn, texts["decide_lease"], decision)
-        conn.autocommit = False
     assert row["decision"] == "run", row["decision"]
     holder = f"lease:{row['token']}"
     start[0]["lock_holder"] = end["lock_holder"] = holder
     start[1]["trigger_details"] = Jsonb({"lease": holder})
     end["token"] = row["token"]
-    with connect() as conn:
-        conn.autocommit = True
+    with _taken(connect) as conn:
         end["attempt_id"] = _start(conn, texts, start)
-        conn.autocommit = False
-    with connect() as conn:
-        conn.autocommit = True
-        with conn.pipeline():
-            conn.execute(BEGIN)
-            cursors = [conn.execute(texts[name], end) for name in _LEASE_NEW[2:]]
-            conn.execute("COMMIT")
-        assert cursors[2].fetchone() is not None, "the bare completion was refused"
-        conn.autocommit = False
+    with _taken(connect) as conn, conn.pipeline():
+        conn.execute(BEGIN)
+        cursors = [conn.execute(texts[name], end) for name in _LEASE_NEW[2:]]
+        conn.execute("COMMIT")
+    assert cursors[2].fetchone() is not None, "the bare completion was refused"

@@ -34,7 +34,10 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
-from decision_bare import bare_new, bare_noop  # this script's folder (module doc)
+try:  # run as a script: its folder is sys.path[0] (module doc)
+    from decision_bare import bare_new, bare_noop
+except ImportError:  # imported as bench.decision_child (tests/integration: its proxy, labeller)
+    from bench.decision_bare import bare_new, bare_noop
 
 RESULT_PREFIX = "BENCH-RESULT "
 JOB = "bench.decision"

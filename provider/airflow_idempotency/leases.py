@@ -19,6 +19,7 @@ lease expires (within ``ttl``), not at once.
 
 from __future__ import annotations
 
+import _thread
 import functools
 import logging
 import os
@@ -243,10 +244,13 @@ def lease_is_live(conn: psycopg.Connection, job_name: str, run_key: str, *, sche
 Borrow = Callable[[], AbstractContextManager[psycopg.Connection]]
 
 
-@functools.cache
+@functools.lru_cache(maxsize=16)
 def _first_renewals(interval: float) -> SlowStepWatch:
     """The process's one watch of the leases whose first renewal is due ``interval`` seconds
-    after they were taken (:meth:`LeaseHeartbeat.start`)."""
+    after they were taken (:meth:`LeaseHeartbeat.start`). A few intervals are kept: runs whose
+    lease_ttl vary (computed per run) kept one watch per value for the life of the process
+    (adv33a). A watch dropped while a lease waits on it still calls it; a heartbeat stopped
+    meanwhile (its ``remove`` on the interval's new watch finds nothing) starts nothing then."""
     return SlowStepWatch(interval, name="airflow-idempotency-lease-watch")
 
 
@@ -295,6 +299,8 @@ class LeaseHeartbeat:
         self._releasing = False
         self._guard = threading.Lock()  # the thread's start against stop()
         self._watched: object | None = None
+        self._launched: threading.Event | None = None  # set once the thread's start was tried
+        self._start_failures = 0
 
     def releasing(self) -> None:
         """The run's completion is about to release the lease at its COMMIT (migration 19): a
@@ -310,35 +316,82 @@ class LeaseHeartbeat:
 
     def _begin(self) -> None:
         """The first renewal is due (called in the watch's thread): start the heartbeat's own
-        thread, unless the run has stopped it meanwhile."""
+        thread, unless the run has stopped it meanwhile.
+
+        The watch's thread does not start it itself: ``Thread.start`` waits until the new
+        thread runs, a hand-over of the GIL each way, up to a switch interval each while other
+        threads compute, so a thousand leases due together, started one after another, got
+        their first renewal seconds late, past their expiry (adv33a). A bare thread
+        (:func:`_thread.start_new_thread`, which waits for nothing) starts each one instead."""
         with self._guard:
             if self._stop.is_set():
                 return
             thread = threading.Thread(
                 target=self._loop, name=f"lease-heartbeat-{self.lock.lock_key}", daemon=True
             )
+            self._thread, self._launched = thread, threading.Event()
             try:
-                thread.start()
-            except RuntimeError as exc:  # the process may start no more threads
-                self.log.warning(
-                    "could not start the heartbeat of run lock %s (%s): its lease is not "
-                    "renewed and expires %g s after it was taken; the run's transactions are "
-                    "refused once another run takes the key over",
-                    self.lock.lock_key,
-                    exc,
-                    self.ttl,
-                )
+                _thread.start_new_thread(self._launch, (thread, self._launched))
+            except Exception as exc:  # RuntimeError: the process may start no more threads
+                self._thread = None
+                self._without_thread(exc)
+
+    def _launch(self, thread: threading.Thread, launched: threading.Event) -> None:
+        """Start the heartbeat's thread (in a bare thread of its own, :meth:`_begin`)."""
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            with self._guard:
+                self._thread = None
+                if not self._stop.is_set():
+                    self._without_thread(exc)
+        finally:
+            launched.set()
+
+    def _without_thread(self, exc: BaseException) -> None:
+        """The heartbeat's thread could not be started (a thread limit): renew now, in the
+        calling thread, and try again when the next renewal is due; the lease is renewed
+        meanwhile. Called with ``_guard`` held: :meth:`stop` waits for the renewal."""
+        say = self.log.debug if self._start_failures else self.log.warning
+        self._start_failures += 1
+        say(
+            "could not start the heartbeat thread of run lock %s (%s): its lease is renewed "
+            "without it, and starting one tried again, every %g s",
+            self.lock.lock_key,
+            exc,
+            self.interval,
+        )
+        try:
+            renewed = self._renew()
+        except Exception as failed:  # as in _loop: said, and tried again at the next one
+            self._failed(failed)
+        else:
+            if not renewed:
+                self._lost("another worker took the key over, or it was released")
                 return
-            self._thread = thread
+            self._renewed = time.monotonic()
+        try:
+            self._watched = _first_renewals(self.interval).add(self._begin)
+        except RuntimeError as again:
+            self._lost(f"no thread could be started to renew it ({again})")
 
     def stop(self) -> None:
-        if self._watched is not None:
-            _first_renewals(self.interval).remove(self._watched)
-        with self._guard:
+        """Renew no more: once this returns no renewal is under way or begins (each wait for
+        it bounded by ``ttl``)."""
+        held = self._guard.acquire(timeout=self.ttl)  # a renewal without a thread ends first
+        try:
             self._stop.set()
-            thread = self._thread
-        if thread is not None and thread.is_alive():
-            thread.join(timeout=self.ttl)
+            watched, thread, launched = self._watched, self._thread, self._launched
+        finally:
+            if held:
+                self._guard.release()
+        if watched is not None:
+            _first_renewals(self.interval).remove(watched)
+        if thread is not None:
+            assert launched is not None  # set with the thread (_begin)
+            launched.wait(self.ttl)  # started (or not) by its bare thread
+            if thread.is_alive():
+                thread.join(timeout=self.ttl)
 
     def __enter__(self) -> LeaseHeartbeat:
         self.start()

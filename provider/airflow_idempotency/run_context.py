@@ -276,7 +276,8 @@ def connect_when_room(
     cap that starts at 50 ms and doubles up to 1 s, the last one cut to what is left: then one
     last try, which a ``connect_timeout`` may lengthen). The first refusal is logged on ``log``
     with ``what`` the connection is for, and so is the last one when the bound is spent, before
-    it is raised; ``waited`` is called once with the seconds paused when there was a pause.
+    it is raised; ``waited`` is called once with the seconds waited when a try was refused
+    (from the first try to the connection had or the last refusal: the refused tries too).
     For the connections a run opens after its work committed (the lease mode's completion, the
     outbound ledger's): refused, the run would fail and its rerun do the work again.
     ``within``: a shorter bound, in seconds (what is left of a caller's own). ``hopeless``:
@@ -306,9 +307,9 @@ def connect_when_room(
                 except BaseException as last:
                     wait.gave_up(last)
                     raise
-                finally:
-                    if wait.paused:
-                        waited(wait.paused)
+                finally:  # the whole wait: a refused try may take long itself (a pool's
+                    # timeout, connect_timeout), not only the pauses between the tries
+                    waited(time.monotonic() - began)
             yield conn
 
     return connection
@@ -373,11 +374,6 @@ class _RoomWait:
 
         return attempt
 
-    @property
-    def paused(self) -> float:
-        """The seconds paused between tries so far."""
-        return float(self.retrying.statistics.get("idle_for", 0.0))
-
     def _waiting(self, refusal: BaseException) -> None:
         if self.said:
             return
@@ -393,24 +389,27 @@ class _RoomWait:
         )
 
     def gave_up(self, exc: BaseException) -> None:
-        """The wait ended in ``exc``: say how long it waited, when it did, and why it ended:
-        the bound spent, or something else (a refusal for good, the task's own timeout)."""
-        if not self.said:
-            return
-        waited = time.monotonic() - self.began
+        """The wait ended without a connection: say why, when it did. A refusal once the bound
+        was spent (a first try as long as the bound, a ``connect_timeout``, is said too); any
+        other end (a task's timeout, a refusal that will not pass, ``hopeless``'s reason)
+        ended the wait itself."""
+        elapsed = time.monotonic() - self.began
         if self.why_stopped is not None or not _room_may_come(exc):
-            self.log.warning(
-                "stopped waiting for a connection for %s after %.1f s: %s",
-                self.what,
-                waited,
-                self.why_stopped or exc,
-            )
+            if self.said:
+                self.log.warning(
+                    "stopped waiting for a connection for %s after %.1f s: %s",
+                    self.what,
+                    elapsed,
+                    self.why_stopped or exc,
+                )
             return
         self.log.warning(
-            "the job database still refused %s a connection after %.1f s of waiting (the "
-            "bound of every lock wait, %s): giving up (%s)",
+            "the job database %s %s a connection after %.1f s%s (the bound of every lock "
+            "wait, %s): giving up (%s)",
+            "still refused" if self.said else "refused",
             self.what,
-            waited,
+            elapsed,
+            " of waiting" if self.said else ", its first try as long as the bound",
             LOCK_WAIT_ENV,
             exc,
         )

@@ -38,23 +38,36 @@ class SlowStepWatch:
 
     @contextlib.contextmanager
     def watching(self, warn: Callable[[], None]) -> Iterator[None]:
-        """The block is the step: ``warn()`` runs (in the watch's thread) if it lasts longer."""
-        token = self.add(warn)
+        """The block is the step: ``warn()`` runs (in the watch's thread) if it lasts longer.
+        When the watch's thread cannot be started (a thread limit), the step runs unwatched:
+        a warning is no reason to fail it."""
+        try:
+            token: object | None = self.add(warn)
+        except RuntimeError:
+            token = None
         try:
             yield
         finally:
-            self.remove(token)
+            if token is not None:
+                self.remove(token)
 
     def add(self, warn: Callable[[], None]) -> object:
         """Watch a step that begins now: ``warn()`` runs (in the watch's thread) once it has
         lasted ``seconds``, unless :meth:`remove` was called with the token returned first.
-        (``warn`` may still run as ``remove`` is called: it must allow for that.)"""
+        (``warn`` may still run as ``remove`` is called: it must allow for that.) When the
+        watch's thread cannot be started, the error is raised, nothing is watched for it, and
+        the next call tries again."""
         token = object()
         with self._cond:
             self._due[token] = (time.monotonic() + self.seconds, warn)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                try:
+                    thread.start()
+                except BaseException:  # no thread now (a thread limit): the next add tries
+                    del self._due[token]
+                    raise
+                self._thread = thread
         return token
 
     def remove(self, token: object) -> None:

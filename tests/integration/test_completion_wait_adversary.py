@@ -62,7 +62,7 @@ def test_the_slot_wait_ends_at_its_bound(no_slot_dsn: str, monkeypatch: pytest.M
         with refused, connection():
             pass
         took = time.monotonic() - began
-        assert paused and paused[0] <= bound + 0.01, paused
+        assert paused and paused[0] <= took, paused  # the whole wait, its tries too (adv33a)
         assert took <= bound + 0.25, took
 
 

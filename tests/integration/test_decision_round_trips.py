@@ -17,8 +17,12 @@ schema check and the caches of the process).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
-from collections.abc import Iterator
+import json
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -31,7 +35,9 @@ from airflow_idempotency.leases import LockMode
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.records import RunOptions
 from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
-from bench.decision_child import CountingProxy, labeller
+from bench.decision_bare import JOB as BARE_JOB
+from bench.decision_bare import bare_new, bare_noop
+from bench.decision_child import CountingProxy, _keepalive, labeller
 from support.db import rows
 
 JOB = "round-trips"
@@ -149,3 +155,74 @@ def test_the_lock_transaction_keeps_no_table_lock_while_the_work_runs(pg_dsn: st
         "SELECT count(*) FROM idempotency.job_run_attempts WHERE run_key = 'no-table-lock' "
         "AND outcome = 'completed'",
     ) == [(2,)]
+
+
+@pytest.mark.parametrize("mode", ["advisory", "lease"])
+def test_a_keys_statements_sent_bare_are_the_providers_own(
+    counted: tuple[CountingProxy, ConnectionPool], mode: str
+) -> None:
+    """The decision benchmark's "provider's own CPU per new key" is the call's CPU less that of
+    its statements sent bare (bench/decision_bare.py): fair only while the bare side sends what
+    the provider sends, message for message, round trip for round trip, on as many pooled
+    connections, however many calls ran on them before (psycopg prepares a statement run
+    ``prepare_threshold`` times on a connection; the provider turns that off, adv33a)."""
+    proxy, pool = counted
+    label = labeller()
+    bare = bare_new("lease_" if mode == "lease" else "")
+    noop = bare_noop("lease_" if mode == "lease" else "")
+    assert bare is not None and noop is not None
+    keepalive = _keepalive(pool)
+    taken = [0]
+
+    @contextlib.contextmanager
+    def connect() -> Iterator[psycopg.Connection[Any]]:
+        taken[0] += 1
+        with pool.connection() as conn:
+            yield conn
+
+    def sent(call: Callable[[], object]) -> tuple[list[list[str]], list[list[str]], int]:
+        """The round trips ``call`` sent (statement names), the keys of the JSON objects the
+        decision's message spells out (the session's, the attempt's), the connections taken."""
+        taken[0] = 0
+        proxy.start()
+        call()
+        flights = proxy.stop()
+        spelled = [
+            sorted(json.loads(literal))
+            for flight in flights
+            for text in flight
+            for literal in re.findall(r"'(\{[^']*\})'", text)
+        ]
+        return [[label(s) for s in flight] for flight in flights], spelled, taken[0]
+
+    for i in range(-2, 8):  # two uncounted first (the schema's check); past prepare_threshold
+        key = f"bare-{mode}-{next(_serial)}"
+        provider = sent(
+            functools.partial(
+                run_idempotently,
+                connect=connect,
+                job_name=BARE_JOB,
+                run_key=key,
+                work=lambda run: None,
+                lock_mode=LockMode(mode),
+            )
+        )
+        bare_side = sent(functools.partial(bare, connect, f"{key}-bare", keepalive))
+        assert i < 0 or bare_side == provider, (
+            f"call {i}: the provider sent {provider}, bare {bare_side}"
+        )
+        # the no-op's too (bare_noop, the same completed key)
+        provider = sent(
+            functools.partial(
+                run_idempotently,
+                connect=connect,
+                job_name=BARE_JOB,
+                run_key=key,
+                work=lambda run: None,
+                lock_mode=LockMode(mode),
+            )
+        )
+        bare_side = sent(functools.partial(noop, connect, key))
+        assert i < 0 or bare_side == provider, (
+            f"no-op {i}: the provider sent {provider}, bare {bare_side}"
+        )

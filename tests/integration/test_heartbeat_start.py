@@ -134,3 +134,44 @@ def test_a_heartbeat_stopped_as_its_first_renewal_falls_due_renews_nothing_after
     assert borrowed_after_stop == []
     assert heartbeat_threads() == []
     assert renewals > 0, "no heartbeat ever renewed: the race was not exercised"
+
+
+def test_a_run_whose_heartbeat_thread_cannot_start_keeps_its_lease(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process at its thread limit when the first renewal falls due (adv33a): the run's lease
+    is still renewed, so another worker polling for the key never takes it over while the run
+    lives, and the run completes. (It was left unrenewed: taken over after ``lease_ttl``, the
+    run's completion refused, its work done twice.)"""
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("lease-heartbeat-"):
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    key = "2026-10-02"
+    lock_key = run_lock_key(JOB, key)
+    taken_over: list[object] = []
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        deadline = time.monotonic() + 3.5  # almost three lease_ttl
+        while time.monotonic() < deadline:
+            with psycopg.connect(db, autocommit=True) as conn:
+                other = acquire_lease(conn, lock_key, schema="idempotency", ttl=30)
+            if other is not None:
+                taken_over.append(other)
+                break
+            time.sleep(0.1)
+        return {"n": 1}
+
+    result = run_idempotently(
+        connect=lambda: psycopg.connect(db),
+        job_name=JOB,
+        run_key=key,
+        work=work,
+        lock_mode=LockMode("lease", lease_ttl=1.2),
+    )
+    assert taken_over == [], "another worker took the lease of a live run over"
+    assert result.outcome is RunOutcome.COMPLETED
