@@ -77,11 +77,15 @@ NO_METRICS: Metrics = NoMetrics()
 
 def run_outcome(metrics: Metrics, outcome: str, job_name: str) -> None:
     """Count one run's outcome (one of :data:`RUN_OUTCOMES`, or ``takeover``)."""
+    if metrics is NO_METRICS:  # nothing to build: the core's default, outside Airflow
+        return
     metrics.incr(f"{PREFIX}.run.{outcome}", tags={"job": job_name})
 
 
 def run_timing(metrics: Metrics, what: str, seconds: float, job_name: str) -> None:
     """Record ``decision``, ``work`` or ``database_wait`` time of one run."""
+    if metrics is NO_METRICS:
+        return
     metrics.timing(f"{PREFIX}.run.{what}_ms", dt.timedelta(seconds=seconds), tags={"job": job_name})
 
 

@@ -7,6 +7,7 @@ runs keep their records and report with a :class:`RunEnvironment`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -287,32 +288,40 @@ def connect_when_room(
     if within is not None:
         seconds = max(0.0, min(seconds, within))
 
-    @contextlib.contextmanager
-    def connection() -> Iterator[psycopg.Connection]:
-        began = time.monotonic()
-        with contextlib.ExitStack() as stack:
-            refused: BaseException | None = None
-            try:  # the first try alone: the retries' machinery only once it is refused
-                conn = stack.enter_context(connect())
-            except BaseException as exc:
-                if not _room_may_come(exc):
-                    raise
-                refused = exc
-            if refused is not None:
-                wait = _RoomWait(what, log, seconds, began, hopeless)
-                try:
-                    conn = wait.retrying(
-                        wait.again(refused, lambda: stack.enter_context(connect()))
-                    )
-                except BaseException as last:
-                    wait.gave_up(last)
-                    raise
-                finally:  # the whole wait: a refused try may take long itself (a pool's
-                    # timeout, connect_timeout), not only the pauses between the tries
-                    waited(time.monotonic() - began)
-            yield conn
+    return functools.partial(_connection_when_room, connect, what, log, waited, seconds, hopeless)
 
-    return connection
+
+@contextlib.contextmanager
+def _connection_when_room(
+    connect: ConnectionFactory,
+    what: str,
+    log: Any,
+    waited: Callable[[float], None],
+    seconds: float,
+    hopeless: Callable[[], str | None] | None,
+) -> Iterator[psycopg.Connection]:
+    """One connection of :func:`connect_when_room` (a function of its own, not one made per
+    call: decorating one costs a run's completion a few microseconds; issue 32, goal 4)."""
+    began = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        refused: BaseException | None = None
+        try:  # the first try alone: the retries' machinery only once it is refused
+            conn = stack.enter_context(connect())
+        except BaseException as exc:
+            if not _room_may_come(exc):
+                raise
+            refused = exc
+        if refused is not None:
+            wait = _RoomWait(what, log, seconds, began, hopeless)
+            try:
+                conn = wait.retrying(wait.again(refused, lambda: stack.enter_context(connect())))
+            except BaseException as last:
+                wait.gave_up(last)
+                raise
+            finally:  # the whole wait: a refused try may take long itself (a pool's
+                # timeout, connect_timeout), not only the pauses between the tries
+                waited(time.monotonic() - began)
+        yield conn
 
 
 def _room_may_come(exc: BaseException) -> bool:
