@@ -195,33 +195,25 @@ def test_a_keys_statements_sent_bare_are_the_providers_own(
         ]
         return [[label(s) for s in flight] for flight in flights], spelled, taken[0]
 
+    def provider_run(key: str) -> object:
+        """The provider's own call for ``key`` (a new key, then its no-op)."""
+        return run_idempotently(
+            connect=connect,
+            job_name=BARE_JOB,
+            run_key=key,
+            work=lambda run: None,
+            lock_mode=LockMode(mode),
+        )
+
     for i in range(-2, 8):  # two uncounted first (the schema's check); past prepare_threshold
         key = f"bare-{mode}-{next(_serial)}"
-        provider = sent(
-            functools.partial(
-                run_idempotently,
-                connect=connect,
-                job_name=BARE_JOB,
-                run_key=key,
-                work=lambda run: None,
-                lock_mode=LockMode(mode),
-            )
-        )
+        provider = sent(functools.partial(provider_run, key))
         bare_side = sent(functools.partial(bare, connect, f"{key}-bare", keepalive))
         assert i < 0 or bare_side == provider, (
             f"call {i}: the provider sent {provider}, bare {bare_side}"
         )
         # the no-op's too (bare_noop, the same completed key)
-        provider = sent(
-            functools.partial(
-                run_idempotently,
-                connect=connect,
-                job_name=BARE_JOB,
-                run_key=key,
-                work=lambda run: None,
-                lock_mode=LockMode(mode),
-            )
-        )
+        provider = sent(functools.partial(provider_run, key))
         bare_side = sent(functools.partial(noop, connect, key))
         assert i < 0 or bare_side == provider, (
             f"no-op {i}: the provider sent {provider}, bare {bare_side}"

@@ -17,7 +17,7 @@ import pytest
 
 from airflow_idempotency.leases import LeaseHeartbeat, LockMode, acquire_lease
 from airflow_idempotency.locks import run_lock_key
-from airflow_idempotency.runner import RunContext, RunOutcome, run_idempotently
+from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
 from airflow_idempotency.schema import ensure_schema
 from devtools.postgres import PostgresServer, temporary_database
 
@@ -36,6 +36,17 @@ def heartbeat_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("lease-heartbeat-")]
 
 
+def run_leased(db: str, key: str, work: Any, ttl: float) -> RunResult:
+    """One lease-mode run of the test's job for ``key``, its lease living ``ttl`` seconds."""
+    return run_idempotently(
+        connect=lambda: psycopg.connect(db),
+        job_name=JOB,
+        run_key=key,
+        work=work,
+        lock_mode=LockMode("lease", lease_ttl=ttl),
+    )
+
+
 def test_a_run_done_before_its_first_renewal_starts_no_heartbeat_thread(db: str) -> None:
     seen: list[list[str]] = []
 
@@ -45,13 +56,7 @@ def test_a_run_done_before_its_first_renewal_starts_no_heartbeat_thread(db: str)
 
     before = {t.ident for t in threading.enumerate()}
     for day in range(1, 6):
-        result = run_idempotently(
-            connect=lambda: psycopg.connect(db),
-            job_name=JOB,
-            run_key=f"2026-10-0{day}",
-            work=work,
-            lock_mode=LockMode("lease", lease_ttl=30),
-        )
+        result = run_leased(db, f"2026-10-0{day}", work, ttl=30)
         assert result.outcome is RunOutcome.COMPLETED
     assert seen == [[]] * 5, "a heartbeat thread was started before its first renewal was due"
     # the process's watch threads at most (the start's, the leases'), whatever the number of runs
@@ -84,13 +89,7 @@ def test_a_run_longer_than_its_first_renewal_renews_from_a_thread_of_its_own(db:
         seen["late"] = heartbeat_threads()
         return {"n": 1}
 
-    result = run_idempotently(
-        connect=lambda: psycopg.connect(db),
-        job_name=JOB,
-        run_key=key,
-        work=work,
-        lock_mode=LockMode("lease", lease_ttl=1.2),
-    )
+    result = run_leased(db, key, work, ttl=1.2)
     assert result.outcome is RunOutcome.COMPLETED
     assert seen["early"] == []
     assert seen["renewed"][0] > seen["taken"][0], "the lease was not renewed within 5 s"
@@ -166,12 +165,6 @@ def test_a_run_whose_heartbeat_thread_cannot_start_keeps_its_lease(
             time.sleep(0.1)
         return {"n": 1}
 
-    result = run_idempotently(
-        connect=lambda: psycopg.connect(db),
-        job_name=JOB,
-        run_key=key,
-        work=work,
-        lock_mode=LockMode("lease", lease_ttl=1.2),
-    )
+    result = run_leased(db, key, work, ttl=1.2)
     assert taken_over == [], "another worker took the lease of a live run over"
     assert result.outcome is RunOutcome.COMPLETED

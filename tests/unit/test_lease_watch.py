@@ -77,6 +77,25 @@ def failing_starts(monkeypatch: pytest.MonkeyPatch, prefix: str, times: int) -> 
     yield
 
 
+def renewed_on_time_without_a_thread(renewals: Renewals, key: int, ttl: float) -> None:
+    """Run the heartbeat of lock ``key`` for two ttls: it renewed every ttl / 3 or so, and
+    nothing after its stop() returned."""
+    beat = heartbeat(key, ttl)
+    taken = time.monotonic()
+    beat.start()
+    try:
+        time.sleep(ttl * 2)
+    finally:
+        beat.stop()
+    stopped = time.monotonic()
+    time.sleep(ttl)
+    at = [taken, *renewals.at.get(key, [])]
+    gaps = [b - a for a, b in itertools.pairwise(at)]
+    assert len(at) >= 4, f"renewed {len(at) - 1} times in {2 * ttl} s without a thread of its own"
+    assert max(gaps) < ttl * 2 / 3, f"a renewal came {max(gaps):.2f} s after the one before"
+    assert all(t <= stopped for t in at), "a renewal came after stop() returned"
+
+
 def test_a_watch_whose_thread_could_not_start_starts_one_for_the_next_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -149,20 +168,7 @@ def test_a_lease_whose_heartbeat_thread_cannot_start_is_still_renewed(
 ) -> None:
     ttl = 0.6  # renewals due every 0.2 s
     with failing_starts(monkeypatch, "lease-heartbeat-", 100):
-        beat = heartbeat(3, ttl)
-        taken = time.monotonic()
-        beat.start()
-        try:
-            time.sleep(ttl * 2)
-        finally:
-            beat.stop()
-        stopped = time.monotonic()
-        time.sleep(ttl)
-    at = [taken, *renewals.at.get(3, [])]
-    gaps = [b - a for a, b in itertools.pairwise(at)]
-    assert len(at) >= 4, f"renewed {len(at) - 1} times in {2 * ttl} s without a thread of its own"
-    assert max(gaps) < ttl * 2 / 3, f"a renewal came {max(gaps):.2f} s after the one before"
-    assert all(t <= stopped for t in at), "a renewal came after stop() returned"
+        renewed_on_time_without_a_thread(renewals, 3, ttl)
 
 
 def test_a_step_watched_while_no_thread_can_start_runs_unwatched(
@@ -224,20 +230,7 @@ def test_a_lease_whose_launching_thread_cannot_start_is_still_renewed(
 
     monkeypatch.setattr(_thread, "start_new_thread", refuse)
     ttl = 0.66  # renewals due every 0.22 s; a watch of its own
-    beat = heartbeat(4, ttl)
-    taken = time.monotonic()
-    beat.start()
-    try:
-        time.sleep(ttl * 2)
-    finally:
-        beat.stop()
-    stopped = time.monotonic()
-    time.sleep(ttl)
-    at = [taken, *renewals.at.get(4, [])]
-    gaps = [b - a for a, b in itertools.pairwise(at)]
-    assert len(at) >= 4, f"renewed {len(at) - 1} times in {2 * ttl} s without a thread of its own"
-    assert max(gaps) < ttl * 2 / 3, f"a renewal came {max(gaps):.2f} s after the one before"
-    assert all(t <= stopped for t in at), "a renewal came after stop() returned"
+    renewed_on_time_without_a_thread(renewals, 4, ttl)
 
 
 def test_leases_of_many_distinct_ttls_keep_a_bounded_number_of_watches(
