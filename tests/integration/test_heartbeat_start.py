@@ -18,18 +18,14 @@ import pytest
 from airflow_idempotency.leases import LeaseHeartbeat, LockMode, acquire_lease
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunOutcome, RunResult, run_idempotently
-from airflow_idempotency.schema import ensure_schema
-from devtools.postgres import PostgresServer, temporary_database
 
 JOB = "heartbeat_job"
 
 
 @pytest.fixture
-def db(pg_server: PostgresServer) -> Iterator[str]:
-    with temporary_database(pg_server, "heartbeat_test") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            ensure_schema(conn)
-        yield dsn
+def db(adv_db: str) -> str:
+    """A fresh database with the bookkeeping schema (the integration tests' shared one)."""
+    return adv_db
 
 
 def heartbeat_threads() -> list[str]:
