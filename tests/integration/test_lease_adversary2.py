@@ -261,3 +261,54 @@ def test_a_completion_whose_lease_is_known_lost_does_not_wait_for_a_slot(
     if found != "during the work":
         said = [r.getMessage() for r in caplog.records]
         assert any("stopped waiting" in m and "lease lost" in m for m in said), said
+
+
+def test_a_completion_committed_then_lost_is_completed_though_the_heartbeat_saw_the_lease_go(
+    adv_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's COMMIT lands (it releases the lease), then its connection is lost
+    before the reply; the heartbeat's next renewal finds the lease gone and marks it lost. The
+    try again is refused before it connects (the lease is known lost), and the attempt's
+    recorded outcome must then be read: it says completed, though the database has no slot for
+    a second (its connections are all taken for a moment). Found: the read-back waited for its
+    connection with the completion's ``hopeless`` (the lease known lost), so it stopped at the
+    first refusal, never read, and the run reported LockLostError for a run it had completed."""
+    from airflow_idempotency import lease_run
+
+    original = lease_run.LeaseRun._complete_and_release
+    tries: list[bool] = []
+    full_until = [0.0]
+
+    def connect() -> psycopg.Connection[Any]:
+        if time.monotonic() < full_until[0]:
+            raise psycopg.OperationalError(
+                "connection failed: FATAL:  sorry, too many clients already"
+            )
+        return psycopg.connect(adv_db)
+
+    def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
+        done = original(self, conn, *args)
+        tries.append(done)
+        if len(tries) == 1:
+            conn.close()
+            lost = self._taken.lost  # what the heartbeat's next renewal does: the lease is gone
+            lost.set()
+            full_until[0] = time.monotonic() + 1.0
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return done
+
+    monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose)
+
+    def work(ctx: RunContext) -> dict[str, int]:
+        with ctx.transaction() as cur:
+            cur.execute("INSERT INTO public.facts VALUES ('once', %s)", (ctx.run_key,))
+        return {"facts": 1}
+
+    result = run_idempotently(
+        connect=connect, job_name=JOB, run_key=KEY, work=work, lock_mode=LONG
+    )
+    assert result.outcome.value == "completed"
+    assert tries == [True], tries
+    attempts = rows(adv_db, "SELECT outcome, error FROM idempotency.job_run_attempts")
+    assert attempts == [("completed", None)], attempts
+    assert rows(adv_db, "SELECT status FROM idempotency.job_runs") == [("completed",)]
