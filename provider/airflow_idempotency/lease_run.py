@@ -117,6 +117,7 @@ class LeaseRun(Run):
     """One call of :func:`~airflow_idempotency.runner.run_idempotently` in the lease mode."""
 
     _released = False  # the completion released the lease at its COMMIT
+    _completion_sent = False  # a try of the completion sent its statements (and may have landed)
     _taken: RunLock | None = None  # the lease, once the decision committed it
     _heartbeat: LeaseHeartbeat | None = None
 
@@ -245,6 +246,7 @@ class LeaseRun(Run):
             "lease_release_at_commit",
         )
         self._heartbeat.releasing()
+        self._completion_sent = True
         try:
             with pipelined(conn):
                 conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
@@ -264,7 +266,8 @@ class LeaseRun(Run):
         while the server is down: query_wait_timeout, server login failing) is tried again on a
         new connection, within the lock wait: the lease fences it, so a second try cannot
         complete the run twice; when the lost one's COMMIT landed after all (the lease is then
-        gone and the second try refused), the attempt's recorded outcome says so."""
+        gone and the second try refused), the attempt's recorded outcome says so. A try whose
+        connection was refused sent nothing: no outcome is read back for it (adv34)."""
         assert self.attempt_id is not None
         fence = self._fence(lease)
         deadline = time.monotonic() + int(lock_wait_ms()) / 1000
@@ -278,14 +281,14 @@ class LeaseRun(Run):
                     self._released = True  # the lost COMMIT released the lease
                     return self._result(RunOutcome.COMPLETED, counts)
                 if _connection_lost(exc) and time.monotonic() < deadline:
-                    if lost is None:
+                    if lost is None and self._completion_sent:  # not a connection refused
                         self.log.warning(
                             "the connection of the completion was lost (%s): trying it again "
                             "on a new connection, within %s (the lease fences it)",
                             _cause(exc),
                             LOCK_WAIT_ENV,
                         )
-                    lost = exc
+                    lost = exc if self._completion_sent else lost
                     time.sleep(min(RETRY_PAUSE_SECONDS, max(0.0, deadline - time.monotonic())))
                     continue
                 self._fail_completion(exc, fence)
@@ -309,9 +312,13 @@ class LeaseRun(Run):
 
     def _completed_after_all(self, deadline: float) -> bool:
         """Whether this attempt is recorded completed (a completion whose connection was lost
-        after its COMMIT was sent may have committed); ``False`` when that cannot be read."""
+        after its COMMIT was sent may have committed); ``False`` when that cannot be read.
+
+        Its connection is waited for within the lock wait even when the lease is known lost:
+        a COMMIT that landed released the lease, so the heartbeat then finds it gone, and the
+        answer is what the run reports (adv34)."""
         try:
-            with autocommit_connection(self._completion_connect(deadline)) as conn:
+            with autocommit_connection(self._completion_connect(deadline, readback=True)) as conn:
                 row = query_row(
                     conn, "attempt_outcome", self.schema, {"attempt_id": self.attempt_id}
                 )
@@ -335,16 +342,19 @@ class LeaseRun(Run):
             raise exc
         raise failure from exc
 
-    def _completion_connect(self, deadline: float | None = None) -> ConnectionFactory:
+    def _completion_connect(
+        self, deadline: float | None = None, *, readback: bool = False
+    ) -> ConnectionFactory:
         """The completion's connection: the work is committed, so a connection refused for want
         of a slot is asked for again, within the lock wait, while the heartbeat keeps the lease
         (:func:`~airflow_idempotency.run_context.connect_when_room`); no longer once the
-        heartbeat found the lease lost (the fence would refuse the completion)."""
+        heartbeat found the lease lost (the fence would refuse the completion), unless it is
+        for reading whether a lost completion committed after all (``readback``)."""
         return connect_when_room(
             self.spec.connect, "the completion (its work is committed)", self.log,
             self._database_wait,
             within=None if deadline is None else deadline - time.monotonic(),
-            hopeless=self._lease_lost,
+            hopeless=None if readback else self._lease_lost,
         )  # fmt: skip
 
     def _lease_lost(self) -> str | None:
