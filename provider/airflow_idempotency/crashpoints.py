@@ -18,8 +18,9 @@ For tests and demos of crash recovery; no code is edited to inject a fault.
   say, end that run's lock session. A stall and a crash armed at one point both happen.
 
 Several points may be given, comma-separated. With none of these set (the normal case)
-a fault point costs four dictionary lookups. The ledger reaches some points from its worker
-threads: ``@N`` counts every thread's hits (the N-th of the process kills it).
+a fault point costs four dictionary lookups (:mod:`airflow_idempotency._environ`). The
+ledger reaches some points from its worker threads: ``@N`` counts every thread's hits (the
+N-th of the process kills it).
 
 Points: runner.after_lock, runner.after_started, runner.before_completion,
 ledger.after_claim, ledger.after_intent (a remote that does not deduplicate: the intent is
@@ -37,6 +38,8 @@ import sys
 import threading
 import time
 from collections import Counter
+
+from airflow_idempotency import _environ
 
 CRASH_ENV = "AIRFLOW_IDEMPOTENCY_CRASH_AT"
 SLEEP_ENV = "AIRFLOW_IDEMPOTENCY_SLEEP_AT"
@@ -57,11 +60,12 @@ def _parse(spec: str, separator: str) -> dict[str, str]:
 
 def crash_point(name: str) -> None:
     """Crash (SIGKILL), sleep or wait here if ``name`` is configured; otherwise do nothing."""
-    environ = os.environ
-    if FAULT_DIR_ENV in environ:
-        _armed_stall(environ[FAULT_DIR_ENV], name)
-        _armed_crash(environ[FAULT_DIR_ENV], name)
-    if CRASH_ENV not in environ and SLEEP_ENV not in environ and WAIT_ENV not in environ:
+    get = _environ.get
+    fault_dir = get(FAULT_DIR_ENV)
+    if fault_dir is not None:
+        _armed_stall(fault_dir, name)
+        _armed_crash(fault_dir, name)
+    if get(CRASH_ENV) is None and get(SLEEP_ENV) is None and get(WAIT_ENV) is None:
         return
     pause = _parse(os.environ.get(SLEEP_ENV, ""), "=").get(name)
     gate = _parse(os.environ.get(WAIT_ENV, ""), "=").get(name)

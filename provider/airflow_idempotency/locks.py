@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from airflow_idempotency import _environ
 from airflow_idempotency._sql import query
 from airflow_idempotency.exceptions import (
     ConfigurationError,
@@ -91,7 +92,7 @@ LOCK_WAIT_DEFAULT = 60.0
 def lock_wait_ms() -> str:
     """The bound of every lock wait of the provider's statements, in ms (``lock_timeout``'s
     unit), from :data:`LOCK_WAIT_ENV` or :data:`LOCK_WAIT_DEFAULT`."""
-    return _lock_wait_ms(os.environ.get(LOCK_WAIT_ENV, ""))
+    return _lock_wait_ms(_environ.get(LOCK_WAIT_ENV) or "")
 
 
 @functools.lru_cache(maxsize=16)

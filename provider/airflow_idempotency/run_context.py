@@ -453,7 +453,7 @@ def autocommit_connection(
         try:
             yield conn
         finally:
-            idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            idle = conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
             if not conn.closed and idle:
                 if datestyle is not None:
                     conn.execute(query("set_datestyle", DEFAULT_SCHEMA), {"datestyle": datestyle})
@@ -468,9 +468,10 @@ def iso_datestyle(conn: psycopg.Connection) -> str | None:
     statements read some after they committed (a completion's ``completed_at``), as the CLI
     and the UI read them. The setting it had, to put back (``None``: it was ISO, nothing
     sent)."""
-    found = conn.info.parameter_status("DateStyle")
-    if found is None or found.startswith("ISO"):
+    status = conn.pgconn.parameter_status(b"DateStyle")  # conn.info's, without its object
+    if status is None or status.startswith(b"ISO"):
         return None
+    found = status.decode("ascii", "replace")
     conn.execute(
         query("set_datestyle", DEFAULT_SCHEMA),
         {"datestyle": "ISO, " + found.split(",")[-1].strip()},

@@ -331,6 +331,7 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 # Provider modules a run key's decision needs (the operator, the decorator and the core).
 _TASK_MODULES = {
     "airflow_idempotency",
+    "airflow_idempotency._environ",  # the fault points' and the lock wait's variables
     "airflow_idempotency._sql",
     "airflow_idempotency._transactions",
     "airflow_idempotency.airflow_task",  # the operator's run mapping, shared with the policy
