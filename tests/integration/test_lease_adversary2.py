@@ -21,7 +21,7 @@ from airflow_idempotency.leases import LockMode
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunResult, run_idempotently
 from support.db import rows
-from support.locks import Background, expire_lease, lock_waiters, wait_for
+from support.locks import Background, expire_lease, lock_waiters, lose_first_completion, wait_for
 
 JOB, KEY = "adv2_job", "2026-11-03"
 LOCK_KEY = run_lock_key(JOB, KEY)
@@ -273,10 +273,6 @@ def test_a_completion_committed_then_lost_is_completed_though_the_heartbeat_saw_
     a second (its connections are all taken for a moment). Found: the read-back waited for its
     connection with the completion's ``hopeless`` (the lease known lost), so it stopped at the
     first refusal, never read, and the run reported LockLostError for a run it had completed."""
-    from airflow_idempotency import lease_run
-
-    original = lease_run.LeaseRun._complete_and_release
-    tries: list[bool] = []
     full_until = [0.0]
 
     def connect() -> psycopg.Connection[Any]:
@@ -286,27 +282,18 @@ def test_a_completion_committed_then_lost_is_completed_though_the_heartbeat_saw_
             )
         return psycopg.connect(adv_db)
 
-    def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
-        done = original(self, conn, *args)
-        tries.append(done)
-        if len(tries) == 1:
-            conn.close()
-            lost = self._taken.lost  # what the heartbeat's next renewal does: the lease is gone
-            lost.set()
-            full_until[0] = time.monotonic() + 1.0
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return done
+    def then(run: Any) -> None:
+        run._taken.lost.set()  # what the heartbeat's next renewal does: the lease is gone
+        full_until[0] = time.monotonic() + 1.0  # and the database is full for a second
 
-    monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose)
+    tries = lose_first_completion(monkeypatch, then)
 
     def work(ctx: RunContext) -> dict[str, int]:
         with ctx.transaction() as cur:
             cur.execute("INSERT INTO public.facts VALUES ('once', %s)", (ctx.run_key,))
         return {"facts": 1}
 
-    result = run_idempotently(
-        connect=connect, job_name=JOB, run_key=KEY, work=work, lock_mode=LONG
-    )
+    result = run_idempotently(connect=connect, job_name=JOB, run_key=KEY, work=work, lock_mode=LONG)
     assert result.outcome.value == "completed"
     assert tries == [True], tries
     attempts = rows(adv_db, "SELECT outcome, error FROM idempotency.job_run_attempts")

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -28,7 +27,7 @@ from devtools.pgbouncer import installed as pgbouncer_installed
 from devtools.pgbouncer import run_pgbouncer
 from devtools.postgres import PostgresServer, _as_nobody, dedicated_cluster, system_binaries
 from support.db import rows
-from support.locks import Background, wait_for
+from support.locks import Background, lose_first_completion, wait_for
 
 OUTAGE_SECONDS = 6.0
 TTL = 15.0  # > the outage: the heartbeat's renewals resume before the lease expires
@@ -210,21 +209,8 @@ def test_a_completion_whose_reply_is_lost_after_its_commit_is_completed_once(
     at that instant): the try again is refused by the fence (the lease went with that COMMIT),
     and the attempt's recorded outcome tells the run it completed: COMPLETED, once, no failure
     written over it."""
-    from airflow_idempotency import lease_run
-
     dsn = cluster.admin_dsn
-    original = lease_run.LeaseRun._complete_and_release
-    tries: list[bool] = []
-
-    def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
-        done = original(self, conn, *args)
-        tries.append(done)
-        if len(tries) == 1:
-            conn.close()
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return done
-
-    monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose)
+    tries = lose_first_completion(monkeypatch)
 
     def work(ctx: RunContext) -> dict[str, int]:
         with ctx.transaction() as cur:

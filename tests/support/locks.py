@@ -221,3 +221,28 @@ def lock_waiters(dsn: str, events: Sequence[str] | None = None) -> list[int]:
     if events is None:
         return [pid for (pid,) in rows(dsn, sql)]
     return [pid for (pid,) in rows(dsn, sql + " AND wait_event = ANY(%s)", (list(events),))]
+
+
+def lose_first_completion(
+    monkeypatch: Any, then: Callable[[Any], None] | None = None
+) -> list[bool]:
+    """Make the lease mode's first completion commit, then lose its connection before the
+    reply (a failover at that instant): ``then(run)`` is called before the loss is raised.
+    Returns the tries' results (True: the completion was written)."""
+    from airflow_idempotency import lease_run
+
+    original = lease_run.LeaseRun._complete_and_release
+    tries: list[bool] = []
+
+    def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
+        done = original(self, conn, *args)
+        tries.append(done)
+        if len(tries) == 1:
+            conn.close()
+            if then is not None:
+                then(self)
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return done
+
+    monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose)
+    return tries

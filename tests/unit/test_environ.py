@@ -16,9 +16,9 @@ from airflow_idempotency import _environ, crashpoints
 from airflow_idempotency.locks import LOCK_WAIT_ENV, lock_wait_ms
 
 # names and values a POSIX environment can hold: no NUL, no '=' in a name
-names = st.text(
-    st.characters(blacklist_characters="\x00=", codec="utf-8"), min_size=1
-).map(lambda n: f"ADV_ENVIRON_{n}")
+names = st.text(st.characters(blacklist_characters="\x00=", codec="utf-8"), min_size=1).map(
+    lambda n: f"ADV_ENVIRON_{n}"
+)
 values = st.text(st.characters(blacklist_characters="\x00", codec="utf-8"))
 
 
