@@ -266,8 +266,9 @@ class LeaseRun(Run):
         while the server is down: query_wait_timeout, server login failing) is tried again on a
         new connection, within the lock wait: the lease fences it, so a second try cannot
         complete the run twice; when the lost one's COMMIT landed after all (the lease is then
-        gone and the second try refused), the attempt's recorded outcome says so. A try whose
-        connection was refused sent nothing: no outcome is read back for it (adv34)."""
+        gone and the second try refused), the attempt's recorded outcome says so: it is read
+        as soon as a try that sent its statements is lost, past the lock wait too (adv34). A
+        try whose connection was refused sent nothing: no outcome is read back for it."""
         assert self.attempt_id is not None
         fence = self._fence(lease)
         deadline = time.monotonic() + int(lock_wait_ms()) / 1000
@@ -277,18 +278,19 @@ class LeaseRun(Run):
                 self._complete_once(fence, counts, deadline)
                 return self._result(RunOutcome.COMPLETED, counts)
             except (psycopg.Error, IdempotencyError) as exc:
+                first_lost = lost is None and self._completion_sent and _connection_lost(exc)
+                lost = exc if first_lost else lost  # not a connection refused: it sent nothing
                 if lost is not None and self._completed_after_all(deadline):
                     self._released = True  # the lost COMMIT released the lease
                     return self._result(RunOutcome.COMPLETED, counts)
                 if _connection_lost(exc) and time.monotonic() < deadline:
-                    if lost is None and self._completion_sent:  # not a connection refused
+                    if first_lost:
                         self.log.warning(
                             "the connection of the completion was lost (%s): trying it again "
                             "on a new connection, within %s (the lease fences it)",
                             _cause(exc),
                             LOCK_WAIT_ENV,
                         )
-                    lost = exc if self._completion_sent else lost
                     time.sleep(min(RETRY_PAUSE_SECONDS, max(0.0, deadline - time.monotonic())))
                     continue
                 self._fail_completion(exc, fence)
