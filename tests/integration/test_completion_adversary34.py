@@ -56,3 +56,53 @@ def test_a_completion_committed_then_lost_past_the_lock_wait_is_completed(
     assert tries == [True], tries
     attempts = rows(adv_db, "SELECT outcome, error FROM idempotency.job_run_attempts")
     assert attempts == [("completed", None)], attempts
+
+
+def chain(exc: BaseException | None) -> str:
+    """Every message of ``exc`` and its causes."""
+    said = []
+    while exc is not None:
+        said.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(said)
+
+
+def test_a_completion_lost_whose_outcome_cannot_be_read_does_not_say_it_did_not_commit(
+    adv_db: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The completion's COMMIT lands, then its connection is lost and the database is down
+    (connections refused) for longer than the lock wait (1 s here): the run cannot read whether
+    it completed, and fails. Expected: its error and log say the completion may have committed
+    (a rerun finds out: a no-op if it did), never that it did not. Found: LockLostError "it is
+    not marked completed" / "this transaction did not commit", for a run recorded completed."""
+    from airflow_idempotency import lease_run
+    from airflow_idempotency.exceptions import LockLostError
+
+    monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
+    original = lease_run.LeaseRun._complete_and_release
+    down_until = [0.0]
+
+    def connect() -> psycopg.Connection[Any]:
+        if time.monotonic() < down_until[0]:
+            raise psycopg.OperationalError(
+                'connection failed: connection to server at "127.0.0.1", port 5432 failed: '
+                "Connection refused"
+            )
+        return psycopg.connect(adv_db)
+
+    def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
+        original(self, conn, *args)
+        conn.close()
+        down_until[0] = time.monotonic() + 3.0  # a failover: longer than the lock wait
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose)
+    with pytest.raises(LockLostError) as raised:
+        run_idempotently(connect=connect, job_name=JOB, run_key=KEY, work=work, lock_mode=LONG)
+    time.sleep(max(0.0, down_until[0] - time.monotonic()))
+    attempts = rows(adv_db, "SELECT outcome FROM idempotency.job_run_attempts")
+    assert attempts == [("completed",)], attempts  # what the run could not read
+    said = str(raised.value) + " ".join(r.getMessage() for r in caplog.records)
+    for claim in ("not marked completed", "did not commit"):
+        assert claim not in said, chain(raised.value)
+    assert "may have" in str(raised.value), chain(raised.value)
