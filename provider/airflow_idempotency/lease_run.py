@@ -273,6 +273,7 @@ class LeaseRun(Run):
         fence = self._fence(lease)
         deadline = time.monotonic() + int(lock_wait_ms()) / 1000
         lost: BaseException | None = None
+        unread: Exception | None = None  # why a lost try's outcome could not be read
         while True:
             try:
                 self._complete_once(fence, counts, deadline)
@@ -280,9 +281,12 @@ class LeaseRun(Run):
             except (psycopg.Error, IdempotencyError) as exc:
                 first_lost = lost is None and self._completion_sent and _connection_lost(exc)
                 lost = exc if first_lost else lost  # not a connection refused: it sent nothing
-                if lost is not None and self._completed_after_all(deadline):
-                    self._released = True  # the lost COMMIT released the lease
-                    return self._result(RunOutcome.COMPLETED, counts)
+                if lost is not None:
+                    completed = self._completed_after_all(deadline)
+                    if completed is True:
+                        self._released = True  # the lost COMMIT released the lease
+                        return self._result(RunOutcome.COMPLETED, counts)
+                    unread = completed if isinstance(completed, Exception) else None
                 if _connection_lost(exc) and time.monotonic() < deadline:
                     if first_lost:
                         self.log.warning(
@@ -293,7 +297,7 @@ class LeaseRun(Run):
                         )
                     time.sleep(min(RETRY_PAUSE_SECONDS, max(0.0, deadline - time.monotonic())))
                     continue
-                self._fail_completion(exc, fence)
+                self._fail_completion(exc, fence, None if lost is None else (lost, unread))
 
     def _complete_once(self, fence: Fence, counts: dict[str, Any], deadline: float) -> None:
         fence.refuse_if_known_lost()  # before waiting for a connection the fence would refuse
@@ -312,9 +316,9 @@ class LeaseRun(Run):
                     translated = self._lock_wait(exc, "the completion of") or translated
                 raise translated from exc
 
-    def _completed_after_all(self, deadline: float) -> bool:
+    def _completed_after_all(self, deadline: float) -> bool | Exception:
         """Whether this attempt is recorded completed (a completion whose connection was lost
-        after its COMMIT was sent may have committed); ``False`` when that cannot be read.
+        after its COMMIT was sent may have committed); the error when that cannot be read.
 
         Its connection is waited for within the lock wait even when the lease is known lost:
         a COMMIT that landed released the lease, so the heartbeat then finds it gone, and the
@@ -324,14 +328,31 @@ class LeaseRun(Run):
                 row = query_row(
                     conn, "attempt_outcome", self.schema, {"attempt_id": self.attempt_id}
                 )
-        except (psycopg.Error, IdempotencyError):
-            return False
+        except (psycopg.Error, IdempotencyError) as exc:
+            return exc
         return row is not None and row["outcome"] == "completed"
 
-    def _fail_completion(self, exc: BaseException, fence: Fence) -> NoReturn:
+    def _fail_completion(
+        self,
+        exc: BaseException,
+        fence: Fence,
+        unread: tuple[BaseException, Exception | None] | None = None,
+    ) -> NoReturn:
+        """Record the completion's failure and raise it; ``unread``: a try lost after it sent
+        its COMMIT and why its outcome could not be read (it may have committed: the error
+        says so, never that it did not)."""
         failure: BaseException = exc
         refusal = pooler_refusal(exc) if isinstance(exc, psycopg.Error) else None
-        if refusal is not None:  # no connection for it: the sizing rule, not a lost lock
+        if unread is not None and unread[1] is not None:
+            failure = LockLostError(
+                f"job {self.job_name!r} run_key {self.run_key!r}: the connection of the "
+                f"completion was lost after its COMMIT was sent ({_cause(unread[0])}), and "
+                f"whether it committed could not be read within {LOCK_WAIT_ENV} "
+                f"({_cause(unread[1])}): it may have committed. A rerun converges (a no-op if "
+                "it did)."
+            )
+            exc = _cause(exc)  # not a translation that says the transaction did not commit
+        elif refusal is not None:  # no connection for it: the sizing rule, not a lost lock
             failure = refusal
         elif isinstance(exc, psycopg.OperationalError):
             failure = LockLostError(
