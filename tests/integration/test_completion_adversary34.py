@@ -13,6 +13,7 @@ import pytest
 from airflow_idempotency.leases import LockMode
 from airflow_idempotency.runner import RunContext, run_idempotently
 from support.db import rows
+from support.locks import Background, lock_waiters, wait_for
 
 JOB, KEY = "adv34_job", "2026-12-07"
 LONG = LockMode("lease", lease_ttl=300)  # no renewal during a test
@@ -106,3 +107,55 @@ def test_a_completion_lost_whose_outcome_cannot_be_read_does_not_say_it_did_not_
     for claim in ("not marked completed", "did not commit"):
         assert claim not in said, chain(raised.value)
     assert "may have" in str(raised.value), chain(raised.value)
+
+
+def test_the_read_back_of_a_lost_completion_is_bounded_behind_a_queued_alter(
+    adv_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's COMMIT lands, then its connection is lost; meanwhile an operator's
+    ``ALTER TABLE`` of job_run_attempts waits behind a long reader (a pg_dump), and every new
+    reader of the table queues behind the ALTER. Expected: the read-back of the attempt's
+    outcome waits at most the bound of every lock wait (AIRFLOW_IDEMPOTENCY_LOCK_WAIT, 1 s
+    here), so the run ends within a few seconds. Found: the read-back (sql: attempt_outcome)
+    ran without lock_timeout and waited as long as the reader lived."""
+    from airflow_idempotency import lease_run
+
+    monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
+    original = lease_run.LeaseRun._complete_and_release
+    reader = psycopg.connect(adv_db)  # the long reader: a pg_dump's transaction
+    altering: list[Background] = []
+
+    def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
+        original(self, conn, *args)
+        conn.close()
+        if not altering:
+            reader.execute("SELECT count(*) FROM idempotency.job_run_attempts")
+            altering.append(
+                Background(
+                    lambda: rows(
+                        adv_db, "ALTER TABLE idempotency.job_run_attempts ADD COLUMN adv34 int"
+                    )
+                )
+            )
+            wait_for("the ALTER to queue", lambda: bool(lock_waiters(adv_db)))
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose)
+    began = time.monotonic()
+    run = Background(
+        lambda: run_idempotently(
+            connect=lambda: psycopg.connect(adv_db),
+            job_name=JOB,
+            run_key=KEY,
+            work=work,
+            lock_mode=LONG,
+        )  # fmt: skip
+    )
+    try:
+        run.thread.join(10)
+        took = (run.finished_at or time.monotonic()) - began
+    finally:
+        reader.close()  # the ALTER, then the run's waits, go on
+        run.join()
+        altering[0].join()
+    assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
