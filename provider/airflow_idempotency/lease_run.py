@@ -23,6 +23,7 @@ from airflow_idempotency import metrics
 from airflow_idempotency._sql import query, query_row
 from airflow_idempotency._transactions import (
     bounded_transaction,
+    in_one_transaction,
     pipelined,
     rollback_quietly,
 )
@@ -322,15 +323,22 @@ class LeaseRun(Run):
 
         Its connection is waited for within the lock wait even when the lease is known lost:
         a COMMIT that landed released the lease, so the heartbeat then finds it gone, and the
-        answer is what the run reports (adv34)."""
+        answer is what the run reports (adv34). Its lock wait is bounded as every other's: a
+        reader of the table queues behind an ALTER TABLE that waits for a long reader."""
+        params = {"attempt_id": self.attempt_id, "lock_wait_ms": lock_wait_ms()}
         try:
             with autocommit_connection(self._completion_connect(deadline, readback=True)) as conn:
-                row = query_row(
-                    conn, "attempt_outcome", self.schema, {"attempt_id": self.attempt_id}
+                _, read = in_one_transaction(
+                    conn,
+                    [
+                        (query("bound_lock_waits", self.schema), params),
+                        (query("attempt_outcome", self.schema), params),
+                    ],
                 )
+                row = read.fetchone()
         except (psycopg.Error, IdempotencyError) as exc:
             return exc
-        return row is not None and row["outcome"] == "completed"
+        return row is not None and row[0] == "completed"
 
     def _fail_completion(
         self,
