@@ -159,3 +159,47 @@ def test_the_read_back_of_a_lost_completion_is_bounded_behind_a_queued_alter(
         run.join()
         altering[0].join()
     assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
+
+
+@pytest.mark.parametrize("table", ["fence_arms", "run_leases"])
+def test_the_release_of_a_failed_runs_lease_is_bounded_behind_a_queued_alter(
+    adv_db: str, monkeypatch: pytest.MonkeyPatch, table: str
+) -> None:
+    """A lease-mode run's work fails; meanwhile an operator's ``ALTER TABLE`` of fence_arms or
+    run_leases waits behind a long reader (a pg_dump), and every new writer of the table
+    queues behind it. The run records its failure and releases its lease (sql: lease_release).
+    Expected: the release waits at most the bound of every lock wait (1 s here; the lease then
+    expires within its ttl), and the run ends within a few seconds. Found: the statement's own
+    set_config bounds its row locks only: both tables are locked (RowExclusiveLock) when the
+    statement is parsed, before set_config runs, so the release waited as long as the reader
+    lived."""
+    monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
+    reader = psycopg.connect(adv_db)  # the long reader: a pg_dump's transaction
+    altering: list[Background] = []
+
+    def failing(ctx: RunContext) -> dict[str, int]:
+        reader.execute(f"SELECT count(*) FROM idempotency.{table}")
+        alter = f"ALTER TABLE idempotency.{table} ADD COLUMN adv34 int"
+        altering.append(Background(lambda: rows(adv_db, alter)))
+        wait_for("the ALTER to queue", lambda: bool(lock_waiters(adv_db)))
+        raise ValueError("the work failed")
+
+    began = time.monotonic()
+    run = Background(
+        lambda: run_idempotently(
+            connect=lambda: psycopg.connect(adv_db),
+            job_name=JOB,
+            run_key=KEY,
+            work=failing,
+            lock_mode=LONG,
+        )  # fmt: skip
+    )
+    try:
+        run.thread.join(10)
+        took = (run.finished_at or time.monotonic()) - began
+    finally:
+        reader.close()  # the ALTER, then the run's waits, go on
+        run.join()
+        altering[0].join()
+    assert isinstance(run.error, ValueError), chain(run.error)
+    assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
