@@ -161,18 +161,25 @@ def test_the_read_back_of_a_lost_completion_is_bounded_behind_a_queued_alter(
     assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="fence_enter (migration 8) runs with lock_timeout = 0 but for its advisory wait: "
+    "its reads of run_leases (run_lock_held_by) and its insert into fence_arms wait without bound "
+    "for the tables' locks behind a queued ALTER TABLE. Every fenced transaction (the work's, the "
+    "completion, the failure's record) hangs as long. Not fixed here: it needs migration 0023 "
+    "redefining fence_enter (and fence_take_over, which waits likewise on run_leases in the "
+    "advisory mode) and the fence model's review",
+)
 @pytest.mark.parametrize("table", ["fence_arms", "run_leases"])
-def test_the_release_of_a_failed_runs_lease_is_bounded_behind_a_queued_alter(
+def test_a_failed_runs_failure_record_is_bounded_behind_a_queued_alter(
     adv_db: str, monkeypatch: pytest.MonkeyPatch, table: str
 ) -> None:
     """A lease-mode run's work fails; meanwhile an operator's ``ALTER TABLE`` of fence_arms or
-    run_leases waits behind a long reader (a pg_dump), and every new writer of the table
-    queues behind it. The run records its failure and releases its lease (sql: lease_release).
-    Expected: the release waits at most the bound of every lock wait (1 s here; the lease then
-    expires within its ttl), and the run ends within a few seconds. Found: the statement's own
-    set_config bounds its row locks only: both tables are locked (RowExclusiveLock) when the
-    statement is parsed, before set_config runs, so the release waited as long as the reader
-    lived."""
+    run_leases waits behind a long reader (a pg_dump), and every new reader or writer of the
+    table queues behind it. The run records its failure (a fenced transaction) and releases
+    its lease. Expected: each waits at most the bound of every lock wait (1 s here), and the
+    run ends within a few seconds. Found: the failure's fenced transaction waits in
+    fence_enter as long as the reader lives."""
     monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
     reader = psycopg.connect(adv_db)  # the long reader: a pg_dump's transaction
     altering: list[Background] = []
@@ -202,4 +209,43 @@ def test_the_release_of_a_failed_runs_lease_is_bounded_behind_a_queued_alter(
         run.join()
         altering[0].join()
     assert isinstance(run.error, ValueError), chain(run.error)
+    assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
+
+
+def test_the_release_of_a_refused_starts_lease_is_bounded_behind_a_queued_alter(
+    adv_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's ``ALTER TABLE`` of fence_arms waits behind a long reader (a pg_dump), and
+    every new writer of the table queues behind it. A lease-mode run takes its lease; its start
+    is refused after the lock wait (1 s here: LockWaitError), and the run releases its lease
+    (sql: lease_release). Expected: the release waits at most the lock wait too (the lease
+    then expires within its ttl), and the run ends within a few seconds. Found: the statement's
+    own set_config bounded its row locks only: its tables are locked when the statement is
+    parsed, before set_config runs, so the release waited as long as the reader lived."""
+    from airflow_idempotency.exceptions import LockWaitError
+
+    monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
+    reader = psycopg.connect(adv_db)  # the long reader: a pg_dump's transaction
+    reader.execute("SELECT count(*) FROM idempotency.fence_arms")
+    alter = "ALTER TABLE idempotency.fence_arms ADD COLUMN adv34 int"
+    altering = Background(lambda: rows(adv_db, alter))
+    wait_for("the ALTER to queue", lambda: bool(lock_waiters(adv_db)))
+    began = time.monotonic()
+    run = Background(
+        lambda: run_idempotently(
+            connect=lambda: psycopg.connect(adv_db),
+            job_name=JOB,
+            run_key=KEY,
+            work=work,
+            lock_mode=LONG,
+        )  # fmt: skip
+    )
+    try:
+        run.thread.join(10)
+        took = (run.finished_at or time.monotonic()) - began
+    finally:
+        reader.close()  # the ALTER, then the run's waits, go on
+        run.join()
+        altering.join()
+    assert isinstance(run.error, LockWaitError), chain(run.error)
     assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
