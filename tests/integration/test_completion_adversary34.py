@@ -10,8 +10,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_idempotency.leases import LockMode
+from airflow_idempotency.leases import LockMode, acquire_lease, release_lease
+from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, run_idempotently
+from devtools import pgbouncer
+from devtools.postgres import PostgresServer
 from support.db import rows
 from support.locks import Background, lock_waiters, wait_for
 
@@ -149,7 +152,7 @@ def test_the_read_back_of_a_lost_completion_is_bounded_behind_a_queued_alter(
             run_key=KEY,
             work=work,
             lock_mode=LONG,
-        )  # fmt: skip
+        )
     )
     try:
         run.thread.join(10)
@@ -199,7 +202,7 @@ def test_a_failed_runs_failure_record_is_bounded_behind_a_queued_alter(
             run_key=KEY,
             work=failing,
             lock_mode=LONG,
-        )  # fmt: skip
+        )
     )
     try:
         run.thread.join(10)
@@ -238,7 +241,7 @@ def test_the_release_of_a_refused_starts_lease_is_bounded_behind_a_queued_alter(
             run_key=KEY,
             work=work,
             lock_mode=LONG,
-        )  # fmt: skip
+        )
     )
     try:
         run.thread.join(10)
@@ -249,3 +252,24 @@ def test_the_release_of_a_refused_starts_lease_is_bounded_behind_a_queued_alter(
         altering.join()
     assert isinstance(run.error, LockWaitError), chain(run.error)
     assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
+
+
+def test_a_release_goes_through_a_pooler_in_statement_mode(
+    pg_server: PostgresServer, adv_db: str
+) -> None:
+    """The release (sql: lease_release), two statements in one message since adv34, still
+    goes through PgBouncer in statement mode (no transaction block): the lease is gone."""
+    if not pgbouncer.installed():
+        pytest.skip("pgbouncer is not installed: apt-get install pgbouncer")
+    lock_key = run_lock_key(JOB, KEY)
+    with psycopg.connect(adv_db, autocommit=True) as conn:
+        lease = acquire_lease(conn, lock_key, schema="idempotency", ttl=300)
+    assert lease is not None
+    dbname = str(psycopg.conninfo.conninfo_to_dict(adv_db)["dbname"])
+    with (
+        pgbouncer.run_pgbouncer(pg_server, "statement", 2) as bouncer,
+        psycopg.connect(bouncer.dsn(dbname), autocommit=True) as conn,
+    ):
+        assert release_lease(conn, lease, schema="idempotency")
+        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
+    assert rows(adv_db, "SELECT count(*) FROM idempotency.run_leases") == [(0,)]
