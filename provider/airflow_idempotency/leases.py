@@ -228,10 +228,10 @@ def release_lease(conn: psycopg.Connection, lock: RunLock, *, schema: str) -> bo
     }
     # one message, its lock waits bounded by its first statement (sql: lease_release): no
     # transaction block, so that a pooler in statement mode lets it through
-    cursor = psycopg.ClientCursor(conn)
-    cursor.execute(query("lease_release", schema), params)
-    cursor.nextset()
-    return cursor.fetchone() is not None
+    with psycopg.ClientCursor(conn) as cursor:
+        cursor.execute(query("lease_release", schema), params)
+        cursor.nextset()
+        return cursor.fetchone() is not None
 
 
 def lease_is_live(conn: psycopg.Connection, job_name: str, run_key: str, *, schema: str) -> bool:
