@@ -308,3 +308,51 @@ def test_an_advisory_start_is_bounded_behind_a_queued_alter_of_run_leases(
         run.join()
         altering.join()
     assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
+
+
+def test_a_completion_whose_reply_came_is_completed_though_giving_its_connection_back_fails(
+    adv_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's COMMIT lands and its reply is read (the run is completed, the lease
+    released); then giving its connection back fails: the database's DateStyle is not ISO, so
+    the provider puts it back with a statement, and the server is gone by then (a failover,
+    connections refused for longer than the lock wait, 1 s here). Expected: the run reports
+    completed (its COMMIT's reply said so). Found: the give-back's error was taken for a lost
+    completion, whose outcome could not be read: the run reported LockLostError."""
+    from airflow_idempotency import lease_run
+
+    monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
+    dbname = psycopg.conninfo.conninfo_to_dict(adv_db)["dbname"]
+    rows(adv_db, f"ALTER DATABASE \"{dbname}\" SET DateStyle = 'SQL, DMY'")
+    original = lease_run.LeaseRun._complete_and_release
+    down_until = [0.0]
+
+    def connect() -> psycopg.Connection[Any]:
+        if time.monotonic() < down_until[0]:
+            raise psycopg.OperationalError(
+                'connection failed: connection to server at "127.0.0.1", port 5432 failed: '
+                "Connection refused"
+            )
+        return psycopg.connect(adv_db)
+
+    def committed_then_server_gone(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
+        done = original(self, conn, *args)
+        pid = conn.info.backend_pid
+        rows(adv_db, "SELECT pg_terminate_backend(%s)", (pid,))
+        wait_for(
+            "the backend to end",
+            lambda: not rows(adv_db, "SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)),
+        )
+        down_until[0] = time.monotonic() + 3.0  # a failover: longer than the lock wait
+        return done
+
+    monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", committed_then_server_gone)
+    try:
+        result = run_idempotently(
+            connect=connect, job_name=JOB, run_key=KEY, work=work, lock_mode=LONG
+        )
+    except Exception as exc:
+        pytest.fail(f"a completed run reported {chain(exc)}")
+    assert result.outcome.value == "completed"
+    attempts = rows(adv_db, "SELECT outcome FROM idempotency.job_run_attempts")
+    assert attempts == [("completed",)], attempts
