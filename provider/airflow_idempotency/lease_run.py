@@ -280,6 +280,9 @@ class LeaseRun(Run):
                 self._complete_once(fence, counts, deadline)
                 return self._result(RunOutcome.COMPLETED, counts)
             except (psycopg.Error, IdempotencyError) as exc:
+                if self._released:  # its COMMIT's reply was read: only the give-back failed
+                    self.log.warning("giving the completion's connection back failed: %s", exc)
+                    return self._result(RunOutcome.COMPLETED, counts)
                 first_lost = lost is None and self._completion_sent and _connection_lost(exc)
                 lost = exc if first_lost else lost  # not a connection refused: it sent nothing
                 if lost is not None:

@@ -49,6 +49,7 @@ def test_a_completion_committed_then_lost_past_the_lock_wait_is_completed(
         tries.append(done)
         time.sleep(1.2)  # the reply late: past the lock wait
         conn.close()
+        self._released = False  # the reply never came: the run did not read it
         raise psycopg.OperationalError("server closed the connection unexpectedly")
 
     monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose_late)
@@ -97,6 +98,7 @@ def test_a_completion_lost_whose_outcome_cannot_be_read_does_not_say_it_did_not_
     def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
         original(self, conn, *args)
         conn.close()
+        self._released = False  # the reply never came: the run did not read it
         down_until[0] = time.monotonic() + 3.0  # a failover: longer than the lock wait
         raise psycopg.OperationalError("server closed the connection unexpectedly")
 
@@ -131,6 +133,7 @@ def test_the_read_back_of_a_lost_completion_is_bounded_behind_a_queued_alter(
     def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
         original(self, conn, *args)
         conn.close()
+        self._released = False  # the reply never came: the run did not read it
         if not altering:
             reader.execute("SELECT count(*) FROM idempotency.job_run_attempts")
             altering.append(
