@@ -359,3 +359,30 @@ def test_a_completion_whose_reply_came_is_completed_though_giving_its_connection
     assert result.outcome.value == "completed"
     attempts = rows(adv_db, "SELECT outcome FROM idempotency.job_run_attempts")
     assert attempts == [("completed",)], attempts
+
+
+def test_an_advisory_completion_committed_then_lost_does_not_say_it_is_not_completed(
+    adv_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The advisory mode's completion (on the lock connection, its COMMIT in the same round
+    trip) lands, then the connection is lost before the reply. Expected: the error says the
+    completion may have been recorded (a rerun converges: a no-op if it was), never that it
+    was not. Found: LockLostError "it is not marked completed" for a run recorded completed."""
+    from airflow_idempotency import records as records_module
+    from airflow_idempotency.exceptions import LockLostError
+
+    original = records_module.RunRecords.complete_attempt
+
+    def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any, **kw: Any) -> bool:
+        original(self, conn, *args, **kw)
+        conn.close()
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(records_module.RunRecords, "complete_attempt", commit_then_lose)
+    with pytest.raises(LockLostError) as raised:
+        run_idempotently(
+            connect=lambda: psycopg.connect(adv_db), job_name=JOB, run_key=KEY, work=work
+        )
+    attempts = rows(adv_db, "SELECT outcome FROM idempotency.job_run_attempts")
+    assert attempts == [("completed",)], attempts
+    assert "not marked completed" not in str(raised.value), chain(raised.value)
