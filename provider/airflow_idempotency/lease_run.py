@@ -20,7 +20,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from airflow_idempotency import metrics
-from airflow_idempotency._sql import query, query_row
+from airflow_idempotency._sql import query
 from airflow_idempotency._transactions import (
     bounded_transaction,
     in_one_transaction,
