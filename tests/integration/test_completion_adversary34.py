@@ -4,7 +4,9 @@ on a database of its own. A failing test is a defect found (its docstring says w
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -386,3 +388,33 @@ def test_an_advisory_completion_committed_then_lost_does_not_say_it_is_not_compl
     attempts = rows(adv_db, "SELECT outcome FROM idempotency.job_run_attempts")
     assert attempts == [("completed",)], attempts
     assert "not marked completed" not in str(raised.value), chain(raised.value)
+
+
+def test_a_work_transaction_committed_then_lost_does_not_say_it_did_not_commit(
+    adv_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fenced transaction of the work (run.transaction()) commits, then its connection is
+    lost before the reply. Expected: the error says the transaction may have committed (its
+    row is there), never that it did not. Found: LockLostError "this transaction did not
+    commit" while its row was written."""
+    from airflow_idempotency._transactions import explicit_transaction as real
+
+    lost: list[int] = []
+
+    @contextlib.contextmanager
+    def commit_then_lose(conn: Any, begin: Any, first: Any, last: Any) -> Iterator[None]:
+        with real(conn, begin, first, last):
+            yield
+        if len(first) == 1 and not lost:  # the work's own (its lock waits not bounded)
+            lost.append(1)
+            conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr("airflow_idempotency.fence.explicit_transaction", commit_then_lose)
+    with pytest.raises(Exception) as raised:
+        run_idempotently(
+            connect=lambda: psycopg.connect(adv_db), job_name=JOB, run_key=KEY, work=work
+        )
+    assert lost == [1]
+    assert rows(adv_db, "SELECT writer FROM public.facts") == [("once",)]
+    assert "did not commit" not in str(raised.value), chain(raised.value)
