@@ -245,7 +245,8 @@ class Fence:
         if isinstance(exc, psycopg.OperationalError) and (conn.closed or conn.broken):
             return LockLostError(
                 f"job {self.job_name!r} run_key {self.run_key!r} lost its connection to the job "
-                f"database ({_first_line(exc)}): this transaction did not commit, and this "
+                f"database ({_first_line(exc)}): this transaction is rolled back, unless the "
+                "connection was lost at its COMMIT (it may then have committed), and this "
                 "attempt cannot know whether it still holds its lock. A rerun converges. (A "
                 "connection pooler whose pool is exhausted also closes connections, after its "
                 "query_wait_timeout: see docs/deploying.md, pool sizing.)"

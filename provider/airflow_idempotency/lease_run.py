@@ -20,9 +20,10 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from airflow_idempotency import metrics
-from airflow_idempotency._sql import query, query_row
+from airflow_idempotency._sql import query
 from airflow_idempotency._transactions import (
     bounded_transaction,
+    in_one_transaction,
     pipelined,
     rollback_quietly,
 )
@@ -266,32 +267,41 @@ class LeaseRun(Run):
         while the server is down: query_wait_timeout, server login failing) is tried again on a
         new connection, within the lock wait: the lease fences it, so a second try cannot
         complete the run twice; when the lost one's COMMIT landed after all (the lease is then
-        gone and the second try refused), the attempt's recorded outcome says so. A try whose
-        connection was refused sent nothing: no outcome is read back for it (adv34)."""
+        gone and the second try refused), the attempt's recorded outcome says so: it is read
+        as soon as a try that sent its statements is lost, past the lock wait too (adv34). A
+        try whose connection was refused sent nothing: no outcome is read back for it."""
         assert self.attempt_id is not None
         fence = self._fence(lease)
         deadline = time.monotonic() + int(lock_wait_ms()) / 1000
         lost: BaseException | None = None
+        unread: Exception | None = None  # why a lost try's outcome could not be read
         while True:
             try:
                 self._complete_once(fence, counts, deadline)
                 return self._result(RunOutcome.COMPLETED, counts)
             except (psycopg.Error, IdempotencyError) as exc:
-                if lost is not None and self._completed_after_all(deadline):
-                    self._released = True  # the lost COMMIT released the lease
+                if self._released:  # its COMMIT's reply was read: only the give-back failed
+                    self.log.warning("giving the completion's connection back failed: %s", exc)
                     return self._result(RunOutcome.COMPLETED, counts)
+                first_lost = lost is None and self._completion_sent and _connection_lost(exc)
+                lost = exc if first_lost else lost  # not a connection refused: it sent nothing
+                if lost is not None:
+                    completed = self._completed_after_all(deadline)
+                    if completed is True:
+                        self._released = True  # the lost COMMIT released the lease
+                        return self._result(RunOutcome.COMPLETED, counts)
+                    unread = completed if isinstance(completed, Exception) else None
                 if _connection_lost(exc) and time.monotonic() < deadline:
-                    if lost is None and self._completion_sent:  # not a connection refused
+                    if first_lost:
                         self.log.warning(
                             "the connection of the completion was lost (%s): trying it again "
                             "on a new connection, within %s (the lease fences it)",
                             _cause(exc),
                             LOCK_WAIT_ENV,
                         )
-                    lost = exc if self._completion_sent else lost
                     time.sleep(min(RETRY_PAUSE_SECONDS, max(0.0, deadline - time.monotonic())))
                     continue
-                self._fail_completion(exc, fence)
+                self._fail_completion(exc, fence, None if lost is None else (lost, unread))
 
     def _complete_once(self, fence: Fence, counts: dict[str, Any], deadline: float) -> None:
         fence.refuse_if_known_lost()  # before waiting for a connection the fence would refuse
@@ -310,26 +320,50 @@ class LeaseRun(Run):
                     translated = self._lock_wait(exc, "the completion of") or translated
                 raise translated from exc
 
-    def _completed_after_all(self, deadline: float) -> bool:
+    def _completed_after_all(self, deadline: float) -> bool | Exception:
         """Whether this attempt is recorded completed (a completion whose connection was lost
-        after its COMMIT was sent may have committed); ``False`` when that cannot be read.
+        after its COMMIT was sent may have committed); the error when that cannot be read.
 
         Its connection is waited for within the lock wait even when the lease is known lost:
         a COMMIT that landed released the lease, so the heartbeat then finds it gone, and the
-        answer is what the run reports (adv34)."""
+        answer is what the run reports (adv34). Its lock wait is bounded as every other's: a
+        reader of the table queues behind an ALTER TABLE that waits for a long reader."""
+        params = {"attempt_id": self.attempt_id, "lock_wait_ms": lock_wait_ms()}
         try:
             with autocommit_connection(self._completion_connect(deadline, readback=True)) as conn:
-                row = query_row(
-                    conn, "attempt_outcome", self.schema, {"attempt_id": self.attempt_id}
+                _, read = in_one_transaction(
+                    conn,
+                    [
+                        (query("bound_lock_waits", self.schema), params),
+                        (query("attempt_outcome", self.schema), params),
+                    ],
                 )
-        except (psycopg.Error, IdempotencyError):
-            return False
-        return row is not None and row["outcome"] == "completed"
+                row = read.fetchone()
+        except (psycopg.Error, IdempotencyError) as exc:
+            return exc
+        return row is not None and row[0] == "completed"
 
-    def _fail_completion(self, exc: BaseException, fence: Fence) -> NoReturn:
+    def _fail_completion(
+        self,
+        exc: BaseException,
+        fence: Fence,
+        unread: tuple[BaseException, Exception | None] | None = None,
+    ) -> NoReturn:
+        """Record the completion's failure and raise it; ``unread``: a try lost after it sent
+        its COMMIT and why its outcome could not be read (it may have committed: the error
+        says so, never that it did not)."""
         failure: BaseException = exc
         refusal = pooler_refusal(exc) if isinstance(exc, psycopg.Error) else None
-        if refusal is not None:  # no connection for it: the sizing rule, not a lost lock
+        if unread is not None and unread[1] is not None:
+            failure = LockLostError(
+                f"job {self.job_name!r} run_key {self.run_key!r}: the connection of the "
+                f"completion was lost after its COMMIT was sent ({_cause(unread[0])}), and "
+                f"whether it committed could not be read within {LOCK_WAIT_ENV} "
+                f"({_cause(unread[1])}): it may have committed. A rerun converges (a no-op if "
+                "it did)."
+            )
+            exc = _cause(exc)  # not a translation that says the transaction did not commit
+        elif refusal is not None:  # no connection for it: the sizing rule, not a lost lock
             failure = refusal
         elif isinstance(exc, psycopg.OperationalError):
             failure = LockLostError(

@@ -226,9 +226,12 @@ def release_lease(conn: psycopg.Connection, lock: RunLock, *, schema: str) -> bo
         "lock_holder": lock.holder,
         "lock_wait_ms": lock_wait_ms(),
     }
-    # one statement, its lock waits bounded by itself (sql: lease_release): no transaction
-    # block, so that a pooler in statement mode lets it through
-    return conn.execute(query("lease_release", schema), params).fetchone() is not None
+    # one message, its lock waits bounded by its first statement (sql: lease_release): no
+    # transaction block, so that a pooler in statement mode lets it through
+    with psycopg.ClientCursor(conn) as cursor:
+        cursor.execute(query("lease_release", schema), params)
+        cursor.nextset()
+        return cursor.fetchone() is not None
 
 
 def lease_is_live(conn: psycopg.Connection, job_name: str, run_key: str, *, schema: str) -> bool:

@@ -577,8 +577,8 @@ class Run:
                 if isinstance(exc, LockLostError)
                 else LockLostError(
                     f"job {self.job_name!r} run_key {self.run_key!r}: the lock connection was "
-                    f"lost before the completion could be recorded ({exc}); it is not marked "
-                    "completed and a rerun converges."
+                    f"lost as the completion was sent ({exc}): its COMMIT may have landed or "
+                    "not. A rerun converges (a no-op if it landed)."
                 )
             )
             record_failure(lock_conn, lost, self.spec, self.records, self.log, self.attempt_id)

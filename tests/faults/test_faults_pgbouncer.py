@@ -262,7 +262,7 @@ def test_statement_pooling_is_refused_before_anything(
     the fix, runs no work and records nothing on a fresh database. On a migrated one the
     lease mode's decision (one message: BEGIN, run_decide_lease, COMMIT) gets through and
     takes the lease; the start's transaction is then refused, the refusal is recorded as a
-    failed attempt, and the lease released at once (one statement, no transaction block), so
+    failed attempt, and the lease released at once (one message, no transaction block), so
     that a retry is refused for the same reason, not as locked."""
     called: list[int] = []
     with pgbouncer.run_pgbouncer(pg_server, "statement", pool_size=2) as bouncer:

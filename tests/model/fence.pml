@@ -85,8 +85,16 @@
  * run_decide_lease, between the same BEGIN and COMMIT in the same message, returns its row as
  * one JSON text (row_to_json), as decide does; the client reads the same fields. No statement
  * or order changed: the model is unchanged.
+ * Reviewed for sql: lease_release as two statements in one simple-protocol message (adv34):
+ * its set_config now runs as a statement of its own before the DELETE is parsed, so that the
+ * tables' locks the DELETE takes at parse are bounded too (behind an ALTER TABLE queued behind
+ * a long reader it waited without bound). The message's one implicit transaction deletes the
+ * same rows under the same conditions (the lease only while its token stands, the spent arms
+ * of its holder) at one commit, as the model's release step does; a release refused by its
+ * lock wait deletes nothing, as a release that never came (the lease expires). Nothing else
+ * changed: the model is unchanged.
  *
- * fence-sql-sha256: 75656ebfe2822037d828232b5b057c7bb5874797e091549bc18eb45908ae9550
+ * fence-sql-sha256: 7bebab557dfff161db9e6cf7cc3a187c4dad388fb80b6abb9aab9d3c740d4e44
  *
  * Properties (each a spin assertion, or spin's own check of end states):
  *  - no commit of an attempt's fenced transaction whose COMMIT was sent after its lock was lost;

@@ -239,6 +239,7 @@ def lose_first_completion(
         tries.append(done)
         if len(tries) == 1:
             conn.close()
+            self._released = False  # the reply never came: the run did not read it
             if then is not None:
                 then(self)
             raise psycopg.OperationalError("server closed the connection unexpectedly")

@@ -199,20 +199,21 @@ RETURNING expires_at;
 -- name: lease_release
 -- The end of a run of the lease mode, after its outcome committed: the lease goes (if it is
 -- still this acquisition's) with the commit-time checks of its fenced transactions (spent).
--- One statement in autocommit, no transaction block: it works through a pooler in statement
--- mode too (whose refusal of the run's start must not leave the key leased until the lease
--- expires). Its lock waits are bounded by the statement itself: bound, a set_config local to
--- the statement's implicit transaction, is evaluated before either DELETE locks a row.
-WITH bound AS MATERIALIZED (
-    SELECT set_config('lock_timeout', %(lock_wait_ms)s, true) AS lock_timeout
-),
-disarmed AS (
+-- One simple-protocol message in autocommit, no transaction block: it works through a pooler
+-- in statement mode too (whose refusal of the run's start must not leave the key leased until
+-- the lease expires). Its two statements run in the message's one implicit transaction, each
+-- parsed just before it runs: the set_config (local to that transaction) bounds every lock
+-- wait of the DELETE, its tables' locks too, which are taken when it is parsed (a set_config
+-- inside the DELETE ran after them: an ALTER TABLE queued behind a long reader held it up for
+-- as long; adv34). Sent by a client-side cursor (leases.release_lease): the DELETE's row is
+-- its second result.
+SELECT set_config('lock_timeout', %(lock_wait_ms)s, true);
+WITH disarmed AS (
     DELETE FROM {schema}.fence_arms
     WHERE lock_key = %(lock_key)s AND lock_holder = %(lock_holder)s
-      AND EXISTS (SELECT 1 FROM bound)
 )
 DELETE FROM {schema}.run_leases
-WHERE lock_key = %(lock_key)s AND token = %(token)s AND EXISTS (SELECT 1 FROM bound)
+WHERE lock_key = %(lock_key)s AND token = %(token)s
 RETURNING token;
 
 -- name: lease_live
