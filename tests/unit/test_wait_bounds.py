@@ -48,6 +48,8 @@ SITES: dict[tuple[str, str, str], str] = {
     "record)",
     ("lease_run.py", "_complete_and_release", "BEGIN"): _FENCED + ", and bound_lock_waits "
     "(the lease mode's completion, and its release at COMMIT by a trigger, migration 19)",
+    ("lease_run.py", "_completed_after_all", "in_one_transaction"): "bound_lock_waits first "
+    "(the read-back of a lost completion's outcome, adv34)",
     ("ledger/pipeline.py", "_write_intents", "bounded_transaction"): _BOUNDED,
     ("effects/notifications.py", "fenced_transaction", "bounded_transaction"): _BOUNDED,
     ("retention.py", "prune_attempts", "bounded_transaction"): _BOUNDED,
