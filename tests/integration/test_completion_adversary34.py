@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -18,10 +18,31 @@ from airflow_idempotency.runner import RunContext, run_idempotently
 from devtools import pgbouncer
 from devtools.postgres import PostgresServer
 from support.db import rows
-from support.locks import Background, lock_waiters, wait_for
+from support.locks import Background, chain, queue_an_alter, timed_behind, wait_for
 
 JOB, KEY = "adv34_job", "2026-12-07"
 LONG = LockMode("lease", lease_ttl=300)  # no renewal during a test
+
+
+def leased_run(dsn: str, work: Any) -> Any:
+    return run_idempotently(
+        connect=lambda: psycopg.connect(dsn), job_name=JOB, run_key=KEY, work=work,
+        lock_mode=LONG,
+    )  # fmt: skip
+
+
+def refused_while_down(dsn: str, down_until: list[float]) -> Callable[[], Any]:
+    """A ``connect`` refused as by a server down (a failover) until ``down_until[0]``."""
+
+    def connect() -> psycopg.Connection[Any]:
+        if time.monotonic() < down_until[0]:
+            raise psycopg.OperationalError(
+                'connection failed: connection to server at "127.0.0.1", port 5432 failed: '
+                "Connection refused"
+            )
+        return psycopg.connect(dsn)
+
+    return connect
 
 
 def work(ctx: RunContext) -> dict[str, int]:
@@ -65,15 +86,6 @@ def test_a_completion_committed_then_lost_past_the_lock_wait_is_completed(
     assert attempts == [("completed", None)], attempts
 
 
-def chain(exc: BaseException | None) -> str:
-    """Every message of ``exc`` and its causes."""
-    said = []
-    while exc is not None:
-        said.append(f"{type(exc).__name__}: {exc}")
-        exc = exc.__cause__ or exc.__context__
-    return " <- ".join(said)
-
-
 def test_a_completion_lost_whose_outcome_cannot_be_read_does_not_say_it_did_not_commit(
     adv_db: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -88,14 +100,7 @@ def test_a_completion_lost_whose_outcome_cannot_be_read_does_not_say_it_did_not_
     monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
     original = lease_run.LeaseRun._complete_and_release
     down_until = [0.0]
-
-    def connect() -> psycopg.Connection[Any]:
-        if time.monotonic() < down_until[0]:
-            raise psycopg.OperationalError(
-                'connection failed: connection to server at "127.0.0.1", port 5432 failed: '
-                "Connection refused"
-            )
-        return psycopg.connect(adv_db)
+    connect = refused_while_down(adv_db, down_until)
 
     def commit_then_lose(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
         original(self, conn, *args)
@@ -137,35 +142,11 @@ def test_the_read_back_of_a_lost_completion_is_bounded_behind_a_queued_alter(
         conn.close()
         self._released = False  # the reply never came: the run did not read it
         if not altering:
-            reader.execute("SELECT count(*) FROM idempotency.job_run_attempts")
-            altering.append(
-                Background(
-                    lambda: rows(
-                        adv_db, "ALTER TABLE idempotency.job_run_attempts ADD COLUMN adv34 int"
-                    )
-                )
-            )
-            wait_for("the ALTER to queue", lambda: bool(lock_waiters(adv_db)))
+            altering.append(queue_an_alter(adv_db, reader, "job_run_attempts"))
         raise psycopg.OperationalError("server closed the connection unexpectedly")
 
     monkeypatch.setattr(lease_run.LeaseRun, "_complete_and_release", commit_then_lose)
-    began = time.monotonic()
-    run = Background(
-        lambda: run_idempotently(
-            connect=lambda: psycopg.connect(adv_db),
-            job_name=JOB,
-            run_key=KEY,
-            work=work,
-            lock_mode=LONG,
-        )
-    )
-    try:
-        run.thread.join(10)
-        took = (run.finished_at or time.monotonic()) - began
-    finally:
-        reader.close()  # the ALTER, then the run's waits, go on
-        run.join()
-        altering[0].join()
+    _, took = timed_behind(lambda: leased_run(adv_db, work), reader, altering)
     assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
 
 
@@ -193,29 +174,10 @@ def test_a_failed_runs_failure_record_is_bounded_behind_a_queued_alter(
     altering: list[Background] = []
 
     def failing(ctx: RunContext) -> dict[str, int]:
-        reader.execute(f"SELECT count(*) FROM idempotency.{table}")
-        alter = f"ALTER TABLE idempotency.{table} ADD COLUMN adv34 int"
-        altering.append(Background(lambda: rows(adv_db, alter)))
-        wait_for("the ALTER to queue", lambda: bool(lock_waiters(adv_db)))
+        altering.append(queue_an_alter(adv_db, reader, table))
         raise ValueError("the work failed")
 
-    began = time.monotonic()
-    run = Background(
-        lambda: run_idempotently(
-            connect=lambda: psycopg.connect(adv_db),
-            job_name=JOB,
-            run_key=KEY,
-            work=failing,
-            lock_mode=LONG,
-        )
-    )
-    try:
-        run.thread.join(10)
-        took = (run.finished_at or time.monotonic()) - began
-    finally:
-        reader.close()  # the ALTER, then the run's waits, go on
-        run.join()
-        altering[0].join()
+    run, took = timed_behind(lambda: leased_run(adv_db, failing), reader, altering)
     assert isinstance(run.error, ValueError), chain(run.error)
     assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
 
@@ -234,27 +196,8 @@ def test_the_release_of_a_refused_starts_lease_is_bounded_behind_a_queued_alter(
 
     monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
     reader = psycopg.connect(adv_db)  # the long reader: a pg_dump's transaction
-    reader.execute("SELECT count(*) FROM idempotency.fence_arms")
-    alter = "ALTER TABLE idempotency.fence_arms ADD COLUMN adv34 int"
-    altering = Background(lambda: rows(adv_db, alter))
-    wait_for("the ALTER to queue", lambda: bool(lock_waiters(adv_db)))
-    began = time.monotonic()
-    run = Background(
-        lambda: run_idempotently(
-            connect=lambda: psycopg.connect(adv_db),
-            job_name=JOB,
-            run_key=KEY,
-            work=work,
-            lock_mode=LONG,
-        )
-    )
-    try:
-        run.thread.join(10)
-        took = (run.finished_at or time.monotonic()) - began
-    finally:
-        reader.close()  # the ALTER, then the run's waits, go on
-        run.join()
-        altering.join()
+    altering = queue_an_alter(adv_db, reader, "fence_arms")
+    run, took = timed_behind(lambda: leased_run(adv_db, work), reader, [altering])
     assert isinstance(run.error, LockWaitError), chain(run.error)
     assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
 
@@ -295,23 +238,14 @@ def test_an_advisory_start_is_bounded_behind_a_queued_alter_of_run_leases(
     fence_take_over as long as the reader lives."""
     monkeypatch.setenv("AIRFLOW_IDEMPOTENCY_LOCK_WAIT", "1")
     reader = psycopg.connect(adv_db)  # the long reader: a pg_dump's transaction
-    reader.execute("SELECT count(*) FROM idempotency.run_leases")
-    alter = "ALTER TABLE idempotency.run_leases ADD COLUMN adv34 int"
-    altering = Background(lambda: rows(adv_db, alter))
-    wait_for("the ALTER to queue", lambda: bool(lock_waiters(adv_db)))
-    began = time.monotonic()
-    run = Background(
-        lambda: run_idempotently(
+    altering = queue_an_alter(adv_db, reader, "run_leases")
+
+    def advisory() -> Any:
+        return run_idempotently(
             connect=lambda: psycopg.connect(adv_db), job_name=JOB, run_key=KEY, work=work
         )
-    )
-    try:
-        run.thread.join(10)
-        took = (run.finished_at or time.monotonic()) - began
-    finally:
-        reader.close()  # the ALTER, then the run's waits, go on
-        run.join()
-        altering.join()
+
+    _, took = timed_behind(advisory, reader, [altering])
     assert took < 6, f"the run waited {took:.1f} s behind a queued ALTER (lock wait: 1 s)"
 
 
@@ -331,14 +265,7 @@ def test_a_completion_whose_reply_came_is_completed_though_giving_its_connection
     rows(adv_db, f"ALTER DATABASE \"{dbname}\" SET DateStyle = 'SQL, DMY'")
     original = lease_run.LeaseRun._complete_and_release
     down_until = [0.0]
-
-    def connect() -> psycopg.Connection[Any]:
-        if time.monotonic() < down_until[0]:
-            raise psycopg.OperationalError(
-                'connection failed: connection to server at "127.0.0.1", port 5432 failed: '
-                "Connection refused"
-            )
-        return psycopg.connect(adv_db)
+    connect = refused_while_down(adv_db, down_until)
 
     def committed_then_server_gone(self: Any, conn: psycopg.Connection, *args: Any) -> bool:
         done = original(self, conn, *args)

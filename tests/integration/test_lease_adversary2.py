@@ -21,7 +21,14 @@ from airflow_idempotency.leases import LockMode
 from airflow_idempotency.locks import run_lock_key
 from airflow_idempotency.runner import RunContext, RunResult, run_idempotently
 from support.db import rows
-from support.locks import Background, expire_lease, lock_waiters, lose_first_completion, wait_for
+from support.locks import (
+    Background,
+    chain,
+    expire_lease,
+    lock_waiters,
+    lose_first_completion,
+    wait_for,
+)
 
 JOB, KEY = "adv2_job", "2026-11-03"
 LOCK_KEY = run_lock_key(JOB, KEY)
@@ -42,15 +49,6 @@ def run_in(dsn: str, work: Any, lock_mode: str | LockMode = LONG, **more: Any) -
 
 def written(dsn: str) -> list[str]:
     return [w for (w,) in rows(dsn, "SELECT writer FROM public.facts ORDER BY writer")]
-
-
-def chain(exc: BaseException | None) -> str:
-    """Every message of ``exc`` and its causes."""
-    said = []
-    while exc is not None:
-        said.append(f"{type(exc).__name__}: {exc}")
-        exc = exc.__cause__ or exc.__context__
-    return " <- ".join(said)
 
 
 def test_a_reset_racing_the_completion_of_an_expired_lease_never_deadlocks(

@@ -193,6 +193,44 @@ class Background:
         return self
 
 
+def chain(exc: BaseException | None) -> str:
+    """Every message of ``exc`` and its causes (an assertion's message)."""
+    said = []
+    while exc is not None:
+        said.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(said)
+
+
+def queue_an_alter(dsn: str, reader: psycopg.Connection[Any], table: str) -> Background:
+    """An operator's ``ALTER TABLE idempotency.<table>`` queued behind a long reader (a
+    pg_dump's transaction, ``reader``, which reads the table first): every new reader or writer
+    of the table queues behind the ALTER until ``reader`` ends. Returns the ALTER's thread."""
+    reader.execute(f"SELECT count(*) FROM idempotency.{table}")
+    alter = f"ALTER TABLE idempotency.{table} ADD COLUMN adv34 int"
+    altering = Background(lambda: rows(dsn, alter))
+    wait_for("the ALTER to queue", lambda: bool(lock_waiters(dsn)))
+    return altering
+
+
+def timed_behind(
+    call: Callable[[], Any], reader: psycopg.Connection[Any], altering: list[Background]
+) -> tuple[Background, float]:
+    """``call`` in a thread, given 10 s; then ``reader`` ends (the queued ALTERs, then the
+    call's waits, go on) and all finish. The call's outcome, and how long it took."""
+    began = time.monotonic()
+    run = Background(call)
+    try:
+        run.thread.join(10)
+        took = (run.finished_at or time.monotonic()) - began
+    finally:
+        reader.close()
+        run.join()
+        for alter in altering:
+            alter.join()
+    return run, took
+
+
 def waiting_backends(dsn: str, objsubid: int) -> list[int]:
     """Backends of this database waiting for an advisory lock in the given key space."""
     found = rows(
