@@ -65,10 +65,11 @@ def crash_point(name: str) -> None:
     if fault_dir is not None:
         _armed_stall(fault_dir, name)
         _armed_crash(fault_dir, name)
-    if get(CRASH_ENV) is None and get(SLEEP_ENV) is None and get(WAIT_ENV) is None:
+    crashes, sleeps, waits = get(CRASH_ENV), get(SLEEP_ENV), get(WAIT_ENV)
+    if crashes is None and sleeps is None and waits is None:
         return
-    pause = _parse(os.environ.get(SLEEP_ENV, ""), "=").get(name)
-    gate = _parse(os.environ.get(WAIT_ENV, ""), "=").get(name)
+    pause = _parse(sleeps or "", "=").get(name)
+    gate = _parse(waits or "", "=").get(name)
     if (pause or gate) and not _slept.get(name):
         _slept[name] = True
         print(f"fault point {name}: pausing ({pause or gate})", file=sys.stderr, flush=True)
@@ -77,7 +78,7 @@ def crash_point(name: str) -> None:
         deadline = time.monotonic() + 600
         while gate and not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.1)
-    nth = _parse(os.environ.get(CRASH_ENV, ""), "@").get(name)
+    nth = _parse(crashes or "", "@").get(name)
     if nth is None:
         return
     # The kill happens while the lock is held: the print releases the GIL, and another thread
